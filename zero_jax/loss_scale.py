@@ -1,0 +1,113 @@
+"""Loss scaling for fp16 as small pure functions over a pytree state.
+
+The state holds only arrays; the hyperparameters (``dynamic``, ``period``,
+``factor``, ``min_scale``) are static pytree metadata, so they survive
+``jax.jit``, ``jax.tree.map`` and flatten/unflatten round trips unchanged.
+
+Example:
+  >>> import jax.numpy as jnp, zero_jax as zj
+  >>> ls = zj.dynamic_loss_scale()
+  >>> scaled = zj.scale_loss(ls, jnp.float32(0.5))      # 0.5 * 2**15
+  >>> grads = zj.unscale_grads(ls, {"w": jnp.ones(3, jnp.float16) * scaled})
+  >>> ls = zj.adjust_loss_scale(ls, zj.all_finite(grads))
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class LossScaleState:
+  """Loss-scale state. Array fields are scalars; the rest is static.
+
+  Attributes:
+    scale: f32[] the factor the loss is multiplied by.
+    good_steps: i32[] finite steps since the scale last changed.
+    skipped_steps: i32[] total steps skipped for non-finite gradients.
+    dynamic: whether the scale adapts (static).
+    period: finite steps before the scale grows (static).
+    factor: growth factor; the backoff divides by it (static).
+    min_scale: the scale never falls below this (static).
+  """
+  scale: jax.Array
+  good_steps: jax.Array
+  skipped_steps: jax.Array
+  dynamic: bool = struct.field(pytree_node=False, default=False)
+  period: int = struct.field(pytree_node=False, default=2000)
+  factor: float = struct.field(pytree_node=False, default=2.0)
+  min_scale: float = struct.field(pytree_node=False, default=1.0)
+
+
+def _state(scale, **static) -> LossScaleState:
+  return LossScaleState(scale=jnp.asarray(scale, jnp.float32),
+                        good_steps=jnp.zeros((), jnp.int32),
+                        skipped_steps=jnp.zeros((), jnp.int32), **static)
+
+
+def dynamic_loss_scale(init: float = 2.0**15, *, period: int = 2000,
+                       factor: float = 2.0, min_scale: float = 1.0) -> LossScaleState:
+  """A scale that halves on overflow and doubles after ``period`` finite steps."""
+  if not (init >= min_scale > 0 and period >= 1 and factor > 1):
+    raise ValueError(f"dynamic_loss_scale needs init >= min_scale > 0, period >= 1 and "
+                     f"factor > 1; got init={init}, min_scale={min_scale}, period={period}, "
+                     f"factor={factor}.")
+  return _state(init, dynamic=True, period=int(period), factor=float(factor),
+                min_scale=float(min_scale))
+
+
+def static_loss_scale(scale: float) -> LossScaleState:
+  """A fixed scale (steps with non-finite gradients are still skipped)."""
+  if not scale > 0:
+    raise ValueError(f"static_loss_scale needs a positive scale, got {scale}.")
+  return _state(scale)
+
+
+def no_loss_scale() -> LossScaleState:
+  """Scale 1, never changes."""
+  return _state(1.0)
+
+
+def scale_loss(state: LossScaleState, loss: jax.Array) -> jax.Array:
+  """``loss * scale`` in float32."""
+  return loss.astype(jnp.float32) * state.scale
+
+
+def unscale_grads(state: LossScaleState, grads):
+  """Divides every leaf by the scale, after upcasting it to float32."""
+  return jax.tree.map(lambda g: g.astype(jnp.float32) / state.scale, grads)
+
+
+def all_finite(tree, axis_name: str | None = None) -> jax.Array:
+  """One bool: every element of every leaf is finite.
+
+  Inside ``shard_map`` pass ``axis_name`` so that every device gets the same
+  answer (a device whose slice overflowed makes all of them skip).
+  """
+  leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]
+  ok = jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+  if axis_name is not None:
+    ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name).astype(bool)
+  return ok
+
+
+def adjust_loss_scale(state: LossScaleState, grads_finite: jax.Array) -> LossScaleState:
+  """The state after a step whose gradients were (or were not) finite.
+
+  Dynamic: a non-finite step divides the scale by ``factor`` (not below
+  ``min_scale``) and restarts the count; ``period`` finite steps in a row
+  multiply it by ``factor``. Static scales only count skipped steps.
+  """
+  grads_finite = jnp.asarray(grads_finite, bool)
+  skipped = state.skipped_steps + jnp.where(grads_finite, 0, 1).astype(jnp.int32)
+  if not state.dynamic:
+    return state.replace(skipped_steps=skipped)
+  good = jnp.where(grads_finite, state.good_steps + 1, 0)
+  grow = good >= state.period
+  scale = jnp.where(grads_finite,
+                    jnp.where(grow, state.scale * state.factor, state.scale),
+                    jnp.maximum(state.scale / state.factor, state.min_scale))
+  good = jnp.where(grow, 0, good).astype(jnp.int32)
+  return state.replace(scale=scale.astype(jnp.float32), good_steps=good, skipped_steps=skipped)
