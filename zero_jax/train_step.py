@@ -233,6 +233,35 @@ class ShardedTrainStep:
       The `TrainState`.
     """
     self._check_params(params)
+    treedef, meta = self._meta(params)
+    placed = jax.device_put(jax.tree.leaves(params), self._replicated())
+    extras = jax.device_put((model_state, rng, self.initial_loss_scale), self._replicated())
+    init = jax.jit(functools.partial(self._init_fn, meta, treedef),
+                   out_shardings=self._state_shardings(meta, treedef, model_state, rng))
+    return init(placed, *extras)
+
+  def abstract_state(self, params, *, model_state=None, rng=None) -> TrainState:
+    """The `TrainState` that ``init`` would return, as shape/dtype/sharding only.
+
+    Nothing is computed or allocated. Use it as a restore target for
+    checkpoints or to ``lower`` the step for a memory estimate.
+
+    Args:
+      params: arrays or ``jax.ShapeDtypeStruct``s with the parameters' shapes.
+      model_state: as for ``init`` (arrays or shape structs), or None.
+      rng: as for ``init`` (a key or its shape struct), or None.
+    """
+    self._check_params(params)
+    treedef, meta = self._meta(params)
+    leaves = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
+    shape = jax.eval_shape(functools.partial(self._init_fn, meta, treedef), leaves, model_state,
+                           rng, self.initial_loss_scale)
+    shardings = self._state_shardings(meta, treedef, model_state, rng)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shape, shardings)
+
+  def _meta(self, params):
+    """(treedef, StateMeta) for a params tree (arrays or shape structs)."""
     treedef = jax.tree.structure(params)
     leaves = jax.tree.leaves(params)
     trainable = self._trainable_mask(params)
@@ -240,14 +269,28 @@ class ShardedTrainStep:
     src_abstract = jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(np.shape(x), self._src_dtype(x) if t else jnp.result_type(x))
         for x, t in zip(leaves, trainable)])
-    opt = self._optimizer(treedef, trainable)
-    opt_abstract = jax.eval_shape(opt.init, src_abstract)
+    opt_abstract = jax.eval_shape(self._optimizer(treedef, trainable).init, src_abstract)
     opt_layouts = tuple(lay.leaf_layout(x.shape, self.n) for x in jax.tree.leaves(opt_abstract))
-    meta = StateMeta(param_layouts, trainable, opt_layouts)
+    return treedef, StateMeta(param_layouts, trainable, opt_layouts)
 
-    placed = jax.device_put(leaves, self._replicated())
-    extras = jax.device_put((model_state, rng, self.initial_loss_scale), self._replicated())
-    return jax.jit(functools.partial(self._init_fn, meta, treedef))(placed, *extras)
+  def _state_shardings(self, meta, treedef, model_state, rng) -> TrainState:
+    """A TrainState of NamedShardings: where each part of the state lives."""
+    ax, rep = self.axis_name, self._replicated()
+    storage = lambda l: self._sharding(l.spec(ax))
+    params = [storage(l) if self.stage == 3 else rep for l in meta.param_layouts]
+    master = None
+    if self.policy.master_dtype is not None:
+      master = [storage(l) for l, t in zip(meta.param_layouts, meta.trainable) if t]
+    src_abstract = jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(l.shape, jnp.float32) for l in meta.param_layouts])
+    o_def = jax.tree.structure(jax.eval_shape(self._optimizer(treedef, meta.trainable).init,
+                                              src_abstract))
+    return TrainState(
+        step=rep, params=jax.tree.unflatten(treedef, params), master=master,
+        opt_state=jax.tree.unflatten(o_def, [storage(l) for l in meta.opt_layouts]),
+        loss_scale=jax.tree.map(lambda _: rep, self.initial_loss_scale),
+        model_state=jax.tree.map(lambda _: rep, model_state),
+        rng=jax.tree.map(lambda _: rep, rng), meta=meta)
 
   @staticmethod
   def _src_dtype(x):
@@ -299,7 +342,11 @@ class ShardedTrainStep:
                          f"must be divisible by {div} ({need}); use a global batch size that "
                          f"is a multiple of {div}, or drop the last incomplete batch.")
     sharding = self._sharding(P(self.axis_name))
-    return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
+    def place(x):
+      if isinstance(x, jax.ShapeDtypeStruct):  # abstract batch, for lower()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+      return jax.device_put(x, sharding)
+    return jax.tree.map(place, batch)
 
   def _check_state(self, state):
     if not isinstance(state, TrainState):
