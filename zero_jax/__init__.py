@@ -1,10 +1,14 @@
 """zero_jax: ZeRO-style sharded data parallelism for JAX."""
 
 from zero_jax.clipping import clip_by_global_norm, global_norm
+from zero_jax.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
+                                  is_main_process, launch_local, make_global_batch,
+                                  metrics_to_host, print_main, process_batch_slice)
 from zero_jax.layout import Layout, leaf_layout
 from zero_jax.loss_scale import (LossScaleState, adjust_loss_scale, all_finite,
                                  dynamic_loss_scale, no_loss_scale, scale_loss,
                                  static_loss_scale, unscale_grads)
+from zero_jax.memory import CompiledMemory, MemoryReport, compiled_memory, memory_report
 from zero_jax.precision import POLICIES, Policy
 from zero_jax.train_step import (ShardedTrainStep, StateMeta, TrainState,
                                  make_sharded_train_step)
@@ -12,8 +16,11 @@ from zero_jax.train_step import (ShardedTrainStep, StateMeta, TrainState,
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompiledMemory",
+    "LOST_PEER_EXIT_CODE",
     "Layout",
     "LossScaleState",
+    "MemoryReport",
     "POLICIES",
     "Policy",
     "ShardedTrainStep",
@@ -22,11 +29,20 @@ __all__ = [
     "adjust_loss_scale",
     "all_finite",
     "clip_by_global_norm",
+    "compiled_memory",
     "dynamic_loss_scale",
     "global_norm",
+    "initialize_distributed",
+    "is_main_process",
+    "launch_local",
     "leaf_layout",
+    "make_global_batch",
     "make_sharded_train_step",
+    "memory_report",
+    "metrics_to_host",
     "no_loss_scale",
+    "print_main",
+    "process_batch_slice",
     "scale_loss",
     "static_loss_scale",
     "unscale_grads",

@@ -19,16 +19,34 @@ import jax
 import jax.numpy as jnp
 
 
-def _varies_over(x, axis_name) -> bool:
-  return axis_name in getattr(jax.typeof(x), "vma", frozenset())
+def _varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over inside ``shard_map`` (its "vma")."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # jax >= 0.9: ManualAxisType(varying=...)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def _check_tracks_variance(axis_name) -> None:
+  """Raises unless the enclosing shard_map tracks which values vary over the axis."""
+  if axis_name not in _varying_axes(jax.lax.axis_index(axis_name)):
+    raise ValueError(
+        f"global_norm(..., axis_name={axis_name!r}) tells a device's slice of a leaf from a "
+        f"replicated leaf by whether it varies over the axis, which jax only tracks under "
+        f"jax.shard_map(..., check_vma=True) (the default); this shard_map has "
+        f"check_vma=False. Drop check_vma=False, or psum the squared norms of the sliced "
+        f"leaves yourself.")
 
 
 def global_norm(tree, axis_name: str | None = None) -> jax.Array:
   """L2 norm of all elements of ``tree``, each element counted once."""
+  if axis_name is not None:
+    _check_tracks_variance(axis_name)
   sharded, whole = jnp.float32(0), jnp.float32(0)
   for x in jax.tree.leaves(tree):
     sq = jnp.sum(jnp.square(x.astype(jnp.float32)))
-    if axis_name is not None and _varies_over(sq, axis_name):
+    if axis_name is not None and axis_name in _varying_axes(sq):
       sharded = sharded + sq
     else:
       whole = whole + sq
@@ -45,7 +63,7 @@ def clip_by_global_norm(tree, max_norm: float, axis_name: str | None = None):
     Same formula as ``optax.clip_by_global_norm``.
   """
   norm = global_norm(tree, axis_name)
-  clip = norm >= max_norm
+  keep = norm < max_norm  # optax's test: a nan norm clips (to nan) rather than passing
   def one(g):
-    return jnp.where(clip, (g / norm.astype(g.dtype)) * max_norm, g).astype(g.dtype)
+    return jnp.where(keep, g, (g / norm.astype(g.dtype)) * max_norm).astype(g.dtype)
   return jax.tree.map(one, tree), norm

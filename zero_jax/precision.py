@@ -2,12 +2,14 @@
 
 | policy          | params (compute)  | master copy            | loss scale default |
 |-----------------|-------------------|------------------------|--------------------|
-| ``"fp32"``      | float32           | none (params are it)   | none               |
+| ``"fp32"``      | each leaf's own   | none (params are it)   | none               |
 | ``"bf16"``      | bfloat16          | float32, sharded       | none               |
 | ``"fp16"``      | float16           | float32, sharded       | dynamic            |
 | ``"fp16_memory_efficient"`` | float16 | none                 | dynamic            |
 
-In every policy the optimizer state and the update are float32 (the update is
+Under ``"fp32"`` nothing is cast: each leaf keeps its dtype and the step is
+exactly plain optax. Under the other policies the optimizer state and the
+update are float32 (the update is
 computed from the master copy, or from the fp16 values upcast to float32 in
 the memory-efficient mode, and rounded back to float16 once). Gradients are
 reduce-scattered in ``comm_dtype``, by default the gradient's own dtype (the
@@ -26,18 +28,19 @@ class Policy(NamedTuple):
 
   Attributes:
     name: the policy's name.
-    param_dtype: dtype of the parameters the loss sees and that are stored.
+    param_dtype: dtype of the parameters the loss sees and that are stored
+      (None: each leaf keeps its own dtype).
     master_dtype: dtype of the sharded master copy, or None for no copy.
     dynamic_loss_scale: whether loss scaling is dynamic by default.
   """
   name: str
-  param_dtype: jnp.dtype
+  param_dtype: jnp.dtype | None
   master_dtype: jnp.dtype | None
   dynamic_loss_scale: bool
 
 
 POLICIES = {
-    "fp32": Policy("fp32", jnp.dtype(jnp.float32), None, False),
+    "fp32": Policy("fp32", None, None, False),
     "bf16": Policy("bf16", jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), False),
     "fp16": Policy("fp16", jnp.dtype(jnp.float16), jnp.dtype(jnp.float32), True),
     "fp16_memory_efficient": Policy("fp16_memory_efficient", jnp.dtype(jnp.float16), None, True),

@@ -55,6 +55,31 @@ from zero_jax.precision import Policy, get_policy
 _GATHERED = "zero_jax_gathered_param"
 
 
+def _regather_policy(layouts):
+  """Stage-3 remat policy: save every intermediate except a gathered parameter.
+
+  The gathered leaf must be recomputed (gathered again) in the backward pass,
+  so neither the all-gather's output, nor the un-padding slice of it, nor the
+  named result may be saved: a policy that excluded only the name would save
+  the slice feeding it instead. (``save_anything_except_these_names`` is a
+  no-op that saves everything in jax 0.10.) The slices are recognised by their
+  padded input shape and logical limits; any other values derived from a
+  gathered leaf inside ``loss_fn`` (``w.T``, a cast) are saved like activations.
+  """
+  unpads = {(l.storage_shape, l.shape) for l in layouts if l.pad_amount}
+
+  def policy(prim, *avals, **params):
+    if prim.name in ("all_gather", "all_gather_invariant"):
+      return False
+    if prim.name == "name" and params.get("name") == _GATHERED:
+      return False
+    if prim.name == "slice" and avals and (
+        (tuple(avals[0].shape), tuple(params["limit_indices"])) in unpads):
+      return False
+    return True
+  return policy
+
+
 class StateMeta(NamedTuple):
   """Static description of a `TrainState` (hashable pytree metadata).
 
@@ -105,6 +130,16 @@ def _auto_mesh(mesh: Mesh) -> Mesh:
 
 def _is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _device_put(tree, sharding):
+  """``jax.device_put`` that also places typed PRNG keys on a multi-process mesh."""
+  def put(x):
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      data = jax.device_put(jax.random.key_data(x), sharding)
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.device_put(x, sharding)
+  return jax.tree.map(put, tree)
 
 
 def _keystrs(tree):
@@ -191,18 +226,31 @@ class ShardedTrainStep:
     if callable(spec):
       flags = [bool(spec(path, x)) for path, x in paths_leaves]
       return tuple(f and _is_float(x) for f, (_, x) in zip(flags, paths_leaves))
+    for path, m in jax.tree_util.tree_flatten_with_path(spec)[0]:
+      if not (isinstance(m, (bool, np.bool_)) or
+              (getattr(m, "shape", None) == () and getattr(m, "dtype", None) == jnp.bool_)):
+        raise TypeError(f"trainable{jax.tree_util.keystr(path)} is {m!r}; every leaf of a "
+                        f"trainable= tree must be True or False (or pass a function "
+                        f"(path, leaf) -> bool).")
+    # A bool given for one leaf is explicit; a bool given for a whole subtree (a
+    # prefix) covers only that subtree's floating leaves.
+    expand = lambda m, sub: jax.tree.map(
+        lambda _: (bool(m), jax.tree_util.treedef_is_leaf(jax.tree.structure(sub))), sub)
     try:
-      full = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), spec, params)
+      full = jax.tree.map(expand, spec, params)
     except (ValueError, TypeError) as e:
       raise ValueError(f"trainable= must be a pytree of bools with the structure of the "
                        f"params (or a prefix of it), or a function (path, leaf) -> bool; it "
                        f"does not match the params: {e}") from None
-    flags = jax.tree.leaves(full)
-    for f, (path, x) in zip(flags, paths_leaves):
-      if f and not _is_float(x):
+    pairs = jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and
+                            isinstance(x[0], bool))
+    flags = []
+    for (f, explicit), (path, x) in zip(pairs, paths_leaves):
+      if f and explicit and not _is_float(x):
         raise ValueError(f"trainable marks the leaf params{jax.tree_util.keystr(path)} of "
                          f"dtype {jnp.result_type(x)} as trainable, but only floating leaves "
                          f"can train; mark it False (non-float leaves are frozen by default).")
+      flags.append(f and _is_float(x))
     return tuple(flags)
 
   def _optimizer(self, treedef, trainable) -> optax.GradientTransformation:
@@ -235,7 +283,7 @@ class ShardedTrainStep:
     self._check_params(params)
     treedef, meta = self._meta(params)
     placed = jax.device_put(jax.tree.leaves(params), self._replicated())
-    extras = jax.device_put((model_state, rng, self.initial_loss_scale), self._replicated())
+    extras = _device_put((model_state, rng, self.initial_loss_scale), self._replicated())
     init = jax.jit(functools.partial(self._init_fn, meta, treedef),
                    out_shardings=self._state_shardings(meta, treedef, model_state, rng))
     return init(placed, *extras)
@@ -292,11 +340,17 @@ class ShardedTrainStep:
         model_state=jax.tree.map(lambda _: rep, model_state),
         rng=jax.tree.map(lambda _: rep, rng), meta=meta)
 
-  @staticmethod
-  def _src_dtype(x):
-    """dtype the optimizer sees for a trainable leaf: always float32."""
-    del x
-    return jnp.float32
+  def _src_dtype(self, x):
+    """dtype the optimizer sees for a trainable leaf.
+
+    The leaf's own dtype under "fp32" (nothing is cast, as in plain optax);
+    float32 under the mixed-precision policies.
+    """
+    return jnp.result_type(x) if self.policy.param_dtype is None else jnp.dtype(jnp.float32)
+
+  def _param_dtype(self, x):
+    """dtype a trainable leaf is stored and used in by the loss."""
+    return self.policy.param_dtype or jnp.result_type(x)
 
   def _init_fn(self, meta, treedef, leaves, model_state, rng, loss_scale):
     pl, tr = meta.param_layouts, meta.trainable
@@ -305,7 +359,7 @@ class ShardedTrainStep:
     opt_state = opt.init(jax.tree.unflatten(treedef, src))
     o_leaves, o_def = jax.tree.flatten(opt_state)
     o_leaves = [self._to_storage(x, l) for x, l in zip(o_leaves, meta.opt_layouts)]
-    params = [x.astype(self.policy.param_dtype) if t else x for x, t in zip(leaves, tr)]
+    params = [x.astype(self._param_dtype(x)) if t else x for x, t in zip(leaves, tr)]
     if self.stage == 3:
       params = [self._to_storage(x, l) for x, l in zip(params, pl)]
     else:
@@ -410,12 +464,12 @@ class ShardedTrainStep:
     leaves = jax.tree.leaves(params)
     train_idx = [i for i, t in enumerate(tr) if t]
     frozen = {i: leaves[i] for i, t in enumerate(tr) if not t}
-    if self.stage == 3:
-      frozen = {i: collectives.all_gather(x, pl[i], ax) for i, x in frozen.items()}
     dev = jax.lax.axis_index(ax)
 
     def micro_loss(train_leaves, mb, ms, key):
       full = dict(frozen)
+      if self.stage == 3:  # gathered where used, and again for the backward pass
+        full = {i: collectives.all_gather(x, pl[i], ax) for i, x in frozen.items()}
       for i, x in zip(train_idx, train_leaves):
         if self.stage == 3:
           x = checkpoint_name(
@@ -423,11 +477,13 @@ class ShardedTrainStep:
         full[i] = x
       p = jax.tree.unflatten(treedef, [full[i] for i in range(len(leaves))])
       loss, aux, new_ms = self._call_loss(p, mb, ms, key)
-      return ls.scale_loss(scale, loss), (loss, aux, new_ms)
+      # Divided by n * k here, not after the reduction: each example's cotangent is
+      # then the single-device one (scale / global batch), so an fp16 sum over
+      # devices overflows exactly when the single-device gradient would.
+      return ls.scale_loss(scale, loss) / (n * k), (loss, aux, new_ms)
 
     if self.stage == 3:
-      micro_loss = jax.checkpoint(
-          micro_loss, policy=jax.checkpoint_policies.save_anything_except_these_names(_GATHERED))
+      micro_loss = jax.checkpoint(micro_loss, policy=_regather_policy(pl))
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     diff_leaves = [leaves[i] for i in train_idx]
     if self.stage != 3:  # a local gradient, not one already summed over devices
@@ -476,7 +532,6 @@ class ShardedTrainStep:
       aux = None if aux is None else jax.tree.map(lambda a: a / k, aux)
       if not shard_acc:
         grads = reduce(grads)
-    grads = [g / (n * k) for g in grads]
     loss = jax.lax.pmean(loss.astype(jnp.float32), ax)
     aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, ax), aux)
     if ms is not None:
@@ -519,14 +574,14 @@ class ShardedTrainStep:
       grads = [self._to_logical(g, l) for g, l in zip(grads, t_layouts)]
     grads = ls.unscale_grads(state.loss_scale, grads)
     finite = ls.all_finite(grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     if self.max_grad_norm is not None:
       grads, _ = clip_by_global_norm(grads, self.max_grad_norm)
 
     if state.master is not None:
       src = [self._to_logical(m, l) for m, l in zip(state.master, t_layouts)]
     elif self.stage == 3:
-      src = [self._to_logical(leaves[i], pl[i]).astype(jnp.float32) for i in train_idx]
+      src = [self._to_logical(leaves[i], pl[i]).astype(self._src_dtype(leaves[i])) for i in train_idx]
     else:
       src = [self._constrain(leaves[i], pl[i].spec(ax)).astype(self._src_dtype(leaves[i]))
              for i in train_idx]
@@ -542,6 +597,8 @@ class ShardedTrainStep:
     o_leaves, o_def = jax.tree.flatten(state.opt_state)
     opt_state = jax.tree.unflatten(
         o_def, [self._to_logical(x, l) for x, l in zip(o_leaves, meta.opt_layouts)])
+    for j in range(len(src)):  # the optimizer sees gradients in its parameters' dtype
+      full_grads[train_idx[j]] = grads[j].astype(src[j].dtype)
     updates, new_opt = opt.update(jax.tree.unflatten(treedef, full_grads), opt_state,
                                   jax.tree.unflatten(treedef, full_src))
     updates = jax.tree.leaves(updates)
@@ -551,12 +608,12 @@ class ShardedTrainStep:
     # A step with non-finite gradients changes nothing but the loss scale.
     keep = lambda new, old: jnp.where(finite, new, old)
     new_src = [keep(a, b) for a, b in zip(new_src, src)]
-    new_o = [self._to_storage(keep(x, self._to_logical(y, l)), l) for x, y, l in
+    new_o = [self._to_storage(keep(x, self._to_logical(y, l)).astype(y.dtype), l) for x, y, l in
              zip(jax.tree.leaves(new_opt), o_leaves, meta.opt_layouts)]
     new_opt = jax.tree.unflatten(o_def, new_o)
 
-    pdt = self.policy.param_dtype
-    new_blocks = [self._to_storage(s.astype(pdt), l) for s, l in zip(new_src, t_layouts)]
+    new_blocks = [self._to_storage(s.astype(leaves[i].dtype), l)
+                  for s, i, l in zip(new_src, train_idx, t_layouts)]
     new_leaves = list(leaves)
     if self.stage == 3:
       for j, i in enumerate(train_idx):

@@ -1,0 +1,285 @@
+"""Shared pieces of the step benchmarks (bench_step, bench_precision, bench_stages).
+
+Import this module before anything touches the JAX backend: it asks for 8 fake
+CPU devices. It holds the benchmark models, the two baselines that zero_jax is
+measured against, an interleaved timer, and readers for per-device memory
+(from the arrays' addressable shards and from XLA's ``memory_analysis()``) and
+for the collectives in a compiled program.
+
+Example:
+  >>> import _step_common as sc
+  >>> params = sc.init_mlp(jax.random.key(0), [64, 64, 64])
+  >>> times = sc.interleave({"a": lambda: None, "b": lambda: None}, rounds=3, iters=2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Callable
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)  # before the backend starts
+jax.config.update("jax_platforms", "cpu")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import zero_jax as zj  # noqa: E402,F401
+
+AXIS = "data"
+MIB = 2.0**20
+
+
+# ------------------------------------------------------------------ the model
+def init_mlp(key, sizes) -> dict:
+  """An MLP's parameters: ``{"l00": {"w": (a, b), "b": (b,)}, ...}``, float32 numpy.
+
+  Host arrays, so that every variant's ``init`` makes fresh device buffers
+  (a ``device_put`` of a device array may share its buffer, which a donating
+  step would then delete).
+  """
+  params = {}
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    key, sub = jax.random.split(key)
+    params[f"l{i:02d}"] = {"w": jax.random.normal(sub, (a, b), jnp.float32) / np.sqrt(a),
+                           "b": jnp.zeros((b,), jnp.float32)}
+  return jax.tree.map(np.asarray, params)
+
+
+def mlp_loss(params, batch):
+  """Mean squared error of a GELU MLP, computed in the parameters' dtype."""
+  x = batch["x"]
+  names = sorted(params)
+  dt = params[names[0]]["w"].dtype
+  x = x.astype(dt)
+  for j, name in enumerate(names):
+    x = x @ params[name]["w"] + params[name]["b"]
+    if j < len(names) - 1:
+      x = jax.nn.gelu(x)
+  return jnp.mean(jnp.square(x.astype(jnp.float32) - batch["y"]))
+
+
+def make_batches(key, count, batch_size, d_in, d_out) -> list:
+  keys = jax.random.split(key, count)
+  return [{"x": jax.random.normal(jax.random.fold_in(k, 0), (batch_size, d_in)),
+           "y": jax.random.normal(jax.random.fold_in(k, 1), (batch_size, d_out))}
+          for k in keys]
+
+
+def n_params(params) -> int:
+  return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+def mesh_of(n: int) -> Mesh:
+  """A 1-D Auto mesh over the first ``n`` devices."""
+  return Mesh(np.array(jax.devices()[:n]), (AXIS,))
+
+
+def place_batch(batch, mesh):
+  return jax.device_put(batch, NamedSharding(mesh, P(AXIS)))
+
+
+# ---------------------------------------------------------------- baselines
+def _rs_ag_mean(g, n):
+  """Mean over the axis as reduce-scatter + all-gather (what an all-reduce is made of)."""
+  spec = _split_spec(g.shape, n)
+  if spec == P():
+    return jax.lax.pmean(g, AXIS)
+  d = len(spec) - 1
+  part = jax.lax.psum_scatter(g, AXIS, scatter_dimension=d, tiled=True) / n
+  return jax.lax.all_gather(part, AXIS, axis=d, tiled=True, to="invarying")
+
+
+def make_dp_step(loss_fn, optimizer, mesh, *, rs_ag=False):
+  """Plain data parallelism: grads ``pmean``ed, optax update replicated everywhere.
+
+  With ``rs_ag`` the mean is computed as ``psum_scatter`` + ``all_gather``
+  instead of one all-reduce (same result, same bytes on the wire in a ring).
+  Returns ``(init, step)``; ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+  """
+  rep = NamedSharding(mesh, P())
+  n = mesh.shape[AXIS]
+
+  def local(params, opt_state, batch):
+    mine = jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), params)
+    loss, grads = jax.value_and_grad(loss_fn)(mine, batch)
+    if rs_ag:
+      grads = jax.tree.map(lambda g: _rs_ag_mean(g, n), grads)
+    else:
+      grads = jax.lax.pmean(grads, AXIS)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXIS)
+
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS)),
+                               out_specs=(P(), P(), P())), donate_argnums=(0, 1))
+
+  def init(params):
+    params = jax.device_put(params, rep)
+    return params, jax.jit(optimizer.init, out_shardings=rep)(params)
+
+  return init, step
+
+
+def _split_spec(shape, n) -> P:
+  """Split the largest dimension divisible by ``n``; replicate if there is none."""
+  dims = [d for d, s in enumerate(shape) if s % n == 0 and s >= n]
+  if not dims:
+    return P()
+  d = max(dims, key=lambda d: shape[d])
+  return P(*([None] * d + [AXIS]))
+
+
+def make_jit_step(loss_fn, optimizer, mesh, *, shard_grads=False):
+  """The compiler-driven way: one ``jax.jit``, no shard_map.
+
+  Parameters replicated, batch sharded, every optimizer-state leaf sharded over
+  the data axis (``in_shardings``/``out_shardings``); XLA's SPMD partitioner
+  decides the collectives. With ``shard_grads`` the gradient is also
+  constrained to the optimizer state's sharding (ZeRO-2 by annotation).
+  """
+  n = mesh.shape[AXIS]
+  rep = NamedSharding(mesh, P())
+  shard_of = lambda x: NamedSharding(mesh, _split_spec(np.shape(x), n))
+
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    if shard_grads:
+      grads = jax.lax.with_sharding_constraint(grads, jax.tree.map(shard_of, grads))
+    updates, new_opt = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    return new_params, new_opt, loss
+
+  cache = {}
+
+  def init(params):
+    params = jax.device_put(params, rep)
+    opt_shardings = jax.tree.map(shard_of, jax.eval_shape(optimizer.init, params))
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    cache["step"] = jax.jit(step, in_shardings=(rep, opt_shardings, NamedSharding(mesh, P(AXIS))),
+                            out_shardings=(rep, opt_shardings, rep), donate_argnums=(0, 1))
+    return params, opt_state
+
+  def call(params, opt_state, batch):
+    return cache["step"](params, opt_state, batch)
+
+  call.lower = lambda *a: cache["step"].lower(*a)
+  return init, call
+
+
+def collective_pair(mesh, n_elems):
+  """Two jitted functions of an ``(N * n_elems,)`` f32 array sharded over the axis,
+
+  each device's ``n_elems`` block standing for its local gradient: ``psum``
+  (one all-reduce) and ``all_gather(psum_scatter(.))`` (the same sum).
+  Returns ``(x, {"all-reduce": f, "rs+ag": g})``.
+  """
+  n = mesh.shape[AXIS]
+  sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+  ar = sm(lambda x: jax.lax.psum(x, AXIS))
+  rsag = sm(lambda x: jax.lax.all_gather(jax.lax.psum_scatter(x, AXIS, tiled=True), AXIS,
+                                         tiled=True))
+  x = jax.device_put(jnp.arange(n * n_elems, dtype=jnp.float32) % 7,
+                     NamedSharding(mesh, P(AXIS)))
+  return x, {"all-reduce": ar, "rs+ag": rsag}
+
+
+# ------------------------------------------------------------------- memory
+def bytes_per_device(tree) -> int:
+  """Largest per-device total of ``tree``'s addressable shards, in bytes."""
+  per_dev: dict = {}
+  for x in jax.tree.leaves(tree):
+    for s in x.addressable_shards:
+      per_dev[s.device] = per_dev.get(s.device, 0) + s.data.nbytes
+  return max(per_dev.values()) if per_dev else 0
+
+
+def memory(compiled) -> dict:
+  """XLA's per-device argument / output / temp / alias bytes of a compiled step."""
+  m = compiled.memory_analysis()
+  return {"arg": m.argument_size_in_bytes, "out": m.output_size_in_bytes,
+          "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
+
+
+_DT_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
+             "pred": 1, "s64": 8, "u64": 8}
+_COLL = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-reduce|reduce-scatter|all-gather|all-to-all|"
+                   r"collective-permute)(?:-start)?\(")
+_SHAPE = re.compile(r"(f64|f32|s32|u32|bf16|f16|s8|u8|pred|s64|u64)\[([\d,]*)\]")
+
+
+def collectives(hlo_text: str) -> dict:
+  """``{kind: (count, result bytes)}`` of the collectives in an HLO module's text."""
+  out: dict = {}
+  for m in _COLL.finditer(hlo_text):
+    nbytes = sum(_DT_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                 for dt, dims in _SHAPE.findall(m.group(1)))
+    c, b = out.get(m.group(2), (0, 0))
+    out[m.group(2)] = (c + 1, b + nbytes)
+  return out
+
+
+def collectives_str(hlo_text: str) -> str:
+  c = collectives(hlo_text)
+  return ", ".join(f"{k} x{n} ({b / MIB:.1f} MiB)" for k, (n, b) in sorted(c.items())) or "none"
+
+
+# ------------------------------------------------------------------- timing
+def interleave(fns: dict[str, Callable[[], None]], *, rounds: int, iters: int) -> dict:
+  """Times each ``fn`` (which must block) ``iters`` times per round, interleaved.
+
+  Round r runs the variants in an order rotated by r, so none is always first.
+  Returns ``{name: [seconds per call, one per round]}``.
+  """
+  names = list(fns)
+  times = {k: [] for k in names}
+  for r in range(rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    for k in order:
+      t0 = time.perf_counter()
+      for _ in range(iters):
+        fns[k]()
+      times[k].append((time.perf_counter() - t0) / iters)
+  return times
+
+
+def median_ratio(times: dict, a: str, b: str) -> float:
+  """Median over rounds of time[a] / time[b] (paired by round)."""
+  return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
+def spread(xs) -> str:
+  """Median with the interquartile range, in ms."""
+  q = np.percentile(np.array(xs) * 1e3, [25, 50, 75])
+  return f"{q[1]:.1f} ({q[0]:.1f}-{q[2]:.1f})"
+
+
+def ratio_iqr(times: dict, a: str, b: str) -> str:
+  r = [x / y for x, y in zip(times[a], times[b])]
+  q = np.percentile(r, [25, 50, 75])
+  return f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})"
+
+
+def table(header, rows) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def mib(b) -> str:
+  return f"{b / MIB:.2f}"
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=doc)
+  p.add_argument("--quick", action="store_true", help="fewer rounds, smaller model; a smoke run")
+  p.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+  return p

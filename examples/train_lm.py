@@ -1,0 +1,386 @@
+"""Train a small byte-level transformer language model with ZeRO (zero_jax).
+
+The text is the source code of Python's own standard library, which every
+machine that runs this script has; the tokenizer is the bytes themselves
+(256 values plus an end-of-file token: vocabulary 257, nothing to download).
+One file in twenty is held out to measure the loss on text the model never
+trained on.
+
+  python examples/train_lm.py                  # ZeRO-2 on all devices; 8 CPU devices on a CPU-only machine
+  python examples/train_lm.py --stage 3 --precision bf16 --size medium
+  python examples/train_lm.py --steps 600 --resume   # continue from the latest checkpoint
+  python examples/train_lm.py --help
+
+What it shows, in order: the model and the devices; a progress bar with the
+loss and tokens/s; the held-out loss before and after; the per-device memory
+of parameters, gradients, optimizer state and master copy for plain data
+parallelism and ZeRO stages 1-3 (`zj.memory_report`, from shapes only) next
+to what this run's state really holds and XLA's own figure for the compiled
+step; a little text sampled from the model; a checkpoint to resume from
+(`zero_jax.checkpoint.CheckpointManager`).
+
+The data order depends only on ``--seed`` and the step number, so a run
+resumed from a checkpoint takes the same steps as one that was never
+interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+
+import jax
+
+try:
+  import zero_jax as zj
+except ImportError:  # running from a checkout without `pip install -e .`
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+  import zero_jax as zj
+from zero_jax.checkpoint import CheckpointManager
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+EOF = 256          # token that separates files
+VOCAB = 257        # 256 bytes + EOF: an uneven size, like GPT-2's 50257
+
+SIZES = {          # d_model, layers, heads
+    "tiny": (64, 2, 2),
+    "small": (128, 4, 4),
+    "medium": (256, 6, 8),
+    "large": (512, 8, 8),
+}
+
+
+# ------------------------------------------------------------------ arguments
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      description="Train a byte-level transformer LM on Python's standard library with "
+                  "zero_jax (ZeRO sharded data parallelism).",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3),
+                 help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also params")
+  p.add_argument("--precision", default="fp32",
+                 choices=("fp32", "bf16", "fp16", "fp16_memory_efficient"),
+                 help="precision policy of the step")
+  p.add_argument("--size", default="small", choices=tuple(SIZES),
+                 help="model size: " + ", ".join(f"{k}=d{d}/L{l}/H{h}"
+                                                 for k, (d, l, h) in SIZES.items()))
+  p.add_argument("--seq-len", type=int, default=128, help="context length in bytes")
+  p.add_argument("--steps", type=int, default=300, help="train until this step number")
+  p.add_argument("--batch-size", type=int, default=32,
+                 help="global batch (sequences), split over the devices")
+  p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+  p.add_argument("--devices", type=int, default=None,
+                 help="number of devices (default: all; on a CPU-only machine 8 CPU devices)")
+  p.add_argument("--platform", default=None, choices=("cpu", "gpu", "tpu"),
+                 help="force a JAX platform (e.g. cpu to use fake CPU devices on a GPU box)")
+  p.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
+  p.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "zero_jax_train_lm"),
+                 help="checkpoint directory")
+  p.add_argument("--save-every", type=int, default=100,
+                 help="save a checkpoint every this many steps (and at the end); 0: only at the end")
+  p.add_argument("--resume", nargs="?", const=-1, type=int, default=None, metavar="STEP",
+                 help="continue from the latest checkpoint in --ckpt-dir (or from STEP)")
+  p.add_argument("--eval-batches", type=int, default=8, help="held-out batches for eval loss")
+  p.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to sample")
+  p.add_argument("--prompt", default="def ", help="start of the sampled text")
+  p.add_argument("--log-every", type=int, default=10, help="update the progress bar every N steps")
+  p.add_argument("--metrics-json", default=None,
+                 help="write losses, eval loss, tokens/s and a parameter checksum here")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  args = p.parse_args(argv)
+  if args.batch_size < 1 or args.steps < 1 or args.seq_len < 2:
+    p.error("--batch-size and --steps must be positive and --seq-len at least 2")
+  return args
+
+
+def setup_devices(args) -> list:
+  """Picks the devices; must run before anything starts JAX's backend."""
+  if args.platform:
+    jax.config.update("jax_platforms", args.platform)
+  # Only the CPU backend reads this: a CPU-only machine gets --devices (or 8)
+  # fake devices; a GPU or TPU machine keeps its own.
+  jax.config.update("jax_num_cpu_devices", args.devices or 8)
+  devices = jax.devices()
+  if args.devices:
+    if args.devices > len(devices):
+      sys.exit(f"--devices {args.devices}: only {len(devices)} {devices[0].platform} devices here.")
+    devices = devices[:args.devices]
+  return devices
+
+
+# ----------------------------------------------------------------------- data
+def stdlib_files() -> list[pathlib.Path]:
+  """The standard library's .py files (no tests, no site-packages), sorted."""
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  if not root.is_dir():
+    root = pathlib.Path(os.__file__).parent
+  skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+  return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def load_corpus() -> tuple[np.ndarray, np.ndarray]:
+  """(train, held_out) token arrays: file bytes joined by EOF; every 20th file held out."""
+  train, held = [], []
+  for i, path in enumerate(stdlib_files()):
+    try:
+      data = np.frombuffer(path.read_bytes(), np.uint8).astype(np.int32)
+    except OSError:
+      continue
+    (held if i % 20 == 0 else train).extend([data, np.array([EOF], np.int32)])
+  if not train or not held:
+    sys.exit("could not find the Python standard library's source files.")
+  return np.concatenate(train), np.concatenate(held)
+
+
+def get_batch(data: np.ndarray, index: int, batch_size: int, seq_len: int, seed: int) -> dict:
+  """Batch ``index``: random windows of ``seq_len + 1`` tokens, a function of (seed, index)."""
+  rng = np.random.default_rng([seed, index])
+  starts = rng.integers(0, len(data) - seq_len - 1, size=batch_size)
+  return {"tokens": np.stack([data[s:s + seq_len + 1] for s in starts])}
+
+
+# ---------------------------------------------------------------------- model
+class Block(nn.Module):
+  """Pre-LayerNorm transformer block: causal self-attention and an MLP."""
+  d_model: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, d = x.shape
+    h = nn.LayerNorm(name="ln1")(x)
+    q, k, v = jnp.split(nn.Dense(3 * d, name="qkv")(h), 3, axis=-1)
+    split = lambda a: a.reshape(b, t, self.heads, d // self.heads)
+    y = jax.nn.dot_product_attention(split(q), split(k), split(v), is_causal=True)
+    x = x + nn.Dense(d, name="proj")(y.reshape(b, t, d))
+    h = nn.LayerNorm(name="ln2")(x)
+    return x + nn.Dense(d, name="down")(nn.gelu(nn.Dense(4 * d, name="up")(h)))
+
+
+class ByteLM(nn.Module):
+  """Decoder-only transformer over bytes, with tied input/output embeddings."""
+  d_model: int
+  layers: int
+  heads: int
+  max_len: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(VOCAB, self.d_model, embedding_init=nn.initializers.normal(0.02),
+                     name="embed")
+    pos = self.param("pos", nn.initializers.normal(0.02), (self.max_len, self.d_model))
+    x = embed(tokens) + pos[:tokens.shape[1]].astype(embed.embedding.dtype)
+    for i in range(self.layers):
+      x = Block(self.d_model, self.heads, name=f"block{i}")(x)
+    x = nn.LayerNorm(name="ln_f")(x)
+    return embed.attend(x).astype(jnp.float32)  # logits in float32 for the loss
+
+
+def make_loss_fn(model):
+  def loss_fn(params, batch):
+    tokens = batch["tokens"]
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  return loss_fn
+
+
+def sample(model, params, prompt: bytes, n: int, seed: int, temperature: float = 0.8) -> str:
+  """``n`` bytes continuing ``prompt``, one forward pass per byte over a sliding window."""
+  params = jax.device_put(params, jax.devices()[0])
+  t = model.max_len
+
+  @jax.jit
+  def next_token(params, window, length, key):
+    logits = model.apply({"params": params}, window)[0, length - 1]
+    return jax.random.categorical(key, logits / temperature)
+
+  tokens = list(prompt)
+  key = jax.random.key(seed)
+  for _ in range(n):
+    ctx = tokens[-t:]
+    window = np.zeros((1, t), np.int32)
+    window[0, :len(ctx)] = ctx
+    key, sub = jax.random.split(key)
+    tokens.append(int(next_token(params, window, len(ctx), sub)))
+  text = bytes(b if b != EOF else 10 for b in tokens)
+  return text.decode("utf-8", errors="replace")
+
+
+# ----------------------------------------------------------------- reporting
+def shard_bytes(tree) -> int:
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def memory_section(step, state, params_shapes, optimizer, batch, args) -> str:
+  """The `zj.memory_report` table, this run's state and XLA's figure for its step."""
+  report = zj.memory_report(params_shapes, optimizer, n_devices=step.n,
+                            precision=args.precision)
+  row = report[args.stage]
+  f = zj.memory.format_bytes
+  lines = [str(report), "",
+           f"This run (ZeRO-{args.stage}), device 0's shards of the state: params "
+           f"{f(shard_bytes(state.params))} (report: {f(row.params)}), optimizer state "
+           f"{f(shard_bytes(state.opt_state))} (report: {f(row.optimizer_state)}), master "
+           f"{f(shard_bytes(state.master))} (report: {f(row.master)})."]
+  stats = step.lower(state, batch).compile().memory_analysis()
+  if stats is not None:
+    cm = zj.CompiledMemory(
+        int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+        int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes),
+        int(stats.generated_code_size_in_bytes))
+    lines.append(f"XLA's analysis of the compiled step, per device: {cm}.")
+  return "\n".join(lines)
+
+
+def param_checksum(params) -> list[float]:
+  """(sum, sum of squares) over all parameters, in float64: equal runs give equal sums."""
+  leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(jax.device_get(params))]
+  return [float(sum(x.sum() for x in leaves)), float(sum((x * x).sum() for x in leaves))]
+
+
+# ----------------------------------------------------------------------- main
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  devices = setup_devices(args)
+  t_start = time.perf_counter()
+  mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
+  n = len(devices)
+  if args.batch_size % n:
+    sys.exit(f"--batch-size {args.batch_size} must be a multiple of the {n} devices.")
+
+  d_model, layers, heads = SIZES[args.size]
+  model = ByteLM(d_model, layers, heads, max_len=args.seq_len)
+  dummy = jnp.zeros((1, args.seq_len), jnp.int32)
+  params_shapes = jax.eval_shape(model.init, jax.random.key(args.seed), dummy)["params"]
+  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_shapes))
+  train, held = load_corpus()
+  print(f"ByteLM {args.size}: d_model={d_model}, layers={layers}, heads={heads}, "
+        f"context={args.seq_len}, vocab={VOCAB}, {n_params:,} parameters")
+  print(f"data: Python {sys.version.split()[0]} standard library, {len(train):,} train bytes, "
+        f"{len(held):,} held-out bytes")
+  print(f"devices: {n} x {devices[0].platform} ({devices[0].device_kind}); ZeRO-{args.stage}, "
+        f"precision {args.precision}, global batch {args.batch_size} x {args.seq_len} tokens")
+
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, args.lr, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps,
+      end_value=args.lr / 10)
+  optimizer = optax.adamw(schedule, b2=0.99, weight_decay=0.01)
+  loss_fn = make_loss_fn(model)
+  step = zj.make_sharded_train_step(loss_fn, optimizer, mesh=mesh, stage=args.stage,
+                                    precision=args.precision, max_grad_norm=1.0)
+
+  # Fresh start or resume.
+  ckpt_dir = os.path.abspath(args.ckpt_dir)
+  default_dir = args.ckpt_dir == parse_args([]).ckpt_dir
+  if args.resume is None and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+    if not default_dir:
+      sys.exit(f"--ckpt-dir {ckpt_dir} holds checkpoints; pass --resume to continue from them, "
+               f"or choose an empty --ckpt-dir.")
+    shutil.rmtree(ckpt_dir)  # the example's own scratch directory
+  mngr = CheckpointManager(ckpt_dir, max_to_keep=2)
+  if args.resume is not None:
+    if mngr.latest_step() is None:
+      sys.exit(f"--resume: no checkpoint in {ckpt_dir}.")
+    state = mngr.restore(step, params_shapes, step=None if args.resume < 0 else args.resume)
+    print(f"resumed from {ckpt_dir} at step {int(state.step)}")
+  else:
+    params = jax.jit(model.init)(jax.random.key(args.seed), dummy)["params"]
+    state = step.init(params)
+  start = int(state.step)
+
+  eval_batches = [get_batch(held, i, args.batch_size, args.seq_len, args.seed + 1)
+                  for i in range(args.eval_batches)]
+  eval_loss_fn = jax.jit(loss_fn)
+
+  def eval_loss(state):
+    if not eval_batches:
+      return float("nan")
+    params = step.get_params(state)
+    return float(np.mean([eval_loss_fn(params, b) for b in eval_batches]))
+
+  eval_before = eval_loss(state)
+  print(f"held-out loss at step {start}: {eval_before:.3f} nats/byte "
+        f"(uniform guess: {math.log(VOCAB):.3f})")
+
+  # Train.
+  losses: dict[int, float] = {}
+  pending = []
+  tokens_per_step = args.batch_size * args.seq_len
+  timed_steps, timed_s, t_mark = 0, 0.0, None
+  bar = tqdm(range(start, args.steps), initial=start, total=args.steps, unit="step",
+             desc=f"ZeRO-{args.stage} {args.precision}", disable=args.no_progress,
+             dynamic_ncols=True)
+  batch = get_batch(train, start, args.batch_size, args.seq_len, args.seed)
+  for i in bar:
+    state, metrics = step(state, batch)
+    pending.append((i + 1, metrics["loss"]))
+    if i + 1 < args.steps:  # prepare the next batch while the step runs
+      batch = get_batch(train, i + 1, args.batch_size, args.seq_len, args.seed)
+    last = i + 1 == args.steps
+    if (i + 1 - start) % args.log_every == 0 or last or i == start:
+      losses.update((s, float(l)) for s, l in pending)  # waits for the step
+      now = time.perf_counter()
+      if t_mark is not None:
+        timed_steps += len(pending)
+        timed_s += now - t_mark
+      t_mark, pending = now, []  # the first interval (compilation) is not timed
+      rate = timed_steps * tokens_per_step / timed_s if timed_s else float("nan")
+      bar.set_postfix(loss=f"{losses[i + 1]:.3f}", tok_s=f"{rate:,.0f}")
+    if args.save_every and (i + 1) % args.save_every == 0 and not last:
+      mngr.save(state)
+  bar.close()
+  if int(state.step) > start or mngr.latest_step() != int(state.step):
+    mngr.save(state)
+  mngr.wait_until_finished()
+  tokens_per_s = timed_steps * tokens_per_step / timed_s if timed_s else float("nan")
+
+  eval_after = eval_loss(state)
+  if losses:
+    first, last = losses[min(losses)], losses[max(losses)]
+    print(f"train loss: step {min(losses)} {first:.3f} -> step {max(losses)} {last:.3f}; "
+          f"{tokens_per_s:,.0f} tokens/s after compilation")
+  print(f"held-out loss at step {int(state.step)}: {eval_after:.3f} nats/byte "
+        f"({eval_after / math.log(2):.2f} bits/byte)")
+  print(f"checkpoint: {ckpt_dir} (step {mngr.latest_step()}); continue with --resume "
+        f"--steps {args.steps + 300}")
+  mngr.close()
+
+  print()
+  print(memory_section(step, state, params_shapes, optimizer, batch, args))
+
+  params = step.get_params(state)
+  if args.sample_bytes > 0:
+    print(f"\nsampled text (temperature 0.8, prompt {args.prompt!r}):\n" + "-" * 60)
+    print(sample(model, params, args.prompt.encode(), args.sample_bytes, args.seed))
+    print("-" * 60)
+  wall = time.perf_counter() - t_start
+  print(f"wall time {wall:.1f} s")
+
+  result = {
+      "start_step": start, "step": int(state.step), "losses": losses,
+      "eval_loss_before": eval_before, "eval_loss_after": eval_after,
+      "tokens_per_s": tokens_per_s, "wall_s": wall, "n_devices": n, "n_params": n_params,
+      "stage": args.stage, "precision": args.precision,
+      "param_checksum": param_checksum(params),
+  }
+  if args.metrics_json:
+    with open(args.metrics_json, "w") as fh:
+      json.dump(result, fh, indent=1)
+  return result
+
+
+if __name__ == "__main__":
+  main()

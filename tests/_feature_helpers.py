@@ -1,0 +1,149 @@
+"""Shared helpers for the feature tests (accumulation, trainable, model state, stage 3).
+
+A single-device reference step (plain ``jax.jit`` + optax, no sharding, no
+micro-batches), tree comparison, and a reader for the collectives in compiled
+HLO text that tells which of them run inside a ``while`` loop (the
+``lax.scan`` over micro-batches).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+N = 8
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def mesh8():
+  return jax.make_mesh((N,), ("data",))
+
+
+def assert_tree_close(actual, expected, rtol=RTOL, atol=ATOL, what=""):
+  """Same structure, and every leaf close (dtypes must agree)."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected), what
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0],
+                          jax.tree.leaves(expected)):
+    a, b = np.asarray(a), np.asarray(b)
+    where = f"{what}{jax.tree_util.keystr(path)}"
+    assert a.shape == b.shape and a.dtype == b.dtype, (where, a.shape, a.dtype, b.shape, b.dtype)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=where)
+
+
+def is_float(x):
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def reference_run(loss_fn, optimizer, params, batches, *, mask=None, has_aux=False):
+  """Plain single-device training: full-batch gradient, optax update.
+
+  Args:
+    mask: None (every float leaf trains) or a full tree of bools. Frozen leaves
+      are not differentiated, get a zero gradient, and the optimizer is
+      ``optax.masked(optimizer, mask)``, so they have no optimizer state, do
+      not enter global norms or weight decay, and are never updated.
+
+  Returns:
+    (params after each step, loss of each step, aux of each step).
+  """
+  treedef = jax.tree.structure(params)
+  leaves = jax.tree.leaves(params)
+  flags = ([is_float(x) for x in leaves] if mask is None else
+           [bool(m) for m in jax.tree.leaves(mask)])
+  opt = optimizer if all(flags) else optax.masked(optimizer, jax.tree.unflatten(treedef, flags))
+
+  def merge(train, frozen):
+    it_t, it_f = iter(train), iter(frozen)
+    return jax.tree.unflatten(treedef, [next(it_t) if f else next(it_f) for f in flags])
+
+  @jax.jit
+  def step(leaves, opt_state, batch):
+    train = [x for x, f in zip(leaves, flags) if f]
+    frozen = [x for x, f in zip(leaves, flags) if not f]
+    fn = lambda t: loss_fn(merge(t, frozen), batch)
+    (loss, aux), g = jax.value_and_grad(
+        (lambda t: fn(t)) if has_aux else (lambda t: (fn(t), None)), has_aux=True)(train)
+    grads = merge(g, [jnp.zeros_like(x) for x in frozen])
+    updates, opt_state = opt.update(grads, opt_state, jax.tree.unflatten(treedef, leaves))
+    ups = jax.tree.leaves(updates)
+    new = [(x + u).astype(x.dtype) if f else x for x, u, f in zip(leaves, ups, flags)]
+    return new, opt_state, loss, aux
+
+  leaves = [jnp.asarray(x) for x in leaves]
+  opt_state = opt.init(jax.tree.unflatten(treedef, leaves))
+  out, losses, auxes = [], [], []
+  for b in batches:
+    leaves, opt_state, loss, aux = step(leaves, opt_state, b)
+    out.append(jax.tree.unflatten(treedef, leaves))
+    losses.append(loss)
+    auxes.append(aux)
+  return out, losses, auxes
+
+
+# ------------------------------------------------------------------ HLO text
+_OP = re.compile(r"=\s*(.+?)\s+(all-reduce|reduce-scatter|all-gather|all-to-all|"
+                 r"collective-permute)(?:-start)?\(")
+_HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_CALLED = re.compile(r"(?:body|condition|to_apply|calls)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def _computations(hlo):
+  comps, cur = {}, None
+  for line in hlo.splitlines():
+    m = _HEAD.match(line)
+    if m and not line.startswith(" "):
+      cur = m.group(1)
+      comps[cur] = []
+    elif cur is not None:
+      if line.strip() == "}":
+        cur = None
+      else:
+        comps[cur].append(line)
+  return comps
+
+
+def collectives(hlo):
+  """``[(op, result_shape_text, in_loop)]`` for each collective in compiled HLO text.
+
+  ``in_loop`` is True for collectives in a ``while`` body or condition, or in
+  any computation those call.
+  """
+  comps = _computations(hlo)
+  todo = []
+  for lines in comps.values():
+    for line in lines:
+      if " while(" in line:
+        todo += re.findall(r"(?:body|condition)=%?([\w.\-]+)", line)
+  in_loop = set()
+  while todo:
+    c = todo.pop()
+    if c in in_loop or c not in comps:
+      continue
+    in_loop.add(c)
+    for line in comps[c]:
+      todo += _CALLED.findall(line)
+      for group in _BRANCHES.findall(line):
+        todo += [x.strip().lstrip("%") for x in group.split(",")]
+  out = []
+  for name, lines in comps.items():
+    for line in lines:
+      m = _OP.search(line)
+      if m:
+        out.append((m.group(2), m.group(1), name in in_loop))
+  return out
+
+
+def shapes_in(shape_text):
+  """Every array shape in an HLO result type, e.g. '(f32[2,3]{1,0}, f32[])' -> [(2, 3), ()]."""
+  return [tuple(int(d) for d in dims.split(",") if d)
+          for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", shape_text)]
+
+
+def gradient_collectives(colls):
+  """Reduce-scatters and all-reduces that carry an array of more than one element."""
+  return [c for c in colls if c[0] in ("reduce-scatter", "all-reduce")
+          and any(np.prod(s) > 1 for s in shapes_in(c[1]))]

@@ -1,0 +1,147 @@
+"""One process of the multi-process tests (started by tests/test_multiprocess.py).
+
+Importable without side effects: the test process imports the model, the
+variants and the batches from here to compute its one-process reference.
+
+  python tests/mp_worker.py parity OUT_DIR [CKPT_DIR]   # the variants, 5 steps each
+  python tests/mp_worker.py forever OUT_DIR [P]         # trains until killed;
+                                                        # process P raises at step 3
+
+Each process is configured by the ZERO_JAX_* variables of
+zero_jax.distributed.start_local_processes.
+"""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+STEPS = 5
+GLOBAL_BATCH = 16
+# Small leaves on purpose: gloo's reduce-scatter has failed on large (4 MiB)
+# chunks (jax issue 40830). Uneven shapes exercise the padding.
+SHAPES = {"w1": (6, 9), "b1": (9,), "w2": (9, 3), "b2": (3,)}
+VARIANTS = {
+    "stage1_adam": dict(stage=1, opt="adam"),
+    "stage2_sgd_clip": dict(stage=2, opt="sgd", max_grad_norm=0.05),
+    "stage3_adamw": dict(stage=3, opt="adamw"),
+    "stage3_sgd": dict(stage=3, opt="sgd"),
+    "fp16_stage2_adam": dict(stage=2, opt="adam", precision="fp16"),
+}
+
+
+def init_params():
+  rng = np.random.default_rng(0)
+  return {k: (rng.normal(size=s) / np.sqrt(s[0])).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def global_batch(t):
+  rng = np.random.default_rng(100 + t)
+  return {"x": rng.normal(size=(GLOBAL_BATCH, 6)).astype(np.float32),
+          "y": rng.normal(size=(GLOBAL_BATCH, 3)).astype(np.float32)}
+
+
+def loss_fn(p, b):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  h = jnp.tanh(b["x"].astype(p["w1"].dtype) @ p["w1"] + p["b1"])
+  out = h @ p["w2"] + p["b2"]
+  return jnp.mean((out.astype(jnp.float32) - b["y"]) ** 2)
+
+
+def optimizer(name):
+  import optax  # pylint: disable=g-import-not-at-top
+  return {"adam": optax.adam(1e-2), "adamw": optax.adamw(1e-2, weight_decay=0.1),
+          "sgd": optax.sgd(0.1)}[name]
+
+
+def make_step(variant, mesh):
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  v = dict(VARIANTS[variant])
+  return zj.make_sharded_train_step(loss_fn, optimizer(v.pop("opt")), mesh=mesh, **v)
+
+
+def _parity(out_dir, ckpt_in):
+  import jax  # pylint: disable=g-import-not-at-top
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  me = jax.process_index()
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  rows = zj.process_batch_slice(GLOBAL_BATCH, mesh)
+  results, report = {}, {"process": me, "rows": [rows.start, rows.stop],
+                         "num_devices": jax.device_count(),
+                         "local_devices": jax.local_device_count(), "metrics": {}}
+  for variant in VARIANTS:
+    step = make_step(variant, mesh)
+    state = step.init(init_params())
+    history = []
+    for t in range(STEPS):
+      local = jax.tree.map(lambda x: x[rows], global_batch(t))
+      state, metrics = step(state, zj.make_global_batch(local, mesh))
+      history.append(zj.metrics_to_host(metrics))
+      zj.print_main(f"{variant} step {t}: loss {history[-1]['loss']:.6f}")
+    for k, x in step.get_params(state).items():
+      results[f"{variant}/{k}"] = np.asarray(x)
+    results[f"{variant}/loss"] = np.array([m["loss"] for m in history])
+    results[f"{variant}/grad_norm"] = np.array([m["grad_norm"] for m in history])
+    report["metrics"][variant] = {k: type(v).__name__ for k, v in history[-1].items()}
+    if variant == "stage2_sgd_clip" and ckpt_in:
+      _checkpoints(step, state, out_dir, ckpt_in, results)
+  np.savez(os.path.join(out_dir, f"parity_{me}.npz"), **results)
+  with open(os.path.join(out_dir, f"report_{me}.json"), "w") as f:
+    json.dump(report, f)
+
+
+def _checkpoints(step, state, out_dir, ckpt_in, results):
+  """Restores the test process's checkpoint; saves this run's state."""
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  from zero_jax.checkpoint import CheckpointManager  # pylint: disable=g-import-not-at-top
+  with CheckpointManager(ckpt_in) as mngr:
+    restored = mngr.restore(step, init_params())
+  for k, x in step.get_params(restored).items():
+    results[f"restored/{k}"] = np.asarray(x)
+  results["restored/step"] = np.asarray(restored.step)
+  # One more step from the restored state: the optimizer state came back too.
+  state_r, _ = step(restored, zj.make_global_batch(
+      {k: v[zj.process_batch_slice(GLOBAL_BATCH, step.mesh)] for k, v in
+       global_batch(STEPS).items()}, step.mesh))
+  for k, x in step.get_params(state_r).items():
+    results[f"restored_plus_one/{k}"] = np.asarray(x)
+  with CheckpointManager(os.path.join(out_dir, "ckpt_mp")) as mngr:
+    mngr.save(state)
+    mngr.wait_until_finished()
+
+
+def _forever(out_dir, raise_in):
+  import jax  # pylint: disable=g-import-not-at-top
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  rows = zj.process_batch_slice(GLOBAL_BATCH, mesh)
+  step = make_step("stage2_sgd_clip", mesh)
+  state = step.init(init_params())
+  local = jax.tree.map(lambda x: x[rows], global_batch(0))
+  for t in range(100000):
+    state, metrics = step(state, zj.make_global_batch(local, mesh))
+    m = zj.metrics_to_host(metrics)
+    print(f"process {jax.process_index()} step {t} loss {m['loss']:.5f}", flush=True)
+    if t == 3 and jax.process_index() == raise_in:
+      raise RuntimeError(f"mp_worker: injected failure in process {raise_in}")
+    time.sleep(0.02)
+  del out_dir
+
+
+def main(argv):
+  mode, out_dir = argv[1], argv[2]
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  zj.initialize_distributed()
+  if mode == "parity":
+    _parity(out_dir, argv[3] if len(argv) > 3 else None)
+  elif mode == "forever":
+    _forever(out_dir, int(argv[3]) if len(argv) > 3 else None)
+  else:
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  main(sys.argv)

@@ -1,0 +1,268 @@
+"""Multi-process training: 2 processes x 4 CPU devices against 1 process x 8.
+
+The workers (tests/mp_worker.py) run over gloo on localhost. This process has
+8 fake CPU devices (conftest) and computes the references: the same steps on
+one process, and plain single-device optax. Every variant runs in one launch
+of two workers (each launch pays process start-up and compilation).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import mp_worker as W
+import zero_jax as zj
+from zero_jax import distributed as zd
+
+try:  # zero_jax.checkpoint is written alongside; the checkpoint tests need it
+  from zero_jax.checkpoint import CheckpointManager
+except ImportError:
+  CheckpointManager = None
+needs_checkpoint = pytest.mark.skipif(CheckpointManager is None,
+                                      reason="zero_jax.checkpoint is not available")
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_worker.py")
+PEER_TIMEOUT = 5.0
+# From killing a process to the survivor's exit: the watchdog's timeout, one
+# poll interval, and slack for a loaded machine.
+EXIT_BOUND_S = PEER_TIMEOUT + 10.0
+
+
+def _close(a, b, rtol):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * max(np.abs(b).max(), 1e-30))
+
+
+def _host(tree):
+  return {k: np.asarray(v) for k, v in tree.items()}
+
+
+# ----------------------------------------------------------------- references
+@pytest.fixture(scope="module")
+def mesh8():
+  return jax.make_mesh((8,), ("data",))
+
+
+@pytest.fixture(scope="module")
+def one_process(mesh8, tmp_path_factory):
+  """Each variant for 5 steps in this process on 8 devices; a checkpoint of one."""
+  ckpt = str(tmp_path_factory.mktemp("ckpt_1p")) if CheckpointManager else None
+  out = {}
+  for variant in W.VARIANTS:
+    step = W.make_step(variant, mesh8)
+    state = step.init(W.init_params())
+    losses = []
+    for t in range(W.STEPS):
+      state, m = step(state, W.global_batch(t))
+      losses.append(float(m["loss"]))
+    out[variant] = {"params": _host(step.get_params(state)), "loss": np.array(losses)}
+    if variant == "stage2_sgd_clip" and ckpt:
+      with CheckpointManager(ckpt) as mngr:
+        mngr.save(state)
+        mngr.wait_until_finished()
+      state, _ = step(state, W.global_batch(W.STEPS))
+      out["plus_one"] = _host(step.get_params(state))
+  out["ckpt"] = ckpt
+  return out
+
+
+def _plain_optax(variant):
+  """Single device, plain jax.jit + optax: the reference for the fp32 variants."""
+  v = W.VARIANTS[variant]
+  opt = W.optimizer(v["opt"])
+  if v.get("max_grad_norm"):
+    opt = optax.chain(optax.clip_by_global_norm(v["max_grad_norm"]), opt)
+
+  @jax.jit
+  def update(params, opt_state, batch):
+    grads = jax.grad(W.loss_fn)(params, batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = jax.device_put(W.init_params(), jax.devices()[0])
+  opt_state = opt.init(params)
+  for t in range(W.STEPS):
+    params, opt_state = update(params, opt_state, W.global_batch(t))
+  return _host(params)
+
+
+@pytest.fixture(scope="module")
+def two_processes(one_process, tmp_path_factory):
+  """All variants in one launch of 2 processes x 4 devices."""
+  out = tmp_path_factory.mktemp("mp")
+  start = time.monotonic()
+  ckpt = [one_process["ckpt"]] if one_process["ckpt"] else []
+  rc = zj.launch_local([sys.executable, WORKER, "parity", str(out)] + ckpt,
+                       num_processes=2, devices_per_process=4, timeout=300,
+                       log_dir=str(out / "logs"))
+  logs = "\n".join((out / "logs" / f"process_{i}.log").read_text()[-4000:] for i in range(2))
+  assert rc == 0, f"workers failed (rc {rc}):\n{logs}"
+  print(f"2-process launch: {time.monotonic() - start:.1f} s")
+  return {"results": [dict(np.load(out / f"parity_{i}.npz")) for i in range(2)],
+          "reports": [json.loads((out / f"report_{i}.json").read_text()) for i in range(2)],
+          "dir": out}
+
+
+# ----------------------------------------------------------------- parity
+@pytest.mark.parametrize("variant", list(W.VARIANTS))
+def test_two_processes_give_the_params_of_one_process_after_5_steps(
+    variant, one_process, two_processes):
+  ref = one_process[variant]
+  for r in two_processes["results"]:
+    for k in W.SHAPES:
+      _close(r[f"{variant}/{k}"], ref["params"][k], rtol=1e-6)
+    _close(r[f"{variant}/loss"], ref["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant", [v for v in W.VARIANTS if "fp16" not in v])
+def test_one_process_reference_matches_plain_optax(variant, one_process):
+  plain = _plain_optax(variant)
+  for k in W.SHAPES:
+    _close(one_process[variant]["params"][k], plain[k], rtol=1e-5)
+
+
+def test_every_process_gets_the_same_params_and_python_metrics(two_processes):
+  r0, r1 = two_processes["results"]
+  assert sorted(r0) == sorted(r1)
+  for k in r0:
+    np.testing.assert_array_equal(r0[k], r1[k], err_msg=k)
+  rows = []
+  for rep in two_processes["reports"]:
+    assert rep["num_devices"] == 8 and rep["local_devices"] == 4
+    rows.append(rep["rows"])
+    for variant, types in rep["metrics"].items():
+      assert types == {"loss": "float", "grad_norm": "float", "grads_finite": "bool",
+                       "loss_scale": "float"}, variant
+  assert rows == [[0, 8], [8, 16]]
+
+
+# ----------------------------------------------------------------- checkpoints
+@needs_checkpoint
+def test_checkpoint_from_one_process_restores_in_two(one_process, two_processes):
+  ref = one_process["stage2_sgd_clip"]["params"]
+  for r in two_processes["results"]:
+    assert int(r["restored/step"]) == W.STEPS
+    for k in W.SHAPES:
+      np.testing.assert_array_equal(r[f"restored/{k}"], ref[k])
+      _close(r[f"restored_plus_one/{k}"], one_process["plus_one"][k], rtol=1e-6)
+
+
+@needs_checkpoint
+def test_checkpoint_from_two_processes_restores_in_one(mesh8, one_process, two_processes):
+  step = W.make_step("stage2_sgd_clip", mesh8)
+  with CheckpointManager(two_processes["dir"] / "ckpt_mp") as mngr:
+    restored = mngr.restore(step, W.init_params())
+  assert int(restored.step) == W.STEPS
+  params = step.get_params(restored)
+  for k in W.SHAPES:
+    np.testing.assert_array_equal(np.asarray(params[k]),
+                                  two_processes["results"][0][f"stage2_sgd_clip/{k}"])
+  restored, _ = step(restored, W.global_batch(W.STEPS))
+  for k, x in step.get_params(restored).items():
+    _close(x, one_process["plus_one"][k], rtol=1e-6)
+
+
+# ----------------------------------------------------------------- a lost peer
+def _wait_for(path, text, procs, timeout=180):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if os.path.exists(path) and text in open(path).read():
+      return
+    if any(p.poll() is not None for p in procs):
+      break
+    time.sleep(0.1)
+  for p in procs:
+    p.kill()
+  raise AssertionError(f"{path} never showed {text!r}:\n{open(path).read()[-3000:]}")
+
+
+def _run_until_failure(tmp_path, extra_args, victim=None):
+  """Starts 2 'forever' workers; kills ``victim`` once both passed step 3."""
+  logs = tmp_path / "logs"
+  survivor_id = 0 if victim is None else 1 - victim
+  procs = zd.start_local_processes([sys.executable, WORKER, "forever", str(tmp_path)] +
+                                   extra_args, num_processes=2, devices_per_process=4,
+                                   peer_timeout_seconds=PEER_TIMEOUT, log_dir=str(logs))
+  try:
+    if victim is not None:
+      for i in range(2):
+        _wait_for(logs / f"process_{i}.log", f"process {i} step 3 ", procs)
+      procs[victim].kill()
+    else:  # the failing process announces itself in its log
+      _wait_for(logs / "process_1.log", "injected failure", procs)
+    t0 = time.monotonic()
+    survivor = procs[survivor_id]
+    survivor.wait(timeout=EXIT_BOUND_S + 60)
+    elapsed = time.monotonic() - t0
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  text = (logs / f"process_{survivor_id}.log").read_text()
+  return survivor.returncode, elapsed, text
+
+
+def test_survivor_exits_naming_the_killed_peer_within_the_bound(tmp_path):
+  code, elapsed, text = _run_until_failure(tmp_path, [], victim=1)
+  assert code == zj.LOST_PEER_EXIT_CODE, text[-3000:]
+  assert "zero_jax: lost peer process 1 of 2" in text, text[-3000:]
+  assert elapsed < EXIT_BOUND_S, (elapsed, text[-3000:])
+  print(f"killed process 1: process 0 exited after {elapsed:.1f} s")
+
+
+def test_survivor_exits_when_the_coordinator_process_is_killed(tmp_path):
+  # JAX itself ends the job at once when process 0 (the coordination service)
+  # is gone: SIGABRT with a message naming the leader task.
+  code, elapsed, text = _run_until_failure(tmp_path, [], victim=0)
+  assert code != 0, text[-3000:]
+  assert "leader task" in text, text[-3000:]
+  assert elapsed < EXIT_BOUND_S, (elapsed, text[-3000:])
+  print(f"killed process 0: process 1 exited ({code}) after {elapsed:.1f} s")
+
+
+def test_survivor_exits_naming_a_peer_that_raised(tmp_path):
+  code, elapsed, text = _run_until_failure(tmp_path, ["1"])
+  assert code == zj.LOST_PEER_EXIT_CODE, text[-3000:]
+  assert "zero_jax: lost peer process 1 of 2" in text, text[-3000:]
+  assert "failed with RuntimeError: mp_worker: injected failure" in text, text[-3000:]
+  assert elapsed < EXIT_BOUND_S, (elapsed, text[-3000:])
+
+
+# ----------------------------------------------------------------- helpers, one process
+def test_metrics_to_host_gives_python_values():
+  m = zj.metrics_to_host({"loss": jax.numpy.float32(1.5), "ok": jax.numpy.bool_(True),
+                          "n": jax.numpy.int32(3), "v": jax.numpy.ones(2)})
+  assert m["loss"] == 1.5 and type(m["loss"]) is float
+  assert m["ok"] is True and type(m["n"]) is int
+  assert isinstance(m["v"], np.ndarray) and m["v"].shape == (2,)
+
+
+def test_make_global_batch_with_one_process_is_the_batch(mesh8):
+  assert zj.process_batch_slice(16, mesh8) == slice(0, 16)
+  b = W.global_batch(0)
+  g = zj.make_global_batch(b, mesh8)
+  assert g["x"].sharding.spec == jax.sharding.PartitionSpec("data")
+  np.testing.assert_array_equal(np.asarray(g["x"]), b["x"])
+  assert zj.is_main_process()
+
+
+def test_make_global_batch_names_the_leaf_with_a_bad_size(mesh8):
+  with pytest.raises(ValueError, match=r"local_batch\['y'\] has leading dimension 5"):
+    zj.make_global_batch({"x": np.zeros((8, 2)), "y": np.zeros((5, 2))}, mesh8)
+  with pytest.raises(ValueError, match="divisible by the 8 devices"):
+    zj.process_batch_slice(12, mesh8)
+
+
+def test_launch_local_reports_the_failed_process(tmp_path, capfd):
+  script = "import os, sys; sys.exit(5 if os.environ['ZERO_JAX_PROCESS_ID'] == '1' else 0)"
+  rc = zj.launch_local([sys.executable, "-c", script], num_processes=2, grace_seconds=5)
+  assert rc == 5
+  assert "process 1 exited with code 5" in capfd.readouterr().err

@@ -1,0 +1,570 @@
+"""Multi-process training: start-up, the global batch, host metrics, a peer watchdog.
+
+With ``jax.distributed`` every process runs the same script and owns some of
+the mesh's devices. The step, ``init``, ``get_params`` and checkpoints work
+unchanged on a mesh that spans processes; what changes is the host side:
+
+* **Start-up.** `initialize_distributed` calls ``jax.distributed.initialize``
+  (cluster auto-detection on SLURM, Open MPI, Kubernetes and Cloud TPU; or the
+  variables set by `launch_local`), selects gloo collectives on CPU and starts
+  a peer watchdog (below).
+* **The batch.** Each process loads only its rows of the global batch
+  (`process_batch_slice` says which) and `make_global_batch` assembles them
+  into one global ``jax.Array`` with ``jax.make_array_from_process_local_data``.
+* **Parameters.** ``step.init(params)`` must get the *same* params on every
+  process (initialise them from the same seed); it places them without
+  communication.
+* **Metrics and logs.** `metrics_to_host` turns the step's metrics into
+  Python floats and bools on every process; only the main process
+  (`is_main_process`) should print (`print_main`) and write logs.
+* **A lost peer.** A process blocked in a collective waits for its peers. The
+  watchdog started by `initialize_distributed` publishes a heartbeat through
+  the JAX coordination service and watches the others' heartbeats; when a
+  peer stops (killed, out of memory, machine lost) or fails with an uncaught
+  exception, every survivor prints which process was lost and exits with
+  `LOST_PEER_EXIT_CODE` within ``peer_timeout_seconds`` (plus one poll
+  interval), instead of hanging. If process 0, which hosts the coordination
+  service, dies, JAX itself terminates the others at once (SIGABRT) with
+  "Failed to send RPC to coordination service. Either the leader task was
+  preempted/died/restarted unexpectedly ...".
+
+Trying it on one machine: `launch_local` (or ``python examples/launch_local.py
+-n 2 -d 4 your_script.py``) starts ``n`` local processes with a few CPU
+devices each, wired together over gloo.
+
+Example (each process runs this):
+  >>> import jax, optax, zero_jax as zj                          # doctest: +SKIP
+  >>> zj.initialize_distributed()       # before any other JAX call
+  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  >>> step = zj.make_sharded_train_step(loss_fn, optax.adam(1e-3), mesh=mesh)
+  >>> state = step.init(params)         # the same params on every process
+  >>> rows = zj.process_batch_slice(global_batch_size, mesh)
+  >>> for global_np_batch in loader:
+  ...   local = jax.tree.map(lambda x: x[rows], global_np_batch)
+  ...   state, metrics = step(state, zj.make_global_batch(local, mesh))
+  ...   zj.print_main(zj.metrics_to_host(metrics))
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+LOST_PEER_EXIT_CODE = 3
+"""Exit status of a process that stops because a peer process was lost."""
+
+# Environment variables set by `launch_local` and read by `initialize_distributed`.
+ENV_COORDINATOR = "ZERO_JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "ZERO_JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "ZERO_JAX_PROCESS_ID"
+ENV_LOCAL_DEVICES = "ZERO_JAX_LOCAL_DEVICE_COUNT"
+ENV_PEER_TIMEOUT = "ZERO_JAX_PEER_TIMEOUT"
+
+_KV_PREFIX = "zero_jax/watchdog/"
+_watchdog: "_PeerWatchdog | None" = None
+
+
+# ------------------------------------------------------------------ start-up
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None, *,
+                           local_device_count: int | None = None,
+                           cpu_collectives: str = "gloo",
+                           peer_timeout_seconds: float | None = 60.0,
+                           **jax_kwargs) -> None:
+  """Joins this process to a multi-process JAX job and starts the peer watchdog.
+
+  Call it first, before any other JAX call. Arguments left as ``None`` are
+  read from the variables `launch_local` sets (``ZERO_JAX_*``), and otherwise
+  detected by ``jax.distributed.initialize`` from the cluster environment
+  (SLURM, Open MPI, Kubernetes, Cloud TPU; see its documentation). With a
+  single process (nothing given, nothing detected) it does nothing except
+  apply ``local_device_count``.
+
+  Example:
+    >>> import zero_jax as zj                                   # doctest: +SKIP
+    >>> zj.initialize_distributed()                 # SLURM: srun python train.py
+    >>> zj.initialize_distributed("10.0.0.1:1234", 2, 0)   # explicit, process 0
+
+  Args:
+    coordinator_address: ``"host:port"`` of process 0 (the coordination service).
+    num_processes: number of processes in the job.
+    process_id: this process's index, ``0 <= process_id < num_processes``.
+    local_device_count: number of CPU devices this process exposes (the
+      ``jax_num_cpu_devices`` option); ignored by GPU and TPU backends.
+    cpu_collectives: cross-process collectives on CPU: ``"gloo"`` or ``"mpi"``.
+    peer_timeout_seconds: a peer whose heartbeat is silent this long is lost
+      and this process exits with `LOST_PEER_EXIT_CODE`; ``None`` disables the
+      watchdog (JAX's own heartbeat still ends the job after
+      ``heartbeat_timeout_seconds``). Choose it above the longest pause of a
+      healthy process's Python threads (not of its computation: the heartbeat
+      runs in a thread).
+    **jax_kwargs: passed to ``jax.distributed.initialize`` (for example
+      ``initialization_timeout``, ``local_device_ids``,
+      ``heartbeat_timeout_seconds``; the latter defaults to
+      ``2 * peer_timeout_seconds + 10`` so that the watchdog, whose message
+      names the lost peer, speaks first).
+  """
+  global _watchdog
+  env = os.environ
+  if coordinator_address is None and env.get(ENV_COORDINATOR):
+    coordinator_address = env[ENV_COORDINATOR]
+  if num_processes is None and env.get(ENV_NUM_PROCESSES):
+    num_processes = int(env[ENV_NUM_PROCESSES])
+  if process_id is None and env.get(ENV_PROCESS_ID):
+    process_id = int(env[ENV_PROCESS_ID])
+  if local_device_count is None and env.get(ENV_LOCAL_DEVICES):
+    local_device_count = int(env[ENV_LOCAL_DEVICES])
+  if env.get(ENV_PEER_TIMEOUT):
+    peer_timeout_seconds = float(env[ENV_PEER_TIMEOUT])
+  if local_device_count is not None:
+    jax.config.update("jax_num_cpu_devices", int(local_device_count))
+  jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+  if num_processes == 1:
+    return
+  if peer_timeout_seconds is not None:
+    if not peer_timeout_seconds > 0:
+      raise ValueError(f"peer_timeout_seconds must be positive or None, got "
+                       f"{peer_timeout_seconds!r}.")
+    jax_kwargs.setdefault("heartbeat_timeout_seconds", int(2 * peer_timeout_seconds) + 10)
+  try:
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **jax_kwargs)
+  except ValueError as e:
+    if coordinator_address is None and num_processes is None:
+      raise ValueError(
+          f"initialize_distributed could not find the job's processes ({e}). Pass "
+          f"coordinator_address, num_processes and process_id, start the script with "
+          f"launch_local (python examples/launch_local.py -n 2 script.py), or run it "
+          f"under a cluster manager that jax.distributed.initialize detects (SLURM: "
+          f"srun, Open MPI: mpirun).") from e
+    raise
+  if jax.process_count() > 1 and peer_timeout_seconds is not None and _watchdog is None:
+    _watchdog = _PeerWatchdog(_coordination_client(), jax.process_index(), jax.process_count(),
+                              float(peer_timeout_seconds))
+    _watchdog.start()
+
+
+def _coordination_client():
+  """The ``jax.distributed`` key-value client (JAX has no public accessor)."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  return jax_distributed.global_state.client
+
+
+# ------------------------------------------------------------------ host side
+def is_main_process() -> bool:
+  """Whether this is process 0, the one that prints progress and writes logs.
+
+  Example:
+    >>> if zj.is_main_process():                               # doctest: +SKIP
+    ...   writer.write(step, zj.metrics_to_host(metrics))
+  """
+  return jax.process_index() == 0
+
+
+def print_main(*args, **kwargs) -> None:
+  """``print`` on the main process only (flushed); a no-op on the others.
+
+  Example:
+    >>> zj.print_main(f"step {i}: loss {m['loss']:.4f}")       # doctest: +SKIP
+  """
+  if is_main_process():
+    kwargs.setdefault("flush", True)
+    print(*args, **kwargs)
+
+
+def metrics_to_host(metrics) -> Any:
+  """The step's metrics as ordinary Python values, on every process.
+
+  Scalars become Python ``float``, ``int`` or ``bool``; other arrays become
+  numpy arrays. Call it on every process (it waits for the step; for an
+  array that is not replicated it gathers across processes, a collective).
+
+  Example:
+    >>> state, metrics = step(state, batch)                     # doctest: +SKIP
+    >>> m = zj.metrics_to_host(metrics)  # {'loss': 2.3, 'grads_finite': True, ...}
+    >>> zj.print_main(f"loss {m['loss']:.4f}")
+
+  Args:
+    metrics: a pytree of arrays, usually the dict returned by the step.
+
+  Returns:
+    The same tree with host values.
+  """
+  def to_host(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      x = multihost_utils.process_allgather(x, tiled=True)
+    x = np.asarray(x)
+    return x.item() if x.ndim == 0 else x
+  return jax.tree.map(to_host, metrics)
+
+
+# ------------------------------------------------------------------ the batch
+def _batch_sharding(mesh, axis_name) -> NamedSharding:
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(("
+                    f"jax.device_count(),), ('data',)) or step.mesh); got "
+                    f"{type(mesh).__name__}.")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are "
+                     f"{tuple(mesh.axis_names)}; pass the step's axis_name.")
+  return NamedSharding(mesh, P(axis_name))
+
+
+def _local_rows(sharding: NamedSharding, global_rows: int) -> list[tuple[int, int]]:
+  """Sorted, merged [start, stop) row ranges this process's devices hold."""
+  spans = set()
+  for index in sharding.addressable_devices_indices_map((global_rows,)).values():
+    s = index[0]
+    spans.add((s.start or 0, global_rows if s.stop is None else s.stop))
+  merged = []
+  for start, stop in sorted(spans):
+    if merged and start <= merged[-1][1]:
+      merged[-1] = (merged[-1][0], max(stop, merged[-1][1]))
+    else:
+      merged.append((start, stop))
+  return merged
+
+
+def process_batch_slice(global_batch_size: int, mesh: Mesh, *, axis_name: str = "data") -> slice:
+  """The rows of the global batch that this process loads.
+
+  ``make_global_batch`` expects each process to pass exactly these rows of
+  the global batch, in order. For ``jax.make_mesh`` meshes, process ``i`` of
+  ``p`` gets the ``i``-th of ``p`` equal blocks.
+
+  Example:
+    >>> rows = zj.process_batch_slice(64, mesh)    # 2 processes: slice(0, 32) or slice(32, 64)  # doctest: +SKIP
+    >>> local = {"x": x_global[rows], "y": y_global[rows]}
+
+  Args:
+    global_batch_size: the leading dimension of the global batch; a multiple
+      of the size of the mesh axis ``axis_name``.
+    mesh: the step's mesh.
+    axis_name: the mesh axis the batch is split over.
+
+  Returns:
+    A ``slice`` into the global batch's leading dimension.
+  """
+  sharding = _batch_sharding(mesh, axis_name)
+  n = mesh.shape[axis_name]
+  if global_batch_size % n:
+    raise ValueError(f"global_batch_size={global_batch_size} must be divisible by the "
+                     f"{n} devices on mesh axis {axis_name!r}.")
+  spans = _local_rows(sharding, global_batch_size)
+  if len(spans) != 1:
+    raise ValueError(f"process {jax.process_index()} holds the non-contiguous rows {spans} of "
+                     f"the global batch on this mesh; order the mesh's devices by process "
+                     f"(jax.make_mesh does) or build the global batch with "
+                     f"jax.make_array_from_callback.")
+  return slice(*spans[0])
+
+
+def make_global_batch(local_batch, mesh: Mesh, *, axis_name: str = "data"):
+  """Assembles each process's rows into the global batch the step expects.
+
+  Every process calls it with its own rows (see `process_batch_slice`): the
+  leaves' leading dimension is the per-process batch, the result's is the
+  global batch (the sum over processes), split over ``axis_name``. No data
+  moves between processes. With one process it just places the batch.
+
+  Example:
+    >>> rows = zj.process_batch_slice(64, mesh)                  # doctest: +SKIP
+    >>> batch = zj.make_global_batch({"x": x[rows], "y": y[rows]}, mesh)
+    >>> state, metrics = step(state, batch)
+
+  Args:
+    local_batch: a pytree of host arrays (numpy), this process's rows.
+    mesh: the step's mesh (``step.mesh`` or the mesh given to the step).
+    axis_name: the mesh axis the batch is split over.
+
+  Returns:
+    The same pytree of global ``jax.Array``s, sharded over ``axis_name``.
+  """
+  sharding = _batch_sharding(mesh, axis_name)
+  n = mesh.shape[axis_name]
+  probe = _local_rows(sharding, n)  # with one row per shard: this process's shard count
+  local_shards = sum(stop - start for start, stop in probe)
+
+  def make(path, x):
+    shape = np.shape(x)
+    if len(shape) == 0 or shape[0] % local_shards:
+      what = "a scalar" if not shape else f"leading dimension {shape[0]}"
+      raise ValueError(f"local_batch{jax.tree_util.keystr(path)} has {what} (shape {shape}), "
+                       f"but this process feeds {local_shards} of the {n} shards of mesh axis "
+                       f"{axis_name!r}, so each leaf's leading dimension (this process's rows "
+                       f"of the global batch) must be a multiple of {local_shards}; use a "
+                       f"global batch size that is a multiple of {n} and pass the rows "
+                       f"process_batch_slice(global_batch_size, mesh) gives.")
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+  return jax.tree_util.tree_map_with_path(make, local_batch)
+
+
+# ------------------------------------------------------------------ the watchdog
+class _PeerWatchdog:
+  """Heartbeats through the coordination service; exits when a peer is lost.
+
+  A daemon thread sets ``zero_jax/watchdog/hb/<i>`` to an increasing counter
+  every ``interval`` seconds and reads all peers' keys. A peer whose counter
+  has not changed for ``timeout`` seconds (measured on this host's clock),
+  and that has not announced a normal exit, is lost. A peer that announced a
+  failure (an uncaught exception) is reported after ``timeout`` seconds,
+  unless a lost peer is found meanwhile (which is then the likelier cause).
+  Either way the process prints the verdict and leaves with
+  `LOST_PEER_EXIT_CODE` through ``os._exit``, since a thread blocked in a
+  collective cannot be interrupted.
+  """
+
+  def __init__(self, client, process_id: int, num_processes: int, timeout: float):
+    self.client = client
+    self.me = process_id
+    self.n = num_processes
+    self.timeout = timeout
+    self.interval = min(max(timeout / 10, 0.2), 5.0)
+    self.peers = [i for i in range(num_processes) if i != process_id]
+    self.failure: str | None = None  # this process's uncaught exception, if any
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="zero_jax-peer-watchdog",
+                                    daemon=True)
+    self._info: dict[int, str] = {}
+    self._status: dict[int, str] = {}
+
+  def start(self):
+    self.client.key_value_set(f"{_KV_PREFIX}info/{self.me}",
+                              f"host {socket.gethostname()}, pid {os.getpid()}",
+                              allow_overwrite=True)
+    self._previous_hook = sys.excepthook
+    sys.excepthook = self._excepthook
+    atexit.register(self._at_exit)
+    self._thread.start()
+
+  def _name(self, i: int) -> str:
+    info = self._info.get(i)
+    return f"process {i} of {self.n}" + (f" ({info})" if info else "")
+
+  def _die(self, code: int, message: str):
+    try:
+      sys.stdout.flush()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    os.write(2, (f"\nzero_jax: {message}\n").encode())
+    os._exit(code)  # pylint: disable=protected-access
+
+  def _excepthook(self, kind, value, tb):
+    self.failure = "".join(traceback.format_exception_only(kind, value)).strip()
+    self._publish("exit", "error: " + self.failure[:500])
+    self._previous_hook(kind, value, tb)
+
+  def _publish(self, what: str, value: str):
+    try:
+      self.client.key_value_set(f"{_KV_PREFIX}{what}/{self.me}", value, allow_overwrite=True)
+    except Exception:  # pylint: disable=broad-except
+      pass  # the coordinator is gone; the thread reports that
+
+  def _at_exit(self):
+    if self.failure is None:  # a normal exit: tell the peers, stop watching
+      self._publish("exit", "ok")
+      self._stop.set()
+      return
+    # This process failed. Peers blocked in a collective with it may never reach
+    # JAX's shutdown barrier, so wait (the thread may find a lost peer and exit)
+    # until every peer is also leaving, or give up after the timeout.
+    deadline = time.monotonic() + self.timeout + 2 * self.interval
+    while time.monotonic() < deadline:
+      if all(i in self._status for i in self.peers):
+        return
+      time.sleep(self.interval / 2)
+    self._die(1, f"process {self.me} of {self.n} failed ({self.failure}); its peers did not "
+                 f"stop within {self.timeout:g} s, so it exits without waiting for them.")
+
+  def _run(self):
+    start = time.monotonic()
+    seen = {i: (None, start) for i in self.peers}  # peer -> (counter, when it last changed)
+    last_contact = start
+    failed_since: float | None = None
+    counter = 0
+    while not self._stop.wait(self.interval):
+      now = time.monotonic()
+      counter += 1
+      try:
+        self.client.key_value_set(f"{_KV_PREFIX}hb/{self.me}", str(counter), allow_overwrite=True)
+        entries = self.client.key_value_dir_get(_KV_PREFIX)
+        last_contact = now
+      except Exception as e:  # pylint: disable=broad-except
+        if now - last_contact > self.timeout:
+          self._die(LOST_PEER_EXIT_CODE,
+                    f"lost the coordinator, process 0 of {self.n}: no answer from the JAX "
+                    f"coordination service for {now - last_contact:.1f} s ({e}). Process "
+                    f"{self.me} exits with code {LOST_PEER_EXIT_CODE}.")
+        continue
+      for key, value in entries:
+        what, _, idx = key[len(_KV_PREFIX):].rpartition("/")
+        i = int(idx)
+        if what == "info":
+          self._info[i] = value
+        elif what == "exit" and i != self.me:
+          self._status[i] = value
+        elif what == "hb" and i in seen and seen[i][0] != value:
+          seen[i] = (value, now)
+      if self._stop.is_set():
+        return
+      lost = [i for i in self.peers
+              if i not in self._status and now - seen[i][1] > self.timeout]
+      failed = [i for i in self.peers if self._status.get(i, "ok") != "ok"]
+      if lost:
+        names = ", ".join(f"{self._name(i)}: no heartbeat for {now - seen[i][1]:.1f} s"
+                          for i in lost)
+        also = "".join(f"; {self._name(i)} failed with {self._status[i][7:]}" for i in failed)
+        self._die(LOST_PEER_EXIT_CODE,
+                  f"lost peer {names} (peer_timeout_seconds={self.timeout:g}){also}. Process "
+                  f"{self.me} exits with code {LOST_PEER_EXIT_CODE} instead of waiting for it "
+                  f"in a collective; restart the job (from the last checkpoint).")
+      if failed and failed_since is None:
+        failed_since = now
+      if failed and now - failed_since > self.timeout:
+        names = "; ".join(f"{self._name(i)} failed with {self._status[i][7:]}" for i in failed)
+        self._die(LOST_PEER_EXIT_CODE,
+                  f"lost peer {names}. Process {self.me} exits with code "
+                  f"{LOST_PEER_EXIT_CODE} instead of waiting for it in a collective.")
+
+
+# ------------------------------------------------------------------ local launcher
+def free_port() -> int:
+  """A TCP port on localhost that the OS reports free (bind to port 0)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start_local_processes(argv: Sequence[str], *, num_processes: int = 2,
+                          devices_per_process: int = 4, peer_timeout_seconds: float | None = None,
+                          env: dict | None = None, log_dir: str | None = None,
+                          **popen_kwargs) -> list[subprocess.Popen]:
+  """Starts ``num_processes`` copies of ``argv`` wired into one CPU JAX job.
+
+  Each child gets the ``ZERO_JAX_*`` variables that `initialize_distributed`
+  reads (coordinator on a free localhost port, its process id, its CPU device
+  count) and ``JAX_PLATFORMS=cpu``. The caller waits for them; `launch_local`
+  does that with a watchdog.
+
+  Args:
+    argv: the command, e.g. ``[sys.executable, "train.py", "--steps", "10"]``.
+    num_processes: how many processes.
+    devices_per_process: CPU devices each one exposes.
+    peer_timeout_seconds: overrides the children's watchdog timeout.
+    env: extra environment variables for every child.
+    log_dir: if given, process ``i`` writes its stdout and stderr to
+      ``log_dir/process_<i>.log``.
+    **popen_kwargs: passed to ``subprocess.Popen`` (e.g. ``stdout=``).
+
+  Returns:
+    The ``subprocess.Popen`` objects, in process-id order.
+  """
+  port = free_port()
+  procs = []
+  for i in range(num_processes):
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    child_env.update({
+        ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(num_processes),
+        ENV_PROCESS_ID: str(i), ENV_LOCAL_DEVICES: str(devices_per_process),
+        "JAX_PLATFORMS": "cpu"})
+    if peer_timeout_seconds is not None:
+      child_env[ENV_PEER_TIMEOUT] = str(peer_timeout_seconds)
+    if log_dir is None:
+      procs.append(subprocess.Popen(list(argv), env=child_env, **popen_kwargs))
+      continue
+    os.makedirs(log_dir, exist_ok=True)
+    with open(os.path.join(log_dir, f"process_{i}.log"), "wb") as log:
+      procs.append(subprocess.Popen(list(argv), env=child_env, stdout=log,
+                                    stderr=subprocess.STDOUT, **popen_kwargs))
+  return procs
+
+
+def _describe(code: int) -> str:
+  if code < 0:
+    try:
+      return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+      return f"was killed by signal {-code}"
+  return f"exited with code {code}"
+
+
+def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_process: int = 4,
+                 grace_seconds: float = 90.0, timeout: float | None = None,
+                 **kwargs) -> int:
+  """Runs ``argv`` as a ``num_processes``-process CPU job on this machine.
+
+  Waits for all processes. When one fails, the others get ``grace_seconds``
+  to stop on their own (their watchdogs report the lost peer) and are then
+  terminated. Prints which processes failed.
+
+  Example:
+    >>> import sys, zero_jax as zj                               # doctest: +SKIP
+    >>> zj.launch_local([sys.executable, "train.py"], num_processes=2,
+    ...                 devices_per_process=4)
+    0
+
+  Args:
+    argv: the command every process runs; it calls `initialize_distributed`.
+    num_processes: how many processes.
+    devices_per_process: CPU devices each one exposes.
+    grace_seconds: how long survivors may take to stop after a failure.
+    timeout: terminate everything after this many seconds (None: no limit).
+    **kwargs: passed to `start_local_processes`.
+
+  Returns:
+    0 if every process succeeded, else the first failure's exit status
+    (128 + signal number for a signal).
+  """
+  procs = start_local_processes(argv, num_processes=num_processes,
+                                devices_per_process=devices_per_process, **kwargs)
+  start = time.monotonic()
+  first_failure: tuple[int, int] | None = None  # (process id, code)
+  failed_at = None
+  try:
+    while any(p.poll() is None for p in procs):
+      now = time.monotonic()
+      for i, p in enumerate(procs):
+        if first_failure is None and p.returncode not in (None, 0):
+          first_failure, failed_at = (i, p.returncode), now
+          print(f"zero_jax.launch_local: process {i} {_describe(p.returncode)}; the others "
+                f"have {grace_seconds:g} s to stop.", file=sys.stderr, flush=True)
+      late = failed_at is not None and now - failed_at > grace_seconds
+      if late or (timeout is not None and now - start > timeout):
+        print(f"zero_jax.launch_local: terminating processes "
+              f"{[i for i, p in enumerate(procs) if p.poll() is None]}.", file=sys.stderr,
+              flush=True)
+        break
+      time.sleep(0.1)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.terminate()
+    for p in procs:
+      try:
+        p.wait(5)
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+  codes = [p.returncode for p in procs]
+  if first_failure is None and any(codes):
+    first_failure = next((i, c) for i, c in enumerate(codes) if c)
+  if first_failure is None:
+    return 0
+  summary = ", ".join(f"process {i} {_describe(c)}" for i, c in enumerate(codes))
+  print(f"zero_jax.launch_local: failed: {summary}.", file=sys.stderr, flush=True)
+  code = first_failure[1]
+  return 128 - code if code < 0 else code
