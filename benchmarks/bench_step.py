@@ -1,26 +1,31 @@
 """Step time and memory of zero_jax stages 1-2 against plain DP and a jit-annotated step.
 
-On one 8-device mesh and one process, with Adam and a GELU MLP of a few million
-parameters, this times (interleaved rounds, medians and paired ratios):
+On one 8-device mesh, with Adam and a GELU MLP of a few million parameters,
+this compares (interleaved rounds in one process, medians and paired ratios):
 
 - ``zj-s1`` / ``zj-s2``: ``zj.make_sharded_train_step(..., stage=1 / 2)``;
 - ``dp``: plain data parallelism, a ``shard_map`` step whose gradients are
   ``pmean``ed and whose optax update runs replicated on every device;
+- ``dp-rs``: the same, the mean computed as ``psum_scatter`` + ``all_gather``;
 - ``jit``: one ``jax.jit``, parameters replicated, batch sharded, optimizer
   state sharded over the data axis by ``in_shardings``/``out_shardings``;
 - ``jit+g``: the same with the gradient also constrained to that sharding.
 
 It reports per-device optimizer-state bytes (from the arrays' shards), XLA's
-``memory_analysis()`` and the collectives in each compiled program, checks that
-all variants give the same losses for a few steps, and writes the "core"
-section of BENCHMARKS.md.
+``memory_analysis()``, the collectives in each compiled program, minor page
+faults and system time per step, checks that all variants give the same losses
+for a few steps, and writes the "core" section of BENCHMARKS.md. Timings are
+taken twice, each in its own process: with glibc malloc keeping freed memory
+("retain") and with its defaults ("default"); see ``_step_common.CONDITIONS``.
 
 Usage:
-  python benchmarks/bench_step.py [--quick] [--no-write]
+  python benchmarks/bench_step.py [--quick] [--no-write] [--conditions retain,default]
 """
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
 
 import _step_common as sc  # first: sets up 8 CPU devices
@@ -31,25 +36,25 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 zj = sc.zj
+ORDER = ["zj-s1", "zj-s2", "dp", "dp-rs", "jit", "jit+g"]
 
 
 def build(mesh, params, optimizer):
-  """Every variant as (init, step, lower) closures sharing one calling convention."""
+  """Every variant as ``(init, run, lower, opt_state_of)`` closures."""
   variants = {}
   for stage in (1, 2):
     step = zj.make_sharded_train_step(sc.mlp_loss, optimizer, mesh=mesh, stage=stage)
-
-    def init(step=step):
-      return step.init(params)
 
     def run(state, batch, step=step):
       state, m = step(state, batch)
       return state, m["loss"]
 
-    variants[f"zj-s{stage}"] = (init, run, lambda s, b, step=step: step.lower(s, b),
+    variants[f"zj-s{stage}"] = (lambda step=step: step.init(params), run,
+                                lambda s, b, step=step: step.lower(s, b),
                                 lambda s: s.opt_state)
   for name, (init_b, step_b) in {
       "dp": sc.make_dp_step(sc.mlp_loss, optimizer, mesh),
+      "dp-rs": sc.make_dp_step(sc.mlp_loss, optimizer, mesh, rs_ag=True),
       "jit": sc.make_jit_step(sc.mlp_loss, optimizer, mesh),
       "jit+g": sc.make_jit_step(sc.mlp_loss, optimizer, mesh, shard_grads=True)}.items():
 
@@ -63,38 +68,42 @@ def build(mesh, params, optimizer):
   return variants
 
 
-def main():
-  args = sc.parser(__doc__).parse_args()
-  t_start = time.perf_counter()
-  if args.quick:
-    sizes, batch_size, rounds, iters = [256, 512, 512, 256], 64, 5, 2
-  else:
-    sizes, batch_size, rounds, iters = [512, 1024, 1024, 1024, 1024, 512], 64, 15, 3
-  mesh = sc.mesh_of(8)
-  params = sc.init_mlp(jax.random.key(0), sizes)
-  psi = sc.n_params(params)
-  optimizer = optax.adam(1e-3)
-  batches = [sc.place_batch(b, mesh)
-             for b in sc.make_batches(jax.random.key(1), 4, batch_size, sizes[0], sizes[-1])]
-  variants = build(mesh, params, optimizer)
+def config(quick):
+  if quick:
+    return dict(sizes=[256, 512, 512, 256], batch_size=64, rounds=5, iters=2)
+  return dict(sizes=[512, 1024, 1024, 1024, 1024, 512], batch_size=64, rounds=9, iters=2)
 
-  # Sanity: same losses over a few steps from the same parameters.
-  losses, states, mem, opt_bytes, colls = {}, {}, {}, {}, {}
+
+def measure(args) -> dict:
+  cfg = config(args.quick)
+  mesh = sc.mesh_of(8)
+  params = sc.init_mlp(jax.random.key(0), cfg["sizes"])
+  optimizer = optax.adam(1e-3)
+  batches = [sc.place_batch(b, mesh) for b in
+             sc.make_batches(jax.random.key(1), 4, cfg["batch_size"], cfg["sizes"][0],
+                             cfg["sizes"][-1])]
+  variants = build(mesh, params, optimizer)
+  out = {"psi": sc.n_params(params), "losses": {}, "opt_bytes": {}, "mem": {}, "colls": {}}
+
+  # Sanity: the same losses over a few steps from the same parameters.
+  states = {}
   for name, (init, run, lower, opt_of) in variants.items():
     state = init()
-    opt_bytes[name] = sc.bytes_per_device(opt_of(state))
-    compiled = lower(state, batches[0]).compile()
-    mem[name] = sc.memory(compiled)
-    colls[name] = sc.collectives_str(compiled.as_text())
-    ls = []
+    out["opt_bytes"][name] = sc.bytes_per_device(opt_of(state))
+    if not args.timing_only:
+      compiled = lower(state, batches[0]).compile()
+      out["mem"][name] = sc.memory(compiled)
+      out["colls"][name] = sc.collectives_str(compiled.as_text())
+    losses = []
     for b in batches:
       state, loss = run(state, b)
-      ls.append(float(loss))
-    losses[name], states[name] = ls, state
-  ref = np.array(losses["dp"])
-  max_dev = max(float(np.max(np.abs(np.array(v) - ref) / np.abs(ref))) for v in losses.values())
-  print("losses:", {k: [f"{x:.6f}" for x in v] for k, v in losses.items()})
-  assert max_dev < 1e-4, f"variants disagree on the loss: relative deviation {max_dev:.2e}"
+      losses.append(float(loss))
+    out["losses"][name], states[name] = losses, state
+  ref = np.array(out["losses"]["dp"])
+  out["max_dev"] = max(float(np.max(np.abs(np.array(v) - ref) / np.abs(ref)))
+                       for v in out["losses"].values())
+  print("losses:", {k: [f"{x:.6f}" for x in v] for k, v in out["losses"].items()}, flush=True)
+  assert out["max_dev"] < 1e-4, f"variants disagree on the loss: {out['max_dev']:.2e}"
 
   def timed(name):
     run = variants[name][1]
@@ -107,43 +116,111 @@ def main():
   go = {name: timed(name) for name in variants}
   for f in go.values():  # warm up
     f()
-  times = sc.interleave(go, rounds=rounds, iters=iters)
+  out["times"] = sc.interleave(go, rounds=cfg["rounds"], iters=cfg["iters"])
 
-  rows = []
-  for name in variants:
-    m = mem[name]
-    rows.append([f"`{name}`", sc.spread(times[name]), sc.ratio_iqr(times, name, "dp"),
-                 sc.ratio_iqr(times, name, "jit"), sc.mib(opt_bytes[name]), sc.mib(m["arg"]),
-                 sc.mib(m["out"]), sc.mib(m["temp"]), colls[name]])
-  header = ["variant", "step ms, median (IQR)", "time / dp", "time / jit",
-            "opt state MiB/device", "XLA arg MiB", "XLA out MiB", "XLA temp MiB",
-            "collectives in the compiled step (count, result bytes)"]
-  tab = sc.table(header, rows)
-  print(tab)
-  r1, r2 = sc.median_ratio(times, "zj-s1", "dp"), sc.median_ratio(times, "zj-s2", "dp")
-  text = f"""## core: zero_jax stages 1-2 vs plain DP and a jit-annotated step
+  # Minor page faults and system time per step (the allocator's share).
+  out["faults"] = {}
+  for name, f in go.items():
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(3):
+      f()
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    out["faults"][name] = ((r1.ru_minflt - r0.ru_minflt) / 3, (r1.ru_stime - r0.ru_stime) / 3)
 
-Machine: {machine()}. Model: GELU MLP {sizes} (Ψ = {psi:,} fp32 parameters, {psi * 4 / sc.MIB:.1f} MiB),
-Adam, global batch {batch_size} ({batch_size // 8} per device), 8 devices on one `data` axis.
+  # The same sum as one all-reduce or as reduce-scatter + all-gather, Ψ floats per device.
+  x, pair = sc.collective_pair(mesh, out["psi"])
+  for f in pair.values():
+    f(x).block_until_ready()
+  out["ctimes"] = sc.interleave({k: (lambda f=f: f(x).block_until_ready())
+                                 for k, f in pair.items()},
+                                rounds=cfg["rounds"], iters=cfg["iters"])
+  return out
+
+
+def render(results, args, seconds) -> str:
+  cfg = config(args.quick)
+  conds = list(results)
+  first = results[conds[0]]
+  psi = first["psi"]
+  mem_rows = []
+  for name in ORDER:
+    m = first["mem"][name]
+    mem_rows.append([f"`{name}`", sc.mib(first["opt_bytes"][name]), sc.mib(m["arg"]),
+                     sc.mib(m["out"]), sc.mib(m["temp"]), first["colls"][name]])
+  mem_tab = sc.table(["variant", "Adam state MiB/device", "XLA arg MiB", "XLA out MiB",
+                      "XLA temp MiB", "collectives in the compiled step (count, result bytes)"],
+                     mem_rows)
+  time_rows = []
+  for name in ORDER:
+    row = [f"`{name}`"]
+    for c in conds:
+      r = results[c]
+      flt, st = r["faults"][name]
+      row += [sc.spread(r["times"][name]), sc.ratio_iqr(r["times"], name, "dp"),
+              sc.ratio_iqr(r["times"], name, "jit"), f"{flt:,.0f} / {st * 1e3:.0f}"]
+    time_rows.append(row)
+  header = ["variant"]
+  for c in conds:
+    header += [f"{c}: step ms", f"{c}: / dp", f"{c}: / jit", f"{c}: faults / sys ms per step"]
+  time_tab = sc.table(header, time_rows)
+  coll_rows = []
+  for k in results[conds[0]]["ctimes"]:
+    row = [k]
+    for c in conds:
+      ct = results[c]["ctimes"]
+      row += [sc.spread(ct[k]), sc.ratio_iqr(ct, k, "all-reduce")]
+    coll_rows.append(row)
+  coll_tab = sc.table(["collective"] + [f"{c}: {h}" for c in conds
+                                        for h in ("ms", "/ all-reduce")], coll_rows)
+  med = lambda c, a, b: sc.median_ratio(results[c]["times"], a, b)
+  summary = "; ".join(
+      f"{c}: stage 1 / dp = {med(c, 'zj-s1', 'dp'):.2f}, stage 2 / dp = "
+      f"{med(c, 'zj-s2', 'dp'):.2f}, stage 2 / jit = {med(c, 'zj-s2', 'jit'):.2f}, "
+      f"stage 2 / dp-rs = {med(c, 'zj-s2', 'dp-rs'):.2f}" for c in conds)
+  conds_text = "\n".join(f"- `{c}`: {sc.CONDITION_TEXT[c]}" for c in conds)
+  return f"""## core: zero_jax stages 1-2 vs plain DP and a jit-annotated step
+
+Machine: {machine()}. Model: GELU MLP {cfg['sizes']} (Ψ = {psi:,} fp32 parameters,
+{psi * 4 / sc.MIB:.1f} MiB), Adam, global batch {cfg['batch_size']}
+({cfg['batch_size'] // 8} per device), 8 fake CPU devices on one `data` axis.
 `dp`: `shard_map` step, `pmean` of the gradients, optax update replicated on every device.
-`jit`: one `jax.jit`, params replicated, batch sharded, Adam state sharded over `data` via
-in/out shardings. `jit+g`: the same with the gradient constrained to the state's sharding.
-The machine's 2 cores are shared with other jobs, so absolute times are noisy: the variants
-run interleaved ({rounds} rounds x {iters} steps, order rotated each round) in one process;
-ratios are the median (and IQR) over rounds of the paired per-round ratio. Memory is per
-device: optimizer state from the arrays' addressable shards, the rest from XLA's
-`compiled.memory_analysis()` (`arg` includes params and the donated state; `out` aliases it).
-Losses after {len(batches)} steps agree across all variants to {max_dev:.1e} (relative).
-`python benchmarks/bench_step.py{' --quick' if args.quick else ''}` ({time.perf_counter() - t_start:.0f} s).
+`dp-rs`: the same with the mean as `psum_scatter` + `all_gather`. `jit`: one `jax.jit`,
+params replicated, batch sharded, Adam state sharded over `data` via in/out shardings.
+`jit+g`: the same with the gradient constrained to the state's sharding.
+Losses after 4 steps agree across all variants to {first['max_dev']:.1e} (relative).
+`python benchmarks/bench_step.py{' --quick' if args.quick else ''}` ({seconds:.0f} s in all).
 
-{tab}
+Memory per device: Adam state from the arrays' addressable shards, the rest from XLA's
+`compiled.memory_analysis()` (`arg` holds params + Adam state and is donated: `out` aliases it).
 
-zero_jax stage 1 / DP = {r1:.2f}, stage 2 / DP = {r2:.2f} (median paired ratios).
+{mem_tab}
+
+Step time. The host's 2 cores are shared with other jobs (load average 10-20 while this
+ran), so absolute times are noisy: the variants run interleaved in one process
+({cfg['rounds']} rounds x {cfg['iters']} steps, order rotated each round); a ratio is the median
+(and IQR) over rounds of the paired per-round ratio. Each malloc condition is its own process:
+{conds_text}
+
+{time_tab}
+
+Median ratios: {summary}.
+
+The collectives alone (same interleaving; each device contributes Ψ f32):
+
+{coll_tab}
 """
+
+
+def main():
+  args = sc.parser(__doc__).parse_args()
+  if sc.child_main(args, measure):
+    return
+  t0 = time.perf_counter()
+  results = sc.run_children(__file__, args)
+  text = render(results, args, time.perf_counter() - t0)
   print(text)
   if not args.no_write:
     write_section("core", text)
-  return times, mem, colls
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ of parameters, gradients, optimizer state and master copy for plain data
 parallelism and ZeRO stages 1-3 (`zj.memory_report`, from shapes only) next
 to what this run's state really holds and XLA's own figure for the compiled
 step; a little text sampled from the model; a checkpoint to resume from
-(`zero_jax.checkpoint.CheckpointManager`).
+(`zj.CheckpointManager`).
 
 The data order depends only on ``--seed`` and the step number, so a run
 resumed from a checkpoint takes the same steps as one that was never
@@ -44,7 +44,6 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
   import zero_jax as zj
-from zero_jax.checkpoint import CheckpointManager
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -64,11 +63,20 @@ SIZES = {          # d_model, layers, heads
 
 
 # ------------------------------------------------------------------ arguments
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows defaults, except empty ones (None, False)."""
+
+  def _get_help_string(self, action):
+    if action.default in (None, False):
+      return action.help
+    return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       description="Train a byte-level transformer LM on Python's standard library with "
                   "zero_jax (ZeRO sharded data parallelism).",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      formatter_class=_HelpFormatter)
   p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3),
                  help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also params")
   p.add_argument("--precision", default="fp32",
@@ -290,7 +298,7 @@ def main(argv=None) -> dict:
       sys.exit(f"--ckpt-dir {ckpt_dir} holds checkpoints; pass --resume to continue from them, "
                f"or choose an empty --ckpt-dir.")
     shutil.rmtree(ckpt_dir)  # the example's own scratch directory
-  mngr = CheckpointManager(ckpt_dir, max_to_keep=2)
+  mngr = zj.CheckpointManager(ckpt_dir, max_to_keep=2)
   if args.resume is not None:
     if mngr.latest_step() is None:
       sys.exit(f"--resume: no checkpoint in {ckpt_dir}.")
@@ -340,10 +348,10 @@ def main(argv=None) -> dict:
       rate = timed_steps * tokens_per_step / timed_s if timed_s else float("nan")
       bar.set_postfix(loss=f"{losses[i + 1]:.3f}", tok_s=f"{rate:,.0f}")
     if args.save_every and (i + 1) % args.save_every == 0 and not last:
-      mngr.save(state)
+      mngr.save(state, force=True)  # force: a resumed run replaces later checkpoints
   bar.close()
-  if int(state.step) > start or mngr.latest_step() != int(state.step):
-    mngr.save(state)
+  if int(state.step) > start:
+    mngr.save(state, force=True)
   mngr.wait_until_finished()
   tokens_per_s = timed_steps * tokens_per_step / timed_s if timed_s else float("nan")
 

@@ -28,7 +28,11 @@ VARIANTS = {
     "stage2_sgd_clip": dict(stage=2, opt="sgd", max_grad_norm=0.05),
     "stage3_adamw": dict(stage=3, opt="adamw"),
     "stage3_sgd": dict(stage=3, opt="sgd"),
-    "fp16_stage2_adam": dict(stage=2, opt="adam", precision="fp16"),
+    # fp32 on the wire: gloo and the in-process reduction add the 8 fp16
+    # gradients in different orders, which in fp16 differs by its rounding.
+    "fp16_stage2_adam": dict(stage=2, opt="adam", precision="fp16", comm_dtype="float32"),
+    # rng= (a typed key) and model_state= placed on a mesh that spans processes.
+    "stage2_adam_rng_state": dict(stage=2, opt="adam", extras=True),
 }
 
 
@@ -50,6 +54,22 @@ def loss_fn(p, b):
   return jnp.mean((out.astype(jnp.float32) - b["y"]) ** 2)
 
 
+def loss_fn_extras(p, b, model_state, rng):
+  """Input noise from the per-device key; a running mean as model state."""
+  import jax  # pylint: disable=g-import-not-at-top
+  x = b["x"] + 0.1 * jax.random.normal(rng, b["x"].shape)
+  new_state = {"mean": 0.9 * model_state["mean"] + 0.1 * x.mean(0)}
+  return loss_fn(p, {"x": x - model_state["mean"], "y": b["y"]}), new_state
+
+
+def init_kwargs(variant):
+  """Extra arguments of step.init for the variant."""
+  if not VARIANTS[variant].get("extras"):
+    return {}
+  import jax  # pylint: disable=g-import-not-at-top
+  return {"model_state": {"mean": np.zeros(6, np.float32)}, "rng": jax.random.key(7)}
+
+
 def optimizer(name):
   import optax  # pylint: disable=g-import-not-at-top
   return {"adam": optax.adam(1e-2), "adamw": optax.adamw(1e-2, weight_decay=0.1),
@@ -59,7 +79,8 @@ def optimizer(name):
 def make_step(variant, mesh):
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
   v = dict(VARIANTS[variant])
-  return zj.make_sharded_train_step(loss_fn, optimizer(v.pop("opt")), mesh=mesh, **v)
+  fn = loss_fn_extras if v.pop("extras", False) else loss_fn
+  return zj.make_sharded_train_step(fn, optimizer(v.pop("opt")), mesh=mesh, **v)
 
 
 def _parity(out_dir, ckpt_in):
@@ -73,7 +94,7 @@ def _parity(out_dir, ckpt_in):
                          "local_devices": jax.local_device_count(), "metrics": {}}
   for variant in VARIANTS:
     step = make_step(variant, mesh)
-    state = step.init(init_params())
+    state = step.init(init_params(), **init_kwargs(variant))
     history = []
     for t in range(STEPS):
       local = jax.tree.map(lambda x: x[rows], global_batch(t))
@@ -82,6 +103,8 @@ def _parity(out_dir, ckpt_in):
       zj.print_main(f"{variant} step {t}: loss {history[-1]['loss']:.6f}")
     for k, x in step.get_params(state).items():
       results[f"{variant}/{k}"] = np.asarray(x)
+    if state.model_state is not None:
+      results[f"{variant}/model_state"] = np.asarray(state.model_state["mean"])
     results[f"{variant}/loss"] = np.array([m["loss"] for m in history])
     results[f"{variant}/grad_norm"] = np.array([m["grad_norm"] for m in history])
     report["metrics"][variant] = {k: type(v).__name__ for k, v in history[-1].items()}

@@ -57,12 +57,14 @@ def one_process(mesh8, tmp_path_factory):
   out = {}
   for variant in W.VARIANTS:
     step = W.make_step(variant, mesh8)
-    state = step.init(W.init_params())
+    state = step.init(W.init_params(), **W.init_kwargs(variant))
     losses = []
     for t in range(W.STEPS):
       state, m = step(state, W.global_batch(t))
       losses.append(float(m["loss"]))
     out[variant] = {"params": _host(step.get_params(state)), "loss": np.array(losses)}
+    if state.model_state is not None:
+      out[variant]["model_state"] = np.asarray(state.model_state["mean"])
     if variant == "stage2_sgd_clip" and ckpt:
       with CheckpointManager(ckpt) as mngr:
         mngr.save(state)
@@ -119,9 +121,12 @@ def test_two_processes_give_the_params_of_one_process_after_5_steps(
     for k in W.SHAPES:
       _close(r[f"{variant}/{k}"], ref["params"][k], rtol=1e-6)
     _close(r[f"{variant}/loss"], ref["loss"], rtol=1e-6)
+    if "model_state" in ref:
+      _close(r[f"{variant}/model_state"], ref["model_state"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("variant", [v for v in W.VARIANTS if "fp16" not in v])
+@pytest.mark.parametrize("variant", [v for v, o in W.VARIANTS.items()
+                                     if o.get("precision") is None and not o.get("extras")])
 def test_one_process_reference_matches_plain_optax(variant, one_process):
   plain = _plain_optax(variant)
   for k in W.SHAPES:

@@ -1,5 +1,6 @@
 """zero_jax: ZeRO-style sharded data parallelism for JAX."""
 
+from zero_jax.checkpoint import CheckpointManager, export_params
 from zero_jax.clipping import clip_by_global_norm, global_norm
 from zero_jax.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
                                   is_main_process, launch_local, make_global_batch,
@@ -16,6 +17,7 @@ from zero_jax.train_step import (ShardedTrainStep, StateMeta, TrainState,
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointManager",
     "CompiledMemory",
     "LOST_PEER_EXIT_CODE",
     "Layout",
@@ -31,6 +33,7 @@ __all__ = [
     "clip_by_global_norm",
     "compiled_memory",
     "dynamic_loss_scale",
+    "export_params",
     "global_norm",
     "initialize_distributed",
     "is_main_process",

@@ -1,9 +1,11 @@
 """Global norm and clipping that stay correct when each device holds a slice.
 
-Outside ``shard_map`` (``axis_name=None``) these equal ``optax.global_norm``
+Outside ``shard_map`` (``axis_name=None``) these equal ``optax.tree.norm``
 and ``optax.clip_by_global_norm``. Inside ``shard_map`` pass ``axis_name``:
 squared norms of leaves that vary over the axis (slices) are summed across it;
-leaves that every device holds whole (replicated) are counted once. Padding
+leaves that every device holds whole (replicated) are counted once. Which is
+which comes from jax's tracking of device variance, so the ``shard_map`` must
+have ``check_vma=True`` (the default; otherwise a ValueError says so). Padding
 must be zero, as `zero_jax.layout` makes it, so it adds nothing.
 
 Example:
@@ -40,7 +42,26 @@ def _check_tracks_variance(axis_name) -> None:
 
 
 def global_norm(tree, axis_name: str | None = None) -> jax.Array:
-  """L2 norm of all elements of ``tree``, each element counted once."""
+  """L2 norm of all elements of ``tree``, each element counted once.
+
+  Example (inside ``shard_map``, ``w`` split over "data", ``b`` replicated):
+    >>> import jax, jax.numpy as jnp, zero_jax as zj
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> n = jax.device_count()
+    >>> mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+    >>> norm = jax.shard_map(lambda w, b: zj.global_norm({"w": w, "b": b}, "data"),
+    ...                      mesh=mesh, in_specs=(P("data"), P()), out_specs=P())
+    >>> round(float(norm(jnp.ones(2 * n), jnp.ones(3))) ** 2) == 2 * n + 3  # b counted once
+    True
+
+  Args:
+    tree: a pytree of arrays (any float dtype; squares are summed in float32).
+    axis_name: inside ``shard_map`` (with ``check_vma=True``, the default), the
+      axis the slices are spread over; ``None`` outside.
+
+  Returns:
+    A float32 scalar, the same on every device.
+  """
   if axis_name is not None:
     _check_tracks_variance(axis_name)
   sharded, whole = jnp.float32(0), jnp.float32(0)
@@ -58,9 +79,23 @@ def global_norm(tree, axis_name: str | None = None) -> jax.Array:
 def clip_by_global_norm(tree, max_norm: float, axis_name: str | None = None):
   """Scales ``tree`` so its global norm is at most ``max_norm``.
 
+  Same formula as ``optax.clip_by_global_norm``: leaves are unchanged when the
+  norm is below ``max_norm``, else multiplied by ``max_norm / norm``.
+
+  Example:
+    >>> import jax.numpy as jnp, zero_jax as zj
+    >>> clipped, norm = zj.clip_by_global_norm({"w": jnp.array([3.0, 4.0])}, 1.0)
+    >>> clipped["w"].tolist(), float(norm)
+    ([0.6000000238418579, 0.800000011920929], 5.0)
+
+  Args:
+    tree: a pytree of arrays, or inside ``shard_map`` of per-device slices
+      (zero padding allowed) and replicated leaves.
+    max_norm: the largest norm allowed.
+    axis_name: as for `global_norm`.
+
   Returns:
     ``(clipped_tree, norm)`` where ``norm`` is the norm before clipping.
-    Same formula as ``optax.clip_by_global_norm``.
   """
   norm = global_norm(tree, axis_name)
   keep = norm < max_norm  # optax's test: a nan norm clips (to nan) rather than passing

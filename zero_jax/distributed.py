@@ -33,16 +33,16 @@ Trying it on one machine: `launch_local` (or ``python examples/launch_local.py
 devices each, wired together over gloo.
 
 Example (each process runs this):
-  >>> import jax, optax, zero_jax as zj                          # doctest: +SKIP
-  >>> zj.initialize_distributed()       # before any other JAX call
-  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  >>> step = zj.make_sharded_train_step(loss_fn, optax.adam(1e-3), mesh=mesh)
-  >>> state = step.init(params)         # the same params on every process
-  >>> rows = zj.process_batch_slice(global_batch_size, mesh)
-  >>> for global_np_batch in loader:
-  ...   local = jax.tree.map(lambda x: x[rows], global_np_batch)
-  ...   state, metrics = step(state, zj.make_global_batch(local, mesh))
-  ...   zj.print_main(zj.metrics_to_host(metrics))
+  import jax, optax, zero_jax as zj
+  zj.initialize_distributed()       # before any other JAX call
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  step = zj.make_sharded_train_step(loss_fn, optax.adam(1e-3), mesh=mesh)
+  state = step.init(params)         # the same params on every process
+  rows = zj.process_batch_slice(global_batch_size, mesh)
+  for global_np_batch in loader:
+    local = jax.tree.map(lambda x: x[rows], global_np_batch)
+    state, metrics = step(state, zj.make_global_batch(local, mesh))
+    zj.print_main(zj.metrics_to_host(metrics))
 """
 
 from __future__ import annotations
@@ -89,14 +89,15 @@ def initialize_distributed(coordinator_address: str | None = None,
   Call it first, before any other JAX call. Arguments left as ``None`` are
   read from the variables `launch_local` sets (``ZERO_JAX_*``), and otherwise
   detected by ``jax.distributed.initialize`` from the cluster environment
-  (SLURM, Open MPI, Kubernetes, Cloud TPU; see its documentation). With a
-  single process (nothing given, nothing detected) it does nothing except
-  apply ``local_device_count``.
+  (SLURM, Open MPI, Kubernetes, Cloud TPU; see its documentation); if none of
+  these gives the job's processes it raises ``ValueError`` rather than run
+  each process alone. ``num_processes=1`` makes it a no-op apart from
+  ``local_device_count``, so one script serves both cases.
 
   Example:
-    >>> import zero_jax as zj                                   # doctest: +SKIP
-    >>> zj.initialize_distributed()                 # SLURM: srun python train.py
-    >>> zj.initialize_distributed("10.0.0.1:1234", 2, 0)   # explicit, process 0
+    import zero_jax as zj
+    zj.initialize_distributed()                 # SLURM: srun python train.py
+    zj.initialize_distributed("10.0.0.1:1234", 2, 0)   # explicit, process 0
 
   Args:
     coordinator_address: ``"host:port"`` of process 0 (the coordination service).
@@ -167,8 +168,8 @@ def is_main_process() -> bool:
   """Whether this is process 0, the one that prints progress and writes logs.
 
   Example:
-    >>> if zj.is_main_process():                               # doctest: +SKIP
-    ...   writer.write(step, zj.metrics_to_host(metrics))
+    if zj.is_main_process():
+      writer.write(step, zj.metrics_to_host(metrics))
   """
   return jax.process_index() == 0
 
@@ -177,7 +178,7 @@ def print_main(*args, **kwargs) -> None:
   """``print`` on the main process only (flushed); a no-op on the others.
 
   Example:
-    >>> zj.print_main(f"step {i}: loss {m['loss']:.4f}")       # doctest: +SKIP
+    zj.print_main(f"step {i}: loss {m['loss']:.4f}")
   """
   if is_main_process():
     kwargs.setdefault("flush", True)
@@ -192,9 +193,9 @@ def metrics_to_host(metrics) -> Any:
   array that is not replicated it gathers across processes, a collective).
 
   Example:
-    >>> state, metrics = step(state, batch)                     # doctest: +SKIP
-    >>> m = zj.metrics_to_host(metrics)  # {'loss': 2.3, 'grads_finite': True, ...}
-    >>> zj.print_main(f"loss {m['loss']:.4f}")
+    state, metrics = step(state, batch)
+    m = zj.metrics_to_host(metrics)  # {'loss': 2.3, 'grads_finite': True, ...}
+    zj.print_main(f"loss {m['loss']:.4f}")
 
   Args:
     metrics: a pytree of arrays, usually the dict returned by the step.
@@ -246,8 +247,8 @@ def process_batch_slice(global_batch_size: int, mesh: Mesh, *, axis_name: str = 
   ``p`` gets the ``i``-th of ``p`` equal blocks.
 
   Example:
-    >>> rows = zj.process_batch_slice(64, mesh)    # 2 processes: slice(0, 32) or slice(32, 64)  # doctest: +SKIP
-    >>> local = {"x": x_global[rows], "y": y_global[rows]}
+    rows = zj.process_batch_slice(64, mesh)    # 2 processes: slice(0, 32) or slice(32, 64)
+    local = {"x": x_global[rows], "y": y_global[rows]}
 
   Args:
     global_batch_size: the leading dimension of the global batch; a multiple
@@ -281,9 +282,9 @@ def make_global_batch(local_batch, mesh: Mesh, *, axis_name: str = "data"):
   moves between processes. With one process it just places the batch.
 
   Example:
-    >>> rows = zj.process_batch_slice(64, mesh)                  # doctest: +SKIP
-    >>> batch = zj.make_global_batch({"x": x[rows], "y": y[rows]}, mesh)
-    >>> state, metrics = step(state, batch)
+    rows = zj.process_batch_slice(64, mesh)
+    batch = zj.make_global_batch({"x": x[rows], "y": y[rows]}, mesh)
+    state, metrics = step(state, batch)
 
   Args:
     local_batch: a pytree of host arrays (numpy), this process's rows.
@@ -403,6 +404,8 @@ class _PeerWatchdog:
         entries = self.client.key_value_dir_get(_KV_PREFIX)
         last_contact = now
       except Exception as e:  # pylint: disable=broad-except
+        if not jax.distributed.is_initialized():  # jax.distributed.shutdown() was called
+          return
         if now - last_contact > self.timeout:
           self._die(LOST_PEER_EXIT_CODE,
                     f"lost the coordinator, process 0 of {self.n}: no answer from the JAX "
@@ -512,10 +515,9 @@ def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_pro
   terminated. Prints which processes failed.
 
   Example:
-    >>> import sys, zero_jax as zj                               # doctest: +SKIP
-    >>> zj.launch_local([sys.executable, "train.py"], num_processes=2,
-    ...                 devices_per_process=4)
-    0
+    import sys, zero_jax as zj
+    zj.launch_local([sys.executable, "train.py"], num_processes=2,
+                    devices_per_process=4)
 
   Args:
     argv: the command every process runs; it calls `initialize_distributed`.
@@ -523,7 +525,8 @@ def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_pro
     devices_per_process: CPU devices each one exposes.
     grace_seconds: how long survivors may take to stop after a failure.
     timeout: terminate everything after this many seconds (None: no limit).
-    **kwargs: passed to `start_local_processes`.
+    **kwargs: passed to `start_local_processes` (``peer_timeout_seconds``,
+      ``env``, ``log_dir``, ``Popen`` options).
 
   Returns:
     0 if every process succeeded, else the first failure's exit status

@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -49,34 +51,73 @@ def _state(scale, **static) -> LossScaleState:
 
 def dynamic_loss_scale(init: float = 2.0**15, *, period: int = 2000,
                        factor: float = 2.0, min_scale: float = 1.0) -> LossScaleState:
-  """A scale that halves on overflow and doubles after ``period`` finite steps."""
-  if not (init >= min_scale > 0 and period >= 1 and factor > 1):
-    raise ValueError(f"dynamic_loss_scale needs init >= min_scale > 0, period >= 1 and "
-                     f"factor > 1; got init={init}, min_scale={min_scale}, period={period}, "
-                     f"factor={factor}.")
+  """A scale that backs off on overflow and grows after ``period`` finite steps.
+
+  Example:
+    >>> import zero_jax as zj
+    >>> s = zj.dynamic_loss_scale(8.0, period=3, min_scale=2.0)
+    >>> float(zj.adjust_loss_scale(s, False).scale)
+    4.0
+
+  Args:
+    init: the first scale (default 2**15).
+    period: finite steps in a row after which the scale is multiplied by
+      ``factor`` (default 2000).
+    factor: growth factor; a non-finite step divides by it (default 2).
+    min_scale: the scale never falls below this (default 1).
+
+  Returns:
+    A `LossScaleState` with ``dynamic=True``.
+  """
+  if not (math.isfinite(init) and init >= min_scale > 0 and period >= 1 and factor > 1):
+    raise ValueError(f"dynamic_loss_scale needs a finite init >= min_scale > 0, period >= 1 "
+                     f"and factor > 1; got init={init}, min_scale={min_scale}, "
+                     f"period={period}, factor={factor}.")
   return _state(init, dynamic=True, period=int(period), factor=float(factor),
                 min_scale=float(min_scale))
 
 
 def static_loss_scale(scale: float) -> LossScaleState:
-  """A fixed scale (steps with non-finite gradients are still skipped)."""
-  if not scale > 0:
-    raise ValueError(f"static_loss_scale needs a positive scale, got {scale}.")
+  """A fixed scale. Steps with non-finite gradients are still skipped and counted.
+
+  Example:
+    >>> import jax.numpy as jnp, zero_jax as zj
+    >>> float(zj.scale_loss(zj.static_loss_scale(128.0), jnp.float32(0.5)))
+    64.0
+  """
+  if not (math.isfinite(scale) and scale > 0):
+    raise ValueError(f"static_loss_scale needs a positive, finite scale, got {scale}.")
   return _state(scale)
 
 
 def no_loss_scale() -> LossScaleState:
-  """Scale 1, never changes."""
+  """Scale 1, never changes (non-finite steps are still skipped and counted)."""
   return _state(1.0)
 
 
 def scale_loss(state: LossScaleState, loss: jax.Array) -> jax.Array:
-  """``loss * scale`` in float32."""
+  """``loss * scale``, computed in float32 (a scaled fp16 loss may exceed 65504).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, zero_jax as zj
+    >>> s = zj.dynamic_loss_scale()
+    >>> w = jnp.full(2, 0.25, jnp.float16)
+    >>> grads = jax.grad(lambda w: zj.scale_loss(s, jnp.sum(w * w)))(w)  # 16384 in fp16
+    >>> zj.unscale_grads(s, grads).tolist()
+    [0.5, 0.5]
+  """
   return loss.astype(jnp.float32) * state.scale
 
 
 def unscale_grads(state: LossScaleState, grads):
-  """Divides every leaf by the scale, after upcasting it to float32."""
+  """Divides every leaf by the scale, after upcasting it to float32.
+
+  Upcasting first matters: ``g / scale`` in fp16 underflows for small ``g``
+  (and a scale of 2**16 is not even representable in fp16).
+
+  Returns:
+    ``grads`` with every leaf float32.
+  """
   return jax.tree.map(lambda g: g.astype(jnp.float32) / state.scale, grads)
 
 
@@ -85,6 +126,11 @@ def all_finite(tree, axis_name: str | None = None) -> jax.Array:
 
   Inside ``shard_map`` pass ``axis_name`` so that every device gets the same
   answer (a device whose slice overflowed makes all of them skip).
+
+  Example:
+    >>> import jax.numpy as jnp, zero_jax as zj
+    >>> bool(zj.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+    False
   """
   leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]
   ok = jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
@@ -98,7 +144,15 @@ def adjust_loss_scale(state: LossScaleState, grads_finite: jax.Array) -> LossSca
 
   Dynamic: a non-finite step divides the scale by ``factor`` (not below
   ``min_scale``) and restarts the count; ``period`` finite steps in a row
-  multiply it by ``factor``. Static scales only count skipped steps.
+  multiply it by ``factor`` (unless that would overflow float32: a scale of
+  inf could never back off again). Static scales only count skipped steps.
+
+  Args:
+    state: the `LossScaleState` the step used.
+    grads_finite: bool scalar, whether that step's gradients were finite.
+
+  Returns:
+    The next `LossScaleState` (same static fields).
   """
   grads_finite = jnp.asarray(grads_finite, bool)
   skipped = state.skipped_steps + jnp.where(grads_finite, 0, 1).astype(jnp.int32)
@@ -106,8 +160,10 @@ def adjust_loss_scale(state: LossScaleState, grads_finite: jax.Array) -> LossSca
     return state.replace(skipped_steps=skipped)
   good = jnp.where(grads_finite, state.good_steps + 1, 0)
   grow = good >= state.period
+  grown = state.scale * state.factor
+  grown = jnp.where(jnp.isfinite(grown), grown, state.scale)
   scale = jnp.where(grads_finite,
-                    jnp.where(grow, state.scale * state.factor, state.scale),
+                    jnp.where(grow, grown, state.scale),
                     jnp.maximum(state.scale / state.factor, state.min_scale))
   good = jnp.where(grow, 0, good).astype(jnp.int32)
   return state.replace(scale=scale.astype(jnp.float32), good_steps=good, skipped_steps=skipped)

@@ -129,6 +129,9 @@ class MemoryReport:
   def __str__(self) -> str:
     return self.to_markdown()
 
+  def _repr_markdown_(self) -> str:  # rendered as a table in Jupyter
+    return self.to_markdown()
+
   def as_dict(self) -> dict:
     """``{stage: {"params": ..., "gradients": ..., ..., "total": ...}}`` in bytes."""
     return {r.stage: {**r._asdict(), "total": r.total} for r in self.rows}

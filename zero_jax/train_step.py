@@ -56,27 +56,33 @@ _GATHERED = "zero_jax_gathered_param"
 
 
 def _regather_policy(layouts):
-  """Stage-3 remat policy: save every intermediate except a gathered parameter.
+  """Stage-3 remat policy: save activations, never a gathered parameter.
 
-  The gathered leaf must be recomputed (gathered again) in the backward pass,
-  so neither the all-gather's output, nor the un-padding slice of it, nor the
-  named result may be saved: a policy that excluded only the name would save
-  the slice feeding it instead. (``save_anything_except_these_names`` is a
-  no-op that saves everything in jax 0.10.) The slices are recognised by their
-  padded input shape and logical limits; any other values derived from a
-  gathered leaf inside ``loss_fn`` (``w.T``, a cast) are saved like activations.
+  A gathered leaf must be gathered again in the backward pass, so no value
+  computed from it alone may be saved: not the all-gather's output, not the
+  un-padding slice or the named leaf, and not what ``loss_fn`` derives from
+  it before combining it with activations (``w.T``, ``w.astype(bf16)``,
+  ``2 * w`` from the derivative of ``w ** 2``): saving any of these would
+  keep a full-size copy alive from the forward to the backward pass. The
+  policy only sees each operation's inputs, so such values are recognised as
+  the results of operations with a single non-scalar input shaped like a
+  gathered leaf (logical, padded or reversed shape). An activation that
+  happens to have such a shape is recomputed (an elementwise op, cheap);
+  nothing else changes. (``save_anything_except_these_names`` is a no-op that
+  saves everything in jax 0.10, and excluding only a name would save the op
+  feeding it instead.)
   """
-  unpads = {(l.storage_shape, l.shape) for l in layouts if l.pad_amount}
+  shapes = set()
+  for l in layouts:
+    if l.dim is not None:
+      shapes |= {l.shape, l.storage_shape, l.shape[::-1]}
 
   def policy(prim, *avals, **params):
+    del params
     if prim.name in ("all_gather", "all_gather_invariant"):
       return False
-    if prim.name == "name" and params.get("name") == _GATHERED:
-      return False
-    if prim.name == "slice" and avals and (
-        (tuple(avals[0].shape), tuple(params["limit_indices"])) in unpads):
-      return False
-    return True
+    arrays = [tuple(a.shape) for a in avals if getattr(a, "ndim", 0)]
+    return not (len(arrays) == 1 and arrays[0] in shapes)
   return policy
 
 
@@ -711,17 +717,32 @@ def make_sharded_train_step(
     loss_scale: ``None`` (dynamic for fp16, none otherwise), ``"dynamic"``,
       ``"none"``, a number (static scale) or a `LossScaleState`.
     max_grad_norm: clip the averaged, unscaled gradient to this global norm.
-    grad_accum_steps: split each device's batch into this many micro-batches.
-    accumulate: ``"local"`` (default for stages 1-2: accumulate full-size
-      gradients without communication and reduce once per step; costs one
-      full-size fp32 accumulator) or ``"sharded"`` (default and only choice
-      for stage 3: reduce-scatter every micro-batch and keep a 1/N accumulator;
-      costs ``grad_accum_steps`` times the gradient communication).
+    grad_accum_steps: split each device's batch into this many micro-batches,
+      run in order by a ``lax.scan`` inside the step (the global batch size
+      must be divisible by N * grad_accum_steps). The update equals one step
+      on the whole batch. Model state, when given, is threaded through the
+      micro-batches of a device in order.
+    accumulate: where the micro-batch gradients are summed. For Ψ trainable
+      parameters, N devices and k = ``grad_accum_steps``:
+      ``"local"`` (default for stages 1-2, like ``no_sync``): each device sums
+      its full-size gradients without communication and reduces once per step
+      (stage 1 all-reduce, stage 2 reduce-scatter), as with k = 1 but in
+      the accumulator's float32 unless ``comm_dtype`` is given; costs one
+      full-size float32 accumulator (4Ψ bytes per device) during the step.
+      ``"sharded"`` (stage 2 or 3; the default and only choice for stage 3,
+      whose gather's transpose reduce-scatters every micro-batch): each
+      micro-batch's gradient is reduce-scattered at once and only the
+      device's block is accumulated (4Ψ/N bytes), at k times the gradient
+      communication.
     trainable: which parameter leaves train: ``None`` (every floating leaf),
-      a pytree of bools matching the params (or a prefix), or a function
-      ``(path, leaf) -> bool``. Frozen leaves have no optimizer state, no
-      gradient and no communication, and never change. Non-float leaves are
-      always frozen.
+      a pytree of bools matching the params or a prefix of them (a bool for
+      a subtree covers its floating leaves), or a function
+      ``(path, leaf) -> bool``. Frozen leaves have no optimizer state (the
+      optimizer is wrapped in ``optax.masked``, so they also stay out of
+      global norms and weight decay), no gradient and no communication
+      (stage 3 still gathers them where used), and never change. Non-float
+      leaves are always frozen; ``True`` given for a non-float leaf itself is
+      an error.
     comm_dtype: dtype on the wire for the gradient reduction (stages 1-2),
       e.g. ``jnp.bfloat16``; default the gradient's dtype.
     donate: donate the input state's buffers to the output (do not reuse a
