@@ -172,8 +172,12 @@ class Block(nn.Module):
     h = nn.LayerNorm(name="ln1")(x)
     q, k, v = jnp.split(nn.Dense(3 * d, name="qkv")(h), 3, axis=-1)
     split = lambda a: a.reshape(b, t, self.heads, d // self.heads)
-    y = jax.nn.dot_product_attention(split(q), split(k), split(v), is_causal=True)
-    x = x + nn.Dense(d, name="proj")(y.reshape(b, t, d))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)).astype(jnp.float32)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(causal, scores / math.sqrt(d // self.heads), -1e9)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in float32
+    y = jnp.einsum("bhqk,bkhd->bqhd", weights, split(v)).reshape(b, t, d)
+    x = x + nn.Dense(d, name="proj")(y)
     h = nn.LayerNorm(name="ln2")(x)
     return x + nn.Dense(d, name="down")(nn.gelu(nn.Dense(4 * d, name="up")(h)))
 

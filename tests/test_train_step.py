@@ -315,3 +315,9 @@ def test_error_param_leaf_not_an_array(mesh):
   step = zj.make_sharded_train_step(linen_loss, optax.sgd(0.1), mesh=mesh)
   with pytest.raises(TypeError, match=r"params\['lr'\] is a float"):
     step.init({"w": np.ones(3, np.float32), "lr": 0.1})
+
+
+def test_error_comm_dtype_at_stage_three(mesh):
+  with pytest.raises(ValueError, match="comm_dtype applies to stages 1-2"):
+    zj.make_sharded_train_step(linen_loss, optax.sgd(0.1), mesh=mesh, stage=3,
+                               comm_dtype=jnp.bfloat16)

@@ -32,15 +32,16 @@ step directory (the previous checkpoints stay, and old ones are deleted only
 after the new one is complete). Restoring reads TensorStore arrays and JSON;
 it never unpickles anything.
 
-Example:
-  >>> mngr = zj.CheckpointManager("/tmp/run1/ckpt", max_to_keep=3)
-  >>> for batch in batches:
-  ...   state, metrics = step(state, batch)
-  ...   if int(state.step) % 1000 == 0:
-  ...     mngr.save(state)                       # returns while it writes
-  >>> mngr.wait_until_finished()
-  >>> # Later, in another process, on a mesh of another size or stage:
-  >>> state = mngr.restore(step, params_like)    # the latest complete one
+In a training loop (see `CheckpointManager` for a complete example)::
+
+  mngr = zj.CheckpointManager("/tmp/run1/ckpt", max_to_keep=3)
+  for batch in batches:
+    state, metrics = step(state, batch)
+    if int(state.step) % 1000 == 0:
+      mngr.save(state)                       # returns while it writes
+  mngr.wait_until_finished()
+  # Later, in another process, on a mesh of another size or at another stage:
+  state = mngr.restore(step, params_like)    # the latest complete checkpoint
 """
 
 from __future__ import annotations
@@ -275,16 +276,24 @@ class CheckpointManager:
   had without the interruption.
 
   Example:
-    >>> import jax, optax, zero_jax as zj
-    >>> step = zj.make_sharded_train_step(loss_fn, optax.adam(1e-3), mesh=mesh)
-    >>> with zj.CheckpointManager("/tmp/ckpt", max_to_keep=3) as mngr:
-    ...   state = step.init(params)
-    ...   state, _ = step(state, batch)
-    ...   mngr.save(state)                       # step number = int(state.step)
-    >>> # Elsewhere, e.g. on a mesh of 4 devices at stage 3:
-    >>> step4 = zj.make_sharded_train_step(loss_fn, optax.adam(1e-3), mesh=mesh4, stage=3)
-    >>> with zj.CheckpointManager("/tmp/ckpt") as mngr:
-    ...   state = mngr.restore(step4, params)    # params: arrays or ShapeDtypeStructs
+    >>> import tempfile, jax, jax.numpy as jnp, optax, zero_jax as zj
+    >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    >>> params = {"w": jnp.zeros((3, 1))}
+    >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.ones((8, 1))}
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> step = zj.make_sharded_train_step(loss_fn, optax.adam(1e-2), mesh=mesh)
+    >>> state, _ = step(step.init(params), batch)
+    >>> path = tempfile.mkdtemp()
+    >>> with zj.CheckpointManager(path, max_to_keep=3) as mngr:
+    ...   mngr.save(state)                   # step number: int(state.step)
+    True
+    >>> # Later, perhaps in another process: one device, ZeRO stage 3.
+    >>> mesh1 = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> step1 = zj.make_sharded_train_step(loss_fn, optax.adam(1e-2), mesh=mesh1, stage=3)
+    >>> with zj.CheckpointManager(path) as mngr:
+    ...   state1 = mngr.restore(step1, params)   # the latest complete checkpoint
+    >>> int(state1.step)
+    1
 
   Args:
     directory: where the step directories go (created if missing).
@@ -452,14 +461,23 @@ def export_params(directory, params, *, force: bool = False) -> None:
   (OCDBT, the format ``ocp.StandardCheckpointer`` writes), without the record
   of which devices wrote it: code without zero_jax loads it with Orbax alone,
   on any devices, as numpy arrays (no target) or onto the shardings of an
-  abstract target. Each device writes its own part; nothing is gathered.
+  abstract target. The arrays are written from the devices that hold them
+  (one replica of each piece of a replicated array); the export gathers
+  nothing onto one host.
 
   Example:
-    >>> zj.export_params("/tmp/export/params", step.get_params(state))
-    >>> # Anywhere, with Orbax and Flax only:
+    >>> import os, tempfile, jax, jax.numpy as jnp, optax, zero_jax as zj
+    >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3)
+    >>> state = step.init({"w": jnp.ones((3, 1))})
+    >>> path = os.path.join(tempfile.mkdtemp(), "params")
+    >>> zj.export_params(path, step.get_params(state))
+    >>> # Anywhere, with Orbax alone (then e.g. model.apply({"params": params}, x)):
     >>> import orbax.checkpoint as ocp
-    >>> params = ocp.StandardCheckpointer().restore("/tmp/export/params")  # numpy
-    >>> y = model.apply({"params": params}, x)
+    >>> params = ocp.StandardCheckpointer().restore(path)   # numpy arrays
+    >>> params["w"].shape
+    (3, 1)
 
   Args:
     directory: the directory to create (must not exist unless ``force``).

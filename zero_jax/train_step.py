@@ -183,6 +183,11 @@ class ShardedTrainStep:
       raise ValueError("stage=3 differentiates through the parameter all-gather, whose "
                        "transpose reduce-scatters every micro-batch; use accumulate='sharded' "
                        "(the default for stage 3) or stage=2.")
+    if stage == 3 and comm_dtype is not None:
+      raise ValueError("comm_dtype applies to stages 1-2; at stage 3 the gradient is "
+                       "reduce-scattered by the transpose of the parameter all-gather, in the "
+                       "parameter dtype (choose precision='bf16' to halve it), so drop "
+                       "comm_dtype or use stage=2.")
     if max_grad_norm is not None and not max_grad_norm > 0:
       raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}.")
     self.loss_fn = loss_fn
