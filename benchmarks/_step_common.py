@@ -1,10 +1,11 @@
 """Shared pieces of the step benchmarks (bench_step, bench_precision, bench_stages).
 
 Import this module before anything touches the JAX backend: it asks for 8 fake
-CPU devices. It holds the benchmark models, the two baselines that zero_jax is
-measured against, an interleaved timer, and readers for per-device memory
-(from the arrays' addressable shards and from XLA's ``memory_analysis()``) and
-for the collectives in a compiled program.
+CPU devices. It holds the benchmark model, the baselines that zero_jax is measured against
+(plain DP in ``shard_map``, a jit-annotated step), an interleaved timer, readers
+for per-device memory (from the arrays' addressable shards and from XLA's
+``memory_analysis()``) and for the collectives in a compiled program, and the
+runner that times each malloc condition in its own child process.
 
 Example:
   >>> import _step_common as sc
@@ -220,19 +221,47 @@ _SHAPE = re.compile(r"(f64|f32|s32|u32|bf16|f16|s8|u8|pred|s64|u64)\[([\d,]*)\]"
 
 
 def collectives(hlo_text: str) -> dict:
-  """``{kind: (count, result bytes)}`` of the collectives in an HLO module's text."""
+  """``{(kind, dtypes): (count, result bytes)}`` of the collectives in an HLO module's text."""
   out: dict = {}
   for m in _COLL.finditer(hlo_text):
+    shapes = _SHAPE.findall(m.group(1))
     nbytes = sum(_DT_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                 for dt, dims in _SHAPE.findall(m.group(1)))
-    c, b = out.get(m.group(2), (0, 0))
-    out[m.group(2)] = (c + 1, b + nbytes)
+                 for dt, dims in shapes)
+    key = (m.group(2), "+".join(sorted({dt for dt, _ in shapes})))
+    c, b = out.get(key, (0, 0))
+    out[key] = (c + 1, b + nbytes)
   return out
 
 
 def collectives_str(hlo_text: str) -> str:
+  """E.g. ``all-gather x10 f32 16.0 MiB, reduce-scatter x10 f32 2.0 MiB`` (result bytes)."""
   c = collectives(hlo_text)
-  return ", ".join(f"{k} x{n} ({b / MIB:.1f} MiB)" for k, (n, b) in sorted(c.items())) or "none"
+  return ", ".join(f"{k} x{n} {dt} {b / MIB:.2f} MiB"
+                   for (k, dt), (n, b) in sorted(c.items())) or "none"
+
+
+_PARAM = re.compile(r"(%[\w.\-]+) = (f16|bf16)\[[\d,]*\]\S* parameter\(")
+_UPCAST = re.compile(r"%[\w.\-]+ = f32\[([\d,]+)\]\S* (?:fusion|convert)\((%[\w.\-]+)\)")
+
+
+def half_param_upcasts(hlo_text: str) -> tuple[int, int]:
+  """(count, bytes) of f32 copies of whole f16/bf16 entry parameters in a compiled program.
+
+  XLA:CPU has no half-precision matmul: it converts half weights to f32 first.
+  """
+  entry = hlo_text[hlo_text.index("\nENTRY"):]
+  halves = {m.group(1) for m in _PARAM.finditer(entry)}
+  count = nbytes = 0
+  for m in _UPCAST.finditer(entry):
+    if m.group(2) in halves and "," in m.group(1):
+      count += 1
+      nbytes += 4 * int(np.prod([int(d) for d in m.group(1).split(",")]))
+  return count, nbytes
+
+
+def collectives_counts(text: str) -> list:
+  """``[(count, kind), ...]`` parsed back from a `collectives_str` string."""
+  return [(int(n), k) for k, n in re.findall(r"([a-z\-]+) x(\d+)", text)]
 
 
 # ------------------------------------------------------------------- timing
@@ -300,6 +329,11 @@ CONDITION_TEXT = {
 }
 
 
+def load_text(results: dict) -> str:
+  """The 1-minute load averages at the start and end of each condition's run."""
+  return ", ".join(f"{c}: {r['load'][0]:.1f} -> {r['load'][1]:.1f}" for c, r in results.items())
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="fewer rounds, smaller model; a smoke run")
@@ -340,7 +374,9 @@ def child_main(args, measure) -> bool:
   """In a child: ``measure(args)`` and dump its JSON; returns True if this was a child."""
   if args.child is None:
     return False
+  before = os.getloadavg()[0]
   out = measure(args)
+  out["load"] = (before, os.getloadavg()[0])
   with open(args.json, "w") as f:
     json.dump(out, f)
   return True

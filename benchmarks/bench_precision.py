@@ -16,7 +16,6 @@ Usage:
 
 from __future__ import annotations
 
-import sys
 import time
 
 import _step_common as sc  # first: sets up 8 CPU devices
@@ -44,18 +43,22 @@ def formula(precision: str, stage: int, n: int) -> dict:
   fp32 (8 bytes) plus the fp32 master copy (4) where the policy keeps one:
   K = 12 for mixed precision, as in the paper.
   """
-  pol = zj.POLICIES[precision]
-  p = g = jnp.dtype(pol.param_dtype).itemsize
-  k = 8 + (4 if pol.master_dtype is not None else 0)
+  p, k = _bytes(precision)
+  g = p
   state = p + k / n  # params replicated, K sharded (stages 1 and 2)
   grads = g if stage == 1 else g / n
   return {"state": state, "grads": grads, "total": state + grads, "dp": p + g + k}
 
 
-def fmt_formula(precision: str, stage: int) -> str:
+def _bytes(precision: str):
+  """(bytes per parameter and per gradient, K) of a policy; fp32 keeps the leaves' float32."""
   pol = zj.POLICIES[precision]
-  p = jnp.dtype(pol.param_dtype).itemsize
-  k = 8 + (4 if pol.master_dtype is not None else 0)
+  p = 4 if pol.param_dtype is None else jnp.dtype(pol.param_dtype).itemsize
+  return p, 8 + (4 if pol.master_dtype is not None else 0)
+
+
+def fmt_formula(precision: str, stage: int) -> str:
+  p, k = _bytes(precision)
   if stage == 1:
     return f"{2 * p}Ψ + {k}Ψ/N"
   return f"{p}Ψ + {p + k}Ψ/N"
@@ -84,6 +87,7 @@ def measure(args) -> dict:
             "master": sc.bytes_per_device(state.master) if state.master is not None else 0,
             "opt": sc.bytes_per_device(state.opt_state),
             "mem": sc.memory(compiled), "colls": sc.collectives_str(compiled.as_text()),
+            "upcast": sc.half_param_upcasts(compiled.as_text()),
             "loss": float(metrics["loss"])})
         print(out["rows"][-1], flush=True)
 
@@ -125,11 +129,20 @@ def render(results, args, seconds) -> str:
         sc.mib(r["opt"]), f"**{sc.mib(state)}**", sc.mib(f["state"] * psi),
         sc.mib(m["arg"]), sc.mib(m["temp"]), sc.mib(f["grads"] * psi),
         f"{fmt_formula(r['precision'], r['stage'])} = {sc.mib(f['total'] * psi)}",
-        f"**{sc.mib(m['arg'] + m['temp'])}**", sc.mib(f["dp"] * psi)])
+        f"**{sc.mib(m['arg'] + m['temp'])}**", sc.mib(f["dp"] * psi),
+        f"{r['upcast'][0]}: {sc.mib(r['upcast'][1])}", r["colls"]])
   tab = sc.table(
       ["precision", "stage", "params", "master", "Adam m+v", "state (measured)",
        "state (formula)", "XLA arg", "XLA temp", "grads (formula)", "formula total",
-       "XLA arg + temp", "DP formula"], rows)
+       "XLA arg + temp", "DP formula", "f32 copies of half weights (CPU dots)",
+       "collectives (dtype, result bytes)"], rows)
+  by = {(r["precision"], r["stage"]): r for r in first["rows"]}
+  total = lambda p, s: by[p, s]["mem"]["arg"] + by[p, s]["mem"]["temp"]
+  temp = lambda p, s: by[p, s]["mem"]["temp"]
+  state = lambda p, s: by[p, s]["params"] + by[p, s]["master"] + by[p, s]["opt"]
+  exact = all(abs(state(r["precision"], r["stage"]) -
+                  formula(r["precision"], r["stage"], N)["state"] * psi) < 1024
+              for r in first["rows"])
   comm_rows = []
   for name in ["fp32 comm", "bf16 comm"]:
     row = [name, first["comm"][name]]
@@ -160,29 +173,44 @@ KΨ/N; stage 2: pΨ + (p + K)Ψ/N; DP: (2p + K)Ψ, e.g. 16Ψ for mixed precision
 {tab}
 
 How the measurements differ from the formulas, and why:
-- The state at rest matches the formula to the byte (padding is zero here: every dimension
-  divides by 8; Adam's step counter adds a few bytes): replicated params in the param dtype,
-  master and m, v sharded 1/N. fp16_memory_efficient saves the master's 4Ψ/N, nothing else.
-- The formulas count gradients as one persistent buffer (pΨ at stage 1, pΨ/N at stage 2).
-  XLA's `temp` instead holds whatever is live at the peak of the step: the full local gradient
-  is produced by the backward pass on every device at both stages (reduce-scattered leaf by
-  leaf at stage 2, so only a few leaves are whole at a time), the averaged gradient block is
-  cast to fp32 before the update, and the update itself needs fp32 temporaries (the new m, v,
-  master before they replace the donated old ones, and the block that is all-gathered into
-  the new parameters). Stage 1 all-reduces the full gradient and casts it to fp32 (4Ψ),
-  which is why its temp is several times stage 2's. Activations are small at this batch.
-- So the measured stage-2 total is above pΨ + (p + K)Ψ/N by the transient fp32 update
-  buffers; the ordering between policies and stages is the formulas' ordering.
+- **State at rest: {"as the formulas, to within 1 KiB" if exact else "NOT as the formulas (see table)"}.**
+  Replicated params in the parameter dtype, and master, m, v sharded 1/N (no padding here:
+  every dimension divides by 8; Adam's step counter adds a few bytes). The memory-efficient
+  fp16 mode saves exactly the master's 4Ψ/N: {sc.mib(state("fp16", 2))} vs
+  {sc.mib(state("fp16_memory_efficient", 2))} MiB.
+- **Gradients: the formulas' pΨ (stage 1) or pΨ/N (stage 2) is a persistent buffer; XLA's
+  temp is the peak of everything transient**, so the formula totals are lower bounds, not
+  predictions. fp32: stage 1's temp ({sc.mib(temp("fp32", 1))} MiB) holds the whole fp32
+  gradient (4Ψ, all-reduced, then sliced); stage 2's ({sc.mib(temp("fp32", 2))} MiB) is a few reduce-scattered
+  gradient blocks and the update's temporaries (the optimizer state is updated in place).
+- **Half precision on this CPU: the temp is not what a GPU would need.** XLA:CPU has no f16/bf16
+  matmul: it makes an f32 copy of every half-precision weight before the forward pass
+  (column "f32 copies": 4Ψ in all, issued up front), computes weight gradients in f32, and
+  runs bf16 collectives in f32 (the `reduce-scatter`/`all-gather` dtypes in the last column;
+  f16 ones stay f16). So at stage 2 the bf16 / fp16 temp is {sc.mib(temp("bf16", 2))} /
+  {sc.mib(temp("fp16", 2))} MiB against fp32's {sc.mib(temp("fp32", 2))}, and arg + temp
+  {sc.mib(total("bf16", 2))} / {sc.mib(total("fp16", 2))} MiB against fp32's
+  {sc.mib(total("fp32", 2))} MiB, where the formulas promise {sc.mib(formula("fp16", 2, N)["total"] * psi)}
+  against {sc.mib(formula("fp32", 2, N)["total"] * psi)}. fp16_memory_efficient's temp
+  ({sc.mib(temp("fp16_memory_efficient", 2))} MiB, fp16's {sc.mib(temp("fp16", 2))}: a
+  difference of {sc.mib(temp("fp16_memory_efficient", 2) - temp("fp16", 2))} MiB, where 4Ψ/N =
+  {sc.mib(4 * psi / N)}) also holds the f32 upcast of its block of the fp16 parameters, which
+  the update starts from since there is no master to read: the 4Ψ/N it saves at rest comes
+  back as a transient at the peak.
 
 Gradient communication in bf16 for an fp32 model (stage 2, `comm_dtype=jnp.bfloat16`),
 interleaved ({cfg['rounds']} rounds x {cfg['iters']} steps, order rotated; a ratio is the median
 (IQR) of paired per-round ratios; the host's 2 cores are shared with other jobs, so
-absolute times are noisy). Each malloc condition is its own process:
+absolute times are noisy; 1-min load average
+{sc.load_text(results)}). Each malloc condition is its own process:
 {conds_text}
 
 {comm_tab}
 
-Median step-time ratio bf16 comm / fp32 comm: {ratios}.
+Median step-time ratio bf16 comm / fp32 comm: {ratios}. On this CPU the bf16 reduce-scatter is
+promoted back to f32 (see the collectives column: the wire carries f32 either way), so
+`comm_dtype=bf16` only adds two casts per leaf and cannot show the halved traffic it is for;
+this figure says nothing about GPUs.
 """
 
 

@@ -25,7 +25,6 @@ Usage:
 from __future__ import annotations
 
 import resource
-import sys
 import time
 
 import _step_common as sc  # first: sets up 8 CPU devices
@@ -178,6 +177,29 @@ def render(results, args, seconds) -> str:
       f"{med(c, 'zj-s2', 'dp'):.2f}, stage 2 / jit = {med(c, 'zj-s2', 'jit'):.2f}, "
       f"stage 2 / dp-rs = {med(c, 'zj-s2', 'dp-rs'):.2f}" for c in conds)
   conds_text = "\n".join(f"- `{c}`: {sc.CONDITION_TEXT[c]}" for c in conds)
+  temp = {k: first["mem"][k]["temp"] for k in ORDER}
+  full_ar = [k for k in ORDER if f"all-reduce x" in first["colls"][k] and
+             any(f"all-reduce x{n} f32 {b}" in first["colls"][k]
+                 for n in range(1, 9) for b in [f"{psi * 4 / sc.MIB:.2f}"])]
+  def slower(c):  # variants whose paired ratio to dp has its lower quartile above 1
+    t = results[c]["times"]
+    out = []
+    for k in ORDER:
+      r = np.percentile([x / y for x, y in zip(t[k], t["dp"])], [25, 50])
+      if k != "dp" and r[0] > 1.0:
+        out.append(f"`{k}` ({r[1]:.2f}x)")
+    return ", ".join(out) or "none"
+
+  def faults(c):
+    f = results[c]["faults"]
+    return ", ".join(f"`{k}` {f[k][0]:,.0f}" for k in ORDER)
+
+  ncoll = ", ".join(f"`{k}` {sum(n for n, _ in sc.collectives_counts(first['colls'][k]))}"
+                    for k in ORDER)
+  s1_jit = ", ".join(f"{med(c, 'zj-s1', 'jit'):.2f} (`{c}`)" for c in conds)
+  time_text = " ".join(
+      f"`{c}`: slower than `dp` beyond noise (lower quartile of the paired ratio above 1): "
+      f"{slower(c)}; minor page faults per step: {faults(c)}." for c in conds)
   return f"""## core: zero_jax stages 1-2 vs plain DP and a jit-annotated step
 
 Machine: {machine()}. Model: GELU MLP {cfg['sizes']} (Ψ = {psi:,} fp32 parameters,
@@ -195,8 +217,8 @@ Memory per device: Adam state from the arrays' addressable shards, the rest from
 
 {mem_tab}
 
-Step time. The host's 2 cores are shared with other jobs (load average 10-20 while this
-ran), so absolute times are noisy: the variants run interleaved in one process
+Step time. The host's 2 cores are shared with other jobs (1-min load average
+{sc.load_text(results)}), so absolute times are noisy: the variants run interleaved in one process
 ({cfg['rounds']} rounds x {cfg['iters']} steps, order rotated each round); a ratio is the median
 (and IQR) over rounds of the paired per-round ratio. Each malloc condition is its own process:
 {conds_text}
@@ -208,6 +230,42 @@ Median ratios: {summary}.
 The collectives alone (same interleaving; each device contributes Ψ f32):
 
 {coll_tab}
+
+Reading the tables:
+- **Memory.** zero_jax and `jit` hold 1/8 of the Adam state per device, `dp` all of it. Of the
+  three ZeRO-style variants only `zj-s2` also keeps the transient small: its temp is
+  {sc.mib(temp['zj-s2'])} MiB against `jit`'s {sc.mib(temp['jit'])}, `zj-s1`'s
+  {sc.mib(temp['zj-s1'])} and `dp`'s {sc.mib(temp['dp'])}, because it reduce-scatters each
+  gradient leaf as the backward pass produces it, while the others materialise the whole
+  all-reduced gradient. zero_jax skips a non-finite step with a `lax.cond` around the
+  update, so XLA updates the donated Adam m and v in place; a select
+  `jnp.where(finite, new, old)` made it copy them (8Ψ/N = {sc.mib(8 * psi / 8)} MiB more temp).
+- **Collectives.** `dp` does one all-reduce of the gradient (XLA combines the leaves into one
+  tuple all-reduce). `zj-s1`, `jit` and `jit+g` do that same full all-reduce *and* all-gather
+  the updated parameters: 1.5x the bytes of `dp` (ring all-reduce = 2Ψ, all-gather = Ψ).
+  Constraining the gradient's sharding (`jit+g`) does not make XLA:CPU's SPMD partitioner
+  emit a reduce-scatter: it still all-reduces and slices. `zj-s2` moves what `dp` moves
+  (reduce-scatter Ψ + all-gather Ψ), like `dp-rs`. Variants whose compiled step holds a
+  full-size f32 all-reduce: {', '.join(f'`{k}`' for k in full_ar) or 'none'}.
+- **Time.** {time_text}
+  `zj-s1` / `jit` = {s1_jit}: stage 1 compiles to what the jit-annotated step compiles to, `dp`'s
+  full all-reduce plus the all-gather of the updated parameters (collectives column), 1.5x
+  `dp`'s bytes; that and its larger temp are what it pays over `dp`, where it pays.
+  The collectives alone cost about the same either way (last table), so where the
+  all-reduce steps are slower it is not the collective's algorithm; the page-fault column
+  shows where the rest goes: a step that writes fresh Ψ-sized f32 temp buffers on 8 devices
+  faults in {psi * 4 * 8 // 4096:,} pages per buffer, and with glibc's default malloc such
+  buffers are mapped afresh every step. `zj-s2` against `dp-rs` (the same collectives)
+  isolates the replicated Adam update: `dp-rs` runs Adam over all Ψ parameters on each of the
+  8 devices, `zj-s2` over Ψ/8. These are effects of the CPU runtime (in-process collectives
+  on 8 fake devices sharing 2 cores, glibc malloc); they say nothing about NCCL on GPUs, where
+  an all-reduce costs what a reduce-scatter plus an all-gather cost.
+- **Collective count.** Collectives per step: {ncoll}. XLA:CPU combined `dp`'s gradient
+  all-reduces into one tuple all-reduce but none of zero_jax's per-leaf reduce-scatters or
+  all-gathers, and each collective is a rendezvous of the 8 device threads. For a small model
+  (`--quick`, Ψ = 0.5 M) that fixed cost dominates: in the `--quick` run made for this report
+  every sharded variant (`dp-rs` included) was 1.06-1.46x slower than `dp`; at the size above
+  the bytes dominate.
 """
 
 

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import zero_jax as zj
 from zero_jax import layout
+from _small_mlp import init_params, loss_fn
 
 N = 8
 LR = 0.1
@@ -98,17 +99,8 @@ def test_in_shard_map_without_vma_tracking_raises():
 
 
 # ----------------------------------------------------------------- in the step
-def init_params():
-  r = np.random.default_rng(0)
-  return {"w1": (r.normal(size=(9, 7)) * 0.5).astype(np.float32), "b1": np.zeros(7, np.float32),
-          "w2": (r.normal(size=(7, 5)) * 0.5).astype(np.float32),
-          "b2": np.full(5, 0.1, np.float32), "s": np.float32(1.5)}
 
 
-def loss_fn(p, batch):
-  h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
-  out = (h @ p["w2"] + p["b2"]) * p["s"]
-  return jnp.mean(jnp.square(out - batch["y"]))
 
 
 BATCHES = [{"x": np.random.default_rng(10 + i).normal(size=(16, 9)).astype(np.float32),

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
+from _small_mlp import init_params, loss_fn
 
 N = 8
 MESH = jax.make_mesh((N,), ("data",))
@@ -182,18 +183,8 @@ def test_every_field_survives_jit_and_pytree_round_trips():
 
 
 # ----------------------------------------------------- skipped steps in the step
-def init_params():
-  r = np.random.default_rng(0)
-  return {"w1": (r.normal(size=(9, 7)) * 0.5).astype(np.float32), "b1": np.zeros(7, np.float32),
-          "w2": (r.normal(size=(7, 5)) * 0.5).astype(np.float32),
-          "b2": np.full(5, 0.1, np.float32), "s": np.float32(1.5)}
 
 
-def loss_fn(p, batch):
-  dt = p["w1"].dtype
-  h = jnp.tanh(batch["x"].astype(dt) @ p["w1"] + p["b1"])
-  out = (h @ p["w2"] + p["b2"]) * p["s"]
-  return jnp.mean(jnp.square(out - batch["y"].astype(dt)).astype(jnp.float32))
 
 
 def batch_with(step_index, bad=None):

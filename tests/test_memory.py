@@ -4,10 +4,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from zero_jax import collectives

@@ -610,17 +610,21 @@ class ShardedTrainStep:
         o_def, [self._to_logical(x, l) for x, l in zip(o_leaves, meta.opt_layouts)])
     for j in range(len(src)):  # the optimizer sees gradients in its parameters' dtype
       full_grads[train_idx[j]] = grads[j].astype(src[j].dtype)
-    updates, new_opt = opt.update(jax.tree.unflatten(treedef, full_grads), opt_state,
-                                  jax.tree.unflatten(treedef, full_src))
-    updates = jax.tree.leaves(updates)
-    new_src = [self._constrain((s + updates[i]).astype(s.dtype), l.spec(ax))
-               for s, i, l in zip(src, train_idx, t_layouts)]
 
-    # A step with non-finite gradients changes nothing but the loss scale.
-    keep = lambda new, old: jnp.where(finite, new, old)
-    new_src = [keep(a, b) for a, b in zip(new_src, src)]
-    new_o = [self._to_storage(keep(x, self._to_logical(y, l)).astype(y.dtype), l) for x, y, l in
-             zip(jax.tree.leaves(new_opt), o_leaves, meta.opt_layouts)]
+    def apply(_):
+      updates, new_opt = opt.update(jax.tree.unflatten(treedef, full_grads), opt_state,
+                                    jax.tree.unflatten(treedef, full_src))
+      updates = jax.tree.leaves(updates)
+      new_src = [self._constrain((s + updates[i]).astype(s.dtype), l.spec(ax))
+                 for s, i, l in zip(src, train_idx, t_layouts)]
+      return new_src, [x.astype(y.dtype) for x, y in zip(jax.tree.leaves(new_opt), o_leaves)]
+
+    # A step with non-finite gradients changes nothing but the loss scale. A
+    # cond, not a select of new and old: selecting makes XLA copy every donated
+    # optimizer-state buffer (8Ψ/N bytes of temp for Adam).
+    new_src, new_o = jax.lax.cond(finite, apply,
+                                  lambda _: (list(src), jax.tree.leaves(opt_state)), None)
+    new_o = [self._to_storage(x, l) for x, l in zip(new_o, meta.opt_layouts)]
     new_opt = jax.tree.unflatten(o_def, new_o)
 
     new_blocks = [self._to_storage(s.astype(leaves[i].dtype), l)
