@@ -41,13 +41,3 @@ def all_gather(block: jax.Array, layout: Layout, axis_name: str, *,
     return block
   full = jax.lax.all_gather(block, axis_name, axis=layout.dim, tiled=True, to=to)
   return unpad(full, layout)
-
-
-def local_block(x: jax.Array, layout: Layout, axis_name: str) -> jax.Array:
-  """This device's block of the storage view of a replicated leaf (no communication)."""
-  if layout.dim is None:
-    return x
-  x = pad(x, layout)
-  size = x.shape[layout.dim] // jax.lax.axis_size(axis_name)
-  start = jax.lax.axis_index(axis_name) * size
-  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=layout.dim)

@@ -76,13 +76,8 @@ def leaf_layout(shape, n: int) -> Layout:
   return Layout(shape, best[1], best[2])
 
 
-def tree_layouts(tree: Any, n: int) -> Any:
-  """A tree of `Layout` for a tree of arrays or shape-dtype structs."""
-  return jax.tree.map(lambda x: leaf_layout(jnp.shape(x), n), tree)
 
 
-def _is_layout(x) -> bool:
-  return isinstance(x, Layout)
 
 
 def pad(x: jax.Array, layout: Layout) -> jax.Array:
@@ -101,17 +96,10 @@ def unpad(x: jax.Array, layout: Layout) -> jax.Array:
   return jax.lax.slice_in_dim(x, 0, layout.shape[layout.dim], axis=layout.dim)
 
 
-def pad_tree(tree, layouts):
-  return jax.tree.map(lambda l, x: pad(x, l), layouts, tree, is_leaf=_is_layout)
 
 
-def unpad_tree(tree, layouts):
-  return jax.tree.map(lambda l, x: unpad(x, l), layouts, tree, is_leaf=_is_layout)
 
 
-def specs(layouts, axis_name: str):
-  """Tree of storage PartitionSpecs."""
-  return jax.tree.map(lambda l: l.spec(axis_name), layouts, is_leaf=_is_layout)
 
 
 def local_storage_shape(layout: Layout, n: int) -> tuple[int, ...]:
