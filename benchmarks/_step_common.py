@@ -380,3 +380,18 @@ def child_main(args, measure) -> bool:
   with open(args.json, "w") as f:
     json.dump(out, f)
   return True
+
+
+def main(doc: str, script: str, measure, render, section: str) -> None:
+  """Runs ``measure`` in one child process per malloc condition, prints and records."""
+  import time
+  from _report import write_section
+  args = parser(doc).parse_args()
+  if child_main(args, measure):
+    return
+  t0 = time.perf_counter()
+  results = run_children(script, args)
+  text = render(results, args, time.perf_counter() - t0)
+  print(text)
+  if not args.no_write:
+    write_section(section, text)

@@ -16,10 +16,9 @@ Usage:
 
 from __future__ import annotations
 
-import time
 
 import _step_common as sc  # first: sets up 8 CPU devices
-from _report import machine, write_section
+from _report import machine
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -214,17 +213,6 @@ this figure says nothing about GPUs.
 """
 
 
-def main():
-  args = sc.parser(__doc__).parse_args()
-  if sc.child_main(args, measure):
-    return
-  t0 = time.perf_counter()
-  results = sc.run_children(__file__, args)
-  text = render(results, args, time.perf_counter() - t0)
-  print(text)
-  if not args.no_write:
-    write_section("precision", text)
-
 
 if __name__ == "__main__":
-  main()
+  sc.main(__doc__, __file__, measure, render, "precision")

@@ -28,7 +28,7 @@ import resource
 import time
 
 import _step_common as sc  # first: sets up 8 CPU devices
-from _report import machine, write_section
+from _report import machine
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -269,17 +269,6 @@ Reading the tables:
 """
 
 
-def main():
-  args = sc.parser(__doc__).parse_args()
-  if sc.child_main(args, measure):
-    return
-  t0 = time.perf_counter()
-  results = sc.run_children(__file__, args)
-  text = render(results, args, time.perf_counter() - t0)
-  print(text)
-  if not args.no_write:
-    write_section("core", text)
-
 
 if __name__ == "__main__":
-  main()
+  sc.main(__doc__, __file__, measure, render, "core")

@@ -18,10 +18,6 @@ RTOL = 1e-5
 ATOL = 1e-6
 
 
-def mesh8():
-  return jax.make_mesh((N,), ("data",))
-
-
 def assert_tree_close(actual, expected, rtol=RTOL, atol=ATOL, what=""):
   """Same structure, and every leaf close (dtypes must agree)."""
   assert jax.tree.structure(actual) == jax.tree.structure(expected), what

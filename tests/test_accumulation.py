@@ -16,7 +16,7 @@ import pytest
 
 import zero_jax as zj
 from _feature_helpers import (N, assert_tree_close, collectives, gradient_collectives,
-                              mesh8, reference_run, shapes_in)
+                              reference_run, shapes_in)
 
 K = 4
 BATCH = 64
@@ -48,10 +48,6 @@ def loss_aux_fn(p, b):
   err = jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] * p["s"] - b["y"]
   return jnp.mean(err ** 2), {"mae": jnp.mean(jnp.abs(err)), "bias": jnp.mean(err, axis=0)}
 
-
-@pytest.fixture(scope="module")
-def mesh():
-  return mesh8()
 
 
 @pytest.fixture(scope="module")

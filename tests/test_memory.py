@@ -15,10 +15,6 @@ from zero_jax.layout import leaf_layout
 N = 8
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  return jax.make_mesh((N,), ("data",))
-
 
 def uneven_params():
   """Leaves that do not split evenly over 8 devices, a scalar and an int leaf."""

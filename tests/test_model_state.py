@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import zero_jax as zj
-from _feature_helpers import N, assert_tree_close, mesh8
+from _feature_helpers import N, assert_tree_close
 
 STEPS = 3
 BATCH = 128
@@ -80,10 +80,6 @@ def reference_bn(optimizer, params, stats, batches, k):
     out.append((params, stats, loss))
   return out
 
-
-@pytest.fixture(scope="module")
-def mesh():
-  return mesh8()
 
 
 @pytest.mark.parametrize("stage,k,accumulate,opt", [

@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import zero_jax as zj
-from _feature_helpers import N, assert_tree_close, mesh8, reference_run
+from _feature_helpers import N, assert_tree_close, reference_run
 
 STEPS = 3
 BATCH = 16
@@ -47,10 +47,6 @@ def make_batches():
   return [{"tok": r.integers(0, 37, size=(BATCH,)).astype(np.int32),
            "y": r.integers(0, 5, size=(BATCH,)).astype(np.int32)} for _ in range(STEPS)]
 
-
-@pytest.fixture(scope="module")
-def mesh():
-  return mesh8()
 
 
 @pytest.fixture(scope="module")

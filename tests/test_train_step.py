@@ -93,11 +93,6 @@ PROBLEMS = {
 }
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  assert jax.device_count() == N
-  return jax.make_mesh((N,), ("data",))
-
 
 def reference_run(loss_fn, opt, params, batches):
   """Plain single-device optax: the ground truth."""

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import zero_jax as zj
-from _feature_helpers import (assert_tree_close, collectives, gradient_collectives, mesh8,
+from _feature_helpers import (assert_tree_close, collectives, gradient_collectives,
                               reference_run, shapes_in)
 
 STEPS = 2
@@ -83,10 +83,6 @@ CASES = [
     ("bool_tree", 2, "adamw_mask_fn"),
 ]
 
-
-@pytest.fixture(scope="module")
-def mesh():
-  return mesh8()
 
 
 @pytest.fixture(scope="module")
