@@ -268,9 +268,12 @@ def collectives_counts(text: str) -> list:
 def interleave(fns: dict[str, Callable[[], None]], *, rounds: int, iters: int) -> dict:
   """Times each ``fn`` (which must block) ``iters`` times per round, interleaved.
 
+  Each ``fn`` is called once first, untimed (compilation, first-touch of buffers).
   Round r runs the variants in an order rotated by r, so none is always first.
   Returns ``{name: [seconds per call, one per round]}``.
   """
+  for fn in fns.values():
+    fn()
   names = list(fns)
   times = {k: [] for k in names}
   for r in range(rounds):

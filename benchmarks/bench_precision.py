@@ -107,8 +107,6 @@ def measure(args) -> dict:
     return go
 
   go = {name: timed(name) for name in steps}
-  for f in go.values():
-    f()
   out["times"] = sc.interleave(go, rounds=cfg["rounds"], iters=cfg["iters"])
   return out
 

@@ -140,8 +140,6 @@ def measure(args) -> dict:
     return go
 
   go = {f"stage {s}": timed(s) for s in (2, 3)}
-  for f in go.values():
-    f()
   out["times"] = sc.interleave(go, rounds=cfg["rounds"], iters=cfg["iters"])
   return out
 

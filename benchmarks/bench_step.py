@@ -113,8 +113,6 @@ def measure(args) -> dict:
     return go
 
   go = {name: timed(name) for name in variants}
-  for f in go.values():  # warm up
-    f()
   out["times"] = sc.interleave(go, rounds=cfg["rounds"], iters=cfg["iters"])
 
   # Minor page faults and system time per step (the allocator's share).
@@ -128,8 +126,6 @@ def measure(args) -> dict:
 
   # The same sum as one all-reduce or as reduce-scatter + all-gather, Ψ floats per device.
   x, pair = sc.collective_pair(mesh, out["psi"])
-  for f in pair.values():
-    f(x).block_until_ready()
   out["ctimes"] = sc.interleave({k: (lambda f=f: f(x).block_until_ready())
                                  for k, f in pair.items()},
                                 rounds=cfg["rounds"], iters=cfg["iters"])
