@@ -79,6 +79,18 @@ def reference_run(loss_fn, optimizer, params, batches, *, mask=None, has_aux=Fal
   return out, losses, auxes
 
 
+def assert_stage3_equals_stage2_equals_reference(run3, run2, loss_fn, optimizer, params,
+                                                 batches):
+  """``run3``/``run2``: (step, state, losses) of a stage-3 and a stage-2 run on ``batches``."""
+  (step3, state3, losses3), (step2, state2, losses2) = run3, run2
+  ref, ref_losses, _ = reference_run(loss_fn, optimizer, params, batches)
+  p3, p2 = step3.get_params(state3), step2.get_params(state2)
+  assert_tree_close(p3, p2, rtol=1e-6, what="stage 3 vs 2")
+  assert_tree_close(p3, ref[-1], what="stage 3 vs reference")
+  np.testing.assert_allclose(losses3, ref_losses, rtol=1e-5)
+  np.testing.assert_allclose(losses2, ref_losses, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ HLO text
 _OP = re.compile(r"=\s*(.+?)\s+(all-reduce|reduce-scatter|all-gather|all-to-all|"
                  r"collective-permute)(?:-start)?\(")

@@ -11,6 +11,7 @@ from zero_jax.loss_scale import (LossScaleState, adjust_loss_scale, all_finite,
                                  static_loss_scale, unscale_grads)
 from zero_jax.memory import CompiledMemory, MemoryReport, compiled_memory, memory_report
 from zero_jax.precision import POLICIES, Policy
+from zero_jax.stacked import ShardedParam, gather
 from zero_jax.train_step import (ShardedTrainStep, StateMeta, TrainState,
                                  make_sharded_train_step)
 
@@ -25,6 +26,7 @@ __all__ = [
     "MemoryReport",
     "POLICIES",
     "Policy",
+    "ShardedParam",
     "ShardedTrainStep",
     "StateMeta",
     "TrainState",
@@ -34,6 +36,7 @@ __all__ = [
     "compiled_memory",
     "dynamic_loss_scale",
     "export_params",
+    "gather",
     "global_norm",
     "initialize_distributed",
     "is_main_process",

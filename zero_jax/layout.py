@@ -16,7 +16,7 @@ sharded dimension is the same ``ceil(size / n)`` blocks.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,30 +54,33 @@ class Layout(NamedTuple):
     return P(*([None] * self.dim + [axis_name]))
 
 
-def leaf_layout(shape, n: int) -> Layout:
+def leaf_layout(shape, n: int, *, stacked: bool = False) -> Layout:
   """Chooses the split dimension of a leaf of ``shape`` over ``n`` devices.
 
   The dimension with the smallest padded total size wins; among equals, the
-  largest dimension, then the first.
+  largest dimension, then the first. A ``stacked`` leaf (a stack of per-layer
+  weights along its first dimension, see `zero_jax.gather`) is never split
+  along that first dimension, so each layer's slice is itself split over all
+  ``n`` devices; a stacked leaf with one dimension is replicated.
 
   >>> leaf_layout((9, 7), 8)
   Layout(shape=(9, 7), dim=1, padded=8)
+  >>> leaf_layout((16, 9, 7), 8, stacked=True)
+  Layout(shape=(16, 9, 7), dim=2, padded=8)
   """
   shape = tuple(int(d) for d in shape)
-  if not shape:
+  first = 1 if stacked else 0
+  if len(shape) <= first:
     return Layout(shape, None, 0)
   total = math.prod(shape)
   best = None
-  for d, size in enumerate(shape):
+  for d in range(first, len(shape)):
+    size = shape[d]
     padded = -(-size // n) * n
     key = (total // max(size, 1) * padded, -size, d)
     if best is None or key < best[0]:
       best = (key, d, padded)
   return Layout(shape, best[1], best[2])
-
-
-
-
 
 
 def pad(x: jax.Array, layout: Layout) -> jax.Array:
@@ -94,12 +97,6 @@ def unpad(x: jax.Array, layout: Layout) -> jax.Array:
   if layout.pad_amount == 0:
     return x
   return jax.lax.slice_in_dim(x, 0, layout.shape[layout.dim], axis=layout.dim)
-
-
-
-
-
-
 
 
 def local_storage_shape(layout: Layout, n: int) -> tuple[int, ...]:

@@ -51,6 +51,7 @@ import optax
 
 from zero_jax.layout import leaf_layout, local_storage_shape
 from zero_jax.precision import get_policy
+from zero_jax.train_step import stacked_flags, trainable_flags
 
 STAGE_NAMES = {0: "DP (replicated)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
@@ -149,35 +150,19 @@ def _is_float(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating)
 
 
-def _trainable_flags(params, trainable) -> list[bool]:
-  """One flag per leaf, with the rules of `make_sharded_train_step`'s ``trainable``."""
-  paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  floats = [_is_float(jnp.dtype(x.dtype)) for _, x in paths_leaves]
-  if trainable is None:
-    return floats
-  if callable(trainable):
-    return [bool(trainable(p, x)) and f for (p, x), f in zip(paths_leaves, floats)]
-  try:
-    full = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), trainable, params)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"trainable= must be a pytree of bools with the structure of the params "
-                     f"(or a prefix of it), or a function (path, leaf) -> bool; it does not "
-                     f"match the params: {e}") from None
-  return [bool(t) and f for t, f in zip(jax.tree.leaves(full), floats)]
-
-
 def _full(shape, dtype) -> int:
   return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def _block(shape, dtype, n: int) -> int:
+def _block(shape, dtype, n: int, stacked: bool = False) -> int:
   """Bytes of one device's block of the padded storage view (scalars: replicated)."""
-  return math.prod(local_storage_shape(leaf_layout(shape, n), n)) * jnp.dtype(dtype).itemsize
+  layout = leaf_layout(shape, n, stacked=stacked)
+  return math.prod(local_storage_shape(layout, n)) * jnp.dtype(dtype).itemsize
 
 
 def memory_report(params: Any, optimizer: optax.GradientTransformation, *, n_devices: int,
                   precision: str = "fp32", stages=(0, 1, 2, 3), trainable=None,
-                  comm_dtype=None) -> MemoryReport:
+                  stacked=None, comm_dtype=None) -> MemoryReport:
   """Per-device bytes of params, gradients, optimizer state and master copy.
 
   Computed from shapes only, with the exact layouts (and padding) the step
@@ -196,6 +181,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *, n_dev
     stages: which rows to report; 0 is plain (replicated) data parallelism.
     trainable: as for `make_sharded_train_step`: ``None``, a pytree of bools
       (or a prefix) or a function ``(path, leaf) -> bool``.
+    stacked: as for `make_sharded_train_step` (changes only the padding).
     comm_dtype: as for `make_sharded_train_step`; the dtype gradients are
       reduced in (default: the parameter dtype).
 
@@ -215,7 +201,9 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *, n_dev
   policy = get_policy(precision)
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [_shape_dtype(p, x) for p, x in paths_leaves]
-  flags = _trainable_flags(params, trainable)
+  structs = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes])
+  flags = trainable_flags(trainable, structs)
+  stacks = stacked_flags(stacked, structs)
 
   # What the step keeps: trainable leaves in the policy's dtype (under "fp32"
   # their own), frozen ones as given; the optimizer sees float32 under the
@@ -224,28 +212,32 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *, n_dev
   src_dt = [(jnp.dtype(jnp.float32) if policy.param_dtype is not None else dt) if t else dt
             for (_, dt), t in zip(shapes, flags)]
   grad_dt = jnp.dtype(comm_dtype) if comm_dtype is not None else None
-  trained = [(s, grad_dt or pdt) for (s, _), pdt, t in zip(shapes, param_dt, flags) if t]
+  trained = [(s, grad_dt or pdt, st)
+             for (s, _), pdt, t, st in zip(shapes, param_dt, flags, stacks) if t]
   src = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, dt)
                                      for (s, _), dt in zip(shapes, src_dt)])
   opt = optimizer if all(flags) else optax.masked(
       optimizer, jax.tree.unflatten(treedef, flags))
-  opt_leaves = [(tuple(x.shape), x.dtype) for x in jax.tree.leaves(jax.eval_shape(opt.init, src))]
-  masters = [(s, policy.master_dtype) for s, _ in trained] if policy.master_dtype else []
+  opt_leaves = [(tuple(x.shape), x.dtype, False)
+                for x in jax.tree.leaves(jax.eval_shape(opt.init, src))]
+  masters = ([(s, policy.master_dtype, st) for s, _, st in trained]
+             if policy.master_dtype else [])
 
-  def total(items, sharded):
-    return sum(_block(s, dt, n) if sharded else _full(s, dt) for s, dt in items)
+  def total(items, sharded):  # items: (shape, dtype, stacked)
+    return sum(_block(s, dt, n, st) if sharded else _full(s, dt) for s, dt, st in items)
 
   rows = []
   for stage in stages:
     rows.append(StageMemory(
         stage=stage,
-        params=total([(s, dt) for (s, _), dt in zip(shapes, param_dt)], stage >= 3),
+        params=total([(s, dt, st) for (s, _), dt, st in zip(shapes, param_dt, stacks)],
+                     stage >= 3),
         gradients=total(trained, stage >= 2),
         optimizer_state=total(opt_leaves, stage >= 1),
         master=total(masters, stage >= 1)))
   return MemoryReport(
       n_devices=n, precision=policy.name, n_params=sum(math.prod(s) for s, _ in shapes),
-      n_trainable=sum(math.prod(s) for s, _ in trained), rows=tuple(rows))
+      n_trainable=sum(math.prod(s) for s, _, _ in trained), rows=tuple(rows))
 
 
 class CompiledMemory(NamedTuple):

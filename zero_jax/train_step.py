@@ -9,8 +9,12 @@ How a step runs (all inside one ``jax.jit``):
    all-reduces it; stage 2 reduce-scatters it (``psum_scatter``) so a device
    only ever receives its block of the averaged gradient. Stage 3 keeps the
    parameters sharded at rest and all-gathers each leaf inside the loss; the
-   transpose of that gather is the reduce-scatter, and the gathered copy is
-   not saved for the backward pass but gathered again (``jax.checkpoint``).
+   transpose of that gather is the reduce-scatter. Leaves marked ``stacked=``
+   are gathered by ``loss_fn`` itself, one layer's slice at a time inside its
+   loop over layers (`zero_jax.stacked`), and gathered again by the backward
+   loop; the others are gathered before ``loss_fn`` runs, under a
+   ``jax.checkpoint`` that asks XLA to gather them again for the backward
+   pass rather than keep them (XLA:CPU does not: see BENCHMARKS.md).
 2. **The update, on logical arrays.** The optimizer is not run on slices.
    Gradient blocks, optimizer state and master weights are viewed in their
    original (logical) shapes, still sharded over the data axis, and the user's
@@ -50,6 +54,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from zero_jax import collectives, layout as lay
 from zero_jax import loss_scale as ls
 from zero_jax.clipping import clip_by_global_norm
+from zero_jax.stacked import ShardedParam
 from zero_jax.precision import Policy, get_policy
 
 _GATHERED = "zero_jax_gathered_param"
@@ -93,10 +98,12 @@ class StateMeta(NamedTuple):
     param_layouts: one `Layout` per parameter leaf, in flattening order.
     trainable: one bool per parameter leaf.
     opt_layouts: one `Layout` per optimizer-state leaf.
+    stacked: one bool per parameter leaf (``stacked=``).
   """
   param_layouts: tuple
   trainable: tuple
   opt_layouts: tuple
+  stacked: tuple
 
 
 @struct.dataclass
@@ -138,6 +145,65 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
+def _leaf_flags(spec, params, name: str) -> list:
+  """(flag, explicit) per params leaf from a per-leaf option.
+
+  ``spec`` is None (all False), a function ``(path, leaf) -> bool``, or a
+  pytree of bools matching ``params`` or a prefix of it. ``explicit`` is
+  True only for a bool given for the leaf itself (not for a subtree, and not
+  by a function, which sees every leaf).
+  """
+  paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  if spec is None:
+    return [(False, False)] * len(paths_leaves)
+  if callable(spec):
+    return [(bool(spec(path, x)), False) for path, x in paths_leaves]
+  for path, m in jax.tree_util.tree_flatten_with_path(spec)[0]:
+    if not (isinstance(m, (bool, np.bool_)) or
+            (getattr(m, "shape", None) == () and getattr(m, "dtype", None) == jnp.bool_)):
+      raise TypeError(f"{name}{jax.tree_util.keystr(path)} is {m!r}; every leaf of a "
+                      f"{name}= tree must be True or False (or pass a function "
+                      f"(path, leaf) -> bool).")
+  expand = lambda m, sub: jax.tree.map(
+      lambda _: (bool(m), jax.tree_util.treedef_is_leaf(jax.tree.structure(sub))), sub)
+  try:
+    full = jax.tree.map(expand, spec, params)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{name}= must be a pytree of bools with the structure of the "
+                     f"params (or a prefix of it), or a function (path, leaf) -> bool; it "
+                     f"does not match the params: {e}") from None
+  return jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and
+                         isinstance(x[0], bool))
+
+
+def trainable_flags(spec, params) -> tuple:
+  """One bool per params leaf: does it train (``trainable=``, see `make_sharded_train_step`)."""
+  if spec is None:
+    return tuple(_is_float(x) for x in jax.tree.leaves(params))
+  flags = []
+  for (f, explicit), (path, x) in zip(_leaf_flags(spec, params, "trainable"),
+                                      jax.tree_util.tree_flatten_with_path(params)[0]):
+    if f and explicit and not _is_float(x):
+      raise ValueError(f"trainable marks the leaf params{jax.tree_util.keystr(path)} of "
+                       f"dtype {jnp.result_type(x)} as trainable, but only floating leaves "
+                       f"can train; mark it False (non-float leaves are frozen by default).")
+    flags.append(f and _is_float(x))
+  return tuple(flags)
+
+
+def stacked_flags(spec, params) -> tuple:
+  """One bool per params leaf: is it a stack of layers (``stacked=``)."""
+  flags = []
+  for (f, _), (path, x) in zip(_leaf_flags(spec, params, "stacked"),
+                               jax.tree_util.tree_flatten_with_path(params)[0]):
+    if f and not np.shape(x):
+      raise ValueError(f"stacked marks params{jax.tree_util.keystr(path)} as a stack of "
+                       f"per-layer weights, but it is a scalar; a stacked leaf has the "
+                       f"layers along its first dimension. Mark it False.")
+    flags.append(bool(f))
+  return tuple(flags)
+
+
 def _device_put(tree, sharding):
   """``jax.device_put`` that also places typed PRNG keys on a multi-process mesh."""
   def put(x):
@@ -157,7 +223,7 @@ class ShardedTrainStep:
 
   def __init__(self, loss_fn, optimizer, *, mesh, axis_name, stage, has_aux, precision,
                loss_scale, max_grad_norm, grad_accum_steps, accumulate, trainable,
-               comm_dtype, donate):
+               stacked, comm_dtype, donate):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are "
                        f"{tuple(mesh.axis_names)}; pass axis_name= one of them or build the "
@@ -217,6 +283,7 @@ class ShardedTrainStep:
     self.grad_accum_steps = grad_accum_steps
     self.accumulate = accumulate
     self.trainable = trainable
+    self.stacked = stacked
     self.comm_dtype = None if comm_dtype is None else jnp.dtype(comm_dtype)
     self.donate = donate
     self._step = jax.jit(self._step_fn, donate_argnums=(0,) if donate else ())
@@ -228,41 +295,6 @@ class ShardedTrainStep:
 
   def _replicated(self) -> NamedSharding:
     return self._sharding(P())
-
-  def _trainable_mask(self, params) -> tuple:
-    paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    spec = self.trainable
-    if spec is None:
-      return tuple(_is_float(x) for _, x in paths_leaves)
-    if callable(spec):
-      flags = [bool(spec(path, x)) for path, x in paths_leaves]
-      return tuple(f and _is_float(x) for f, (_, x) in zip(flags, paths_leaves))
-    for path, m in jax.tree_util.tree_flatten_with_path(spec)[0]:
-      if not (isinstance(m, (bool, np.bool_)) or
-              (getattr(m, "shape", None) == () and getattr(m, "dtype", None) == jnp.bool_)):
-        raise TypeError(f"trainable{jax.tree_util.keystr(path)} is {m!r}; every leaf of a "
-                        f"trainable= tree must be True or False (or pass a function "
-                        f"(path, leaf) -> bool).")
-    # A bool given for one leaf is explicit; a bool given for a whole subtree (a
-    # prefix) covers only that subtree's floating leaves.
-    expand = lambda m, sub: jax.tree.map(
-        lambda _: (bool(m), jax.tree_util.treedef_is_leaf(jax.tree.structure(sub))), sub)
-    try:
-      full = jax.tree.map(expand, spec, params)
-    except (ValueError, TypeError) as e:
-      raise ValueError(f"trainable= must be a pytree of bools with the structure of the "
-                       f"params (or a prefix of it), or a function (path, leaf) -> bool; it "
-                       f"does not match the params: {e}") from None
-    pairs = jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and
-                            isinstance(x[0], bool))
-    flags = []
-    for (f, explicit), (path, x) in zip(pairs, paths_leaves):
-      if f and explicit and not _is_float(x):
-        raise ValueError(f"trainable marks the leaf params{jax.tree_util.keystr(path)} of "
-                         f"dtype {jnp.result_type(x)} as trainable, but only floating leaves "
-                         f"can train; mark it False (non-float leaves are frozen by default).")
-      flags.append(f and _is_float(x))
-    return tuple(flags)
 
   def _optimizer(self, treedef, trainable) -> optax.GradientTransformation:
     if all(trainable):
@@ -323,14 +355,16 @@ class ShardedTrainStep:
     """(treedef, StateMeta) for a params tree (arrays or shape structs)."""
     treedef = jax.tree.structure(params)
     leaves = jax.tree.leaves(params)
-    trainable = self._trainable_mask(params)
-    param_layouts = tuple(lay.leaf_layout(np.shape(x), self.n) for x in leaves)
+    trainable = trainable_flags(self.trainable, params)
+    stacked = stacked_flags(self.stacked, params)
+    param_layouts = tuple(lay.leaf_layout(np.shape(x), self.n, stacked=s)
+                          for x, s in zip(leaves, stacked))
     src_abstract = jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(np.shape(x), self._src_dtype(x) if t else jnp.result_type(x))
         for x, t in zip(leaves, trainable)])
     opt_abstract = jax.eval_shape(self._optimizer(treedef, trainable).init, src_abstract)
     opt_layouts = tuple(lay.leaf_layout(x.shape, self.n) for x in jax.tree.leaves(opt_abstract))
-    return treedef, StateMeta(param_layouts, trainable, opt_layouts)
+    return treedef, StateMeta(param_layouts, trainable, opt_layouts, stacked)
 
   def _state_shardings(self, meta, treedef, model_state, rng) -> TrainState:
     """A TrainState of NamedShardings: where each part of the state lives."""
@@ -476,16 +510,21 @@ class ShardedTrainStep:
     train_idx = [i for i, t in enumerate(tr) if t]
     frozen = {i: leaves[i] for i, t in enumerate(tr) if not t}
     dev = jax.lax.axis_index(ax)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    stacked = self.stage == 3 and any(meta.stacked)
+
+    def gathered(i, x, to):
+      """Stage 3: the leaf as loss_fn receives it, gathered or (stacked) not yet."""
+      if meta.stacked[i]:
+        return ShardedParam(x, pl[i], ax, paths[i])
+      return checkpoint_name(collectives.all_gather(x, pl[i], ax, to=to), _GATHERED)
 
     def micro_loss(train_leaves, mb, ms, key):
       full = dict(frozen)
-      if self.stage == 3:  # gathered where used, and again for the backward pass
-        full = {i: collectives.all_gather(x, pl[i], ax) for i, x in frozen.items()}
+      if self.stage == 3:
+        full = {i: gathered(i, x, "invarying") for i, x in frozen.items()}
       for i, x in zip(train_idx, train_leaves):
-        if self.stage == 3:
-          x = checkpoint_name(
-              collectives.all_gather(x, pl[i], ax, to="varying"), _GATHERED)
-        full[i] = x
+        full[i] = gathered(i, x, "varying") if self.stage == 3 else x
       p = jax.tree.unflatten(treedef, [full[i] for i in range(len(leaves))])
       loss, aux, new_ms = self._call_loss(p, mb, ms, key)
       # Divided by n * k here, not after the reduction: each example's cotangent is
@@ -493,7 +532,10 @@ class ShardedTrainStep:
       # devices overflows exactly when the single-device gradient would.
       return ls.scale_loss(scale, loss) / (n * k), (loss, aux, new_ms)
 
-    if self.stage == 3:
+    if self.stage == 3 and not stacked:
+      # Ask XLA not to keep gathered leaves for the backward pass. With stacked
+      # leaves, loss_fn's own per-layer jax.checkpoint does that for the layers
+      # (an outer checkpoint around its scan would copy the stacked blocks).
       micro_loss = jax.checkpoint(micro_loss, policy=_regather_policy(pl))
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     diff_leaves = [leaves[i] for i in train_idx]
@@ -684,6 +726,7 @@ def make_sharded_train_step(
     grad_accum_steps: int = 1,
     accumulate: str | None = None,
     trainable=None,
+    stacked=None,
     comm_dtype=None,
     donate: bool = True,
 ) -> ShardedTrainStep:
@@ -752,6 +795,16 @@ def make_sharded_train_step(
       (stage 3 still gathers them where used), and never change. Non-float
       leaves are always frozen; ``True`` given for a non-float leaf itself is
       an error.
+    stacked: which leaves are stacks of per-layer weights along their first
+      dimension that ``loss_fn`` loops over (``lax.scan``); same forms as
+      ``trainable``. They are never split along that dimension. At stage 3
+      they reach ``loss_fn`` as `ShardedParam`s, not gathered, and
+      ``loss_fn`` calls `zero_jax.gather` on each layer's slice where the
+      layer uses it, under a per-layer ``jax.checkpoint``, so that only a
+      layer or two are whole at a time (see `zero_jax.stacked`). The other
+      leaves are then gathered once before ``loss_fn`` and kept until their
+      backward use. At stages 1-2 stacked leaves are plain arrays and
+      ``gather`` is the identity, so the same ``loss_fn`` runs at every stage.
     comm_dtype: dtype on the wire for the gradient reduction (stages 1-2),
       e.g. ``jnp.bfloat16``; default the gradient's dtype.
     donate: donate the input state's buffers to the output (do not reuse a
@@ -764,4 +817,4 @@ def make_sharded_train_step(
       loss_fn, optimizer, mesh=mesh, axis_name=axis_name, stage=stage, has_aux=has_aux,
       precision=precision, loss_scale=loss_scale, max_grad_norm=max_grad_norm,
       grad_accum_steps=grad_accum_steps, accumulate=accumulate, trainable=trainable,
-      comm_dtype=comm_dtype, donate=donate)
+      stacked=stacked, comm_dtype=comm_dtype, donate=donate)
