@@ -286,6 +286,20 @@ def interleave(fns: dict[str, Callable[[], None]], *, rounds: int, iters: int) -
   return times
 
 
+def steppers(runs: dict, states: dict, batch) -> dict[str, Callable[[], None]]:
+  """For `interleave`: ``{name: go}``, where ``go()`` runs one blocking step.
+
+  ``runs[name](state, batch) -> (state, out)``; ``states[name]`` is replaced
+  by each step's new state (the steps donate their input).
+  """
+  def go_for(name):
+    def go():
+      states[name], out = runs[name](states[name], batch)
+      jax.block_until_ready((states[name], out))
+    return go
+  return {name: go_for(name) for name in runs}
+
+
 def median_ratio(times: dict, a: str, b: str) -> float:
   """Median over rounds of time[a] / time[b] (paired by round)."""
   return statistics.median(x / y for x, y in zip(times[a], times[b]))

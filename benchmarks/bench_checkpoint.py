@@ -220,19 +220,16 @@ def main():
   ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"
   zs, gs = med["save_zj"], med["save_gather"]
   z8, z4, g8 = med["restore_zj8"], med["restore_zj4"], med["restore_gather8"]
+  def both(label, zj_run, gather_run, key, fmt):  # zero_jax vs the gather baseline
+    return (label, fmt(zj_run[key]), fmt(gather_run[key]), ratio(zj_run[key], gather_run[key]))
+
   rows = [
-      ("save: until training can go on", s(zs["blocking_s"]), s(gs["blocking_s"]),
-       ratio(zs["blocking_s"], gs["blocking_s"])),
-      ("save: until written", s(zs["total_s"]), s(gs["total_s"]),
-       ratio(zs["total_s"], gs["total_s"])),
-      ("first save of a process: until written", s(zs["first_total_s"]),
-       s(gs["first_total_s"]), ratio(zs["first_total_s"], gs["first_total_s"])),
-      ("save: peak extra host memory", mb(zs["peak_extra"]), mb(gs["peak_extra"]),
-       ratio(zs["peak_extra"], gs["peak_extra"])),
-      ("restore, same 8 devices: time", s(z8["total_s"]), s(g8["total_s"]),
-       ratio(z8["total_s"], g8["total_s"])),
-      ("restore, same 8 devices: peak extra host memory", mb(z8["peak_extra"]),
-       mb(g8["peak_extra"]), ratio(z8["peak_extra"], g8["peak_extra"])),
+      both("save: until training can go on", zs, gs, "blocking_s", s),
+      both("save: until written", zs, gs, "total_s", s),
+      both("first save of a process: until written", zs, gs, "first_total_s", s),
+      both("save: peak extra host memory", zs, gs, "peak_extra", mb),
+      both("restore, same 8 devices: time", z8, g8, "total_s", s),
+      both("restore, same 8 devices: peak extra host memory", z8, g8, "peak_extra", mb),
       ("restore onto 4 devices: time", s(z4["total_s"]), "not possible (padded for 8)", "-"),
       ("restore onto 4 devices: peak extra host memory", mb(z4["peak_extra"]), "-", "-"),
   ]

@@ -100,14 +100,8 @@ def measure(args) -> dict:
       out["comm"][name] = sc.collectives_str(steps[name].lower(states[name], batch)
                                              .compile().as_text())
 
-  def timed(name):
-    def go():
-      states[name], m = steps[name](states[name], batch)
-      jax.block_until_ready((states[name], m))
-    return go
-
-  go = {name: timed(name) for name in steps}
-  out["times"] = sc.interleave(go, rounds=cfg["rounds"], iters=cfg["iters"])
+  out["times"] = sc.interleave(sc.steppers(steps, states, batch), rounds=cfg["rounds"],
+                               iters=cfg["iters"])
   return out
 
 

@@ -118,13 +118,7 @@ def measure(args) -> dict:
       losses[name] = float(m["loss"])
   out["losses"] = losses
 
-  def timed(name):
-    def go():
-      states[name], m = steps[name](states[name], placed)
-      jax.block_until_ready((states[name], m))
-    return go
-
-  out["times"] = sc.interleave({k: timed(k) for k in steps}, rounds=cfg["rounds"],
+  out["times"] = sc.interleave(sc.steppers(steps, states, placed), rounds=cfg["rounds"],
                                iters=cfg["iters"])
   return out
 

@@ -25,7 +25,6 @@ Usage:
 from __future__ import annotations
 
 import resource
-import time
 
 import _step_common as sc  # first: sets up 8 CPU devices
 from _report import machine
@@ -104,15 +103,7 @@ def measure(args) -> dict:
   print("losses:", {k: [f"{x:.6f}" for x in v] for k, v in out["losses"].items()}, flush=True)
   assert out["max_dev"] < 1e-4, f"variants disagree on the loss: {out['max_dev']:.2e}"
 
-  def timed(name):
-    run = variants[name][1]
-
-    def go():
-      states[name], loss = run(states[name], batches[0])
-      jax.block_until_ready((states[name], loss))
-    return go
-
-  go = {name: timed(name) for name in variants}
+  go = sc.steppers({name: v[1] for name, v in variants.items()}, states, batches[0])
   out["times"] = sc.interleave(go, rounds=cfg["rounds"], iters=cfg["iters"])
 
   # Minor page faults and system time per step (the allocator's share).
@@ -174,7 +165,7 @@ def render(results, args, seconds) -> str:
       f"stage 2 / dp-rs = {med(c, 'zj-s2', 'dp-rs'):.2f}" for c in conds)
   conds_text = "\n".join(f"- `{c}`: {sc.CONDITION_TEXT[c]}" for c in conds)
   temp = {k: first["mem"][k]["temp"] for k in ORDER}
-  full_ar = [k for k in ORDER if f"all-reduce x" in first["colls"][k] and
+  full_ar = [k for k in ORDER if "all-reduce x" in first["colls"][k] and
              any(f"all-reduce x{n} f32 {b}" in first["colls"][k]
                  for n in range(1, 9) for b in [f"{psi * 4 / sc.MIB:.2f}"])]
   def slower(c):  # variants whose paired ratio to dp has its lower quartile above 1
