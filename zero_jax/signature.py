@@ -1,0 +1,100 @@
+"""What identifies an optimizer, beyond the structure of its state.
+
+Two optax transformations can make states of the same structure and still be
+different optimizers: ``adam``, ``nadam``, ``radam`` and ``yogi`` all keep a
+``ScaleByAdamState``. A state (or a checkpoint) made by one and run by another
+trains on silently with the wrong update. `optimizer_signature` names the
+optimizer by what it *does*: the functions its ``init``/``update`` are built
+from (``scale_by_adam.<locals>.update_fn``, ...) and the flags and sizes they
+close over (``nesterov=True``, integers, strings, dtypes), walking the
+closures of ``chain``, ``masked``, ``multi_transform`` and the like.
+
+Floating-point numbers (learning rate, betas, epsilon, weight decay) and
+schedules are hyperparameters, not identity: changing them on a resumed run
+is allowed and does not change the signature.
+
+Example:
+  >>> import optax, zero_jax.signature as sig
+  >>> sig.optimizer_signature(optax.adam(1e-3)) == sig.optimizer_signature(optax.adam(3e-4))
+  True
+  >>> sig.optimizer_signature(optax.adam(1e-3)) == sig.optimizer_signature(optax.nadam(1e-3))
+  False
+"""
+
+from __future__ import annotations
+
+import hashlib
+import types
+
+import numpy as np
+
+_HYPERPARAMETER_MODULES = ("optax.schedules", "optax._src.schedule")
+
+
+def _describe(value, seen: set, out: list) -> None:
+  """Appends tokens that identify ``value`` (a closure cell's content) to ``out``."""
+  if isinstance(value, types.FunctionType):
+    module = value.__module__ or ""
+    if module.startswith(_HYPERPARAMETER_MODULES):
+      out.append("schedule")
+      return
+    if id(value) in seen:
+      out.append("<cycle>")
+      return
+    seen.add(id(value))
+    out.append(f"{module}:{value.__qualname__}(")
+    for cell in value.__closure__ or ():
+      try:
+        content = cell.cell_contents
+      except ValueError:  # an empty cell
+        continue
+      _describe(content, seen, out)
+    out.append(")")
+  elif isinstance(value, (bool, np.bool_, str, type(None))):
+    out.append(repr(value))
+  elif isinstance(value, (int, np.integer)):
+    out.append(f"int:{int(value)}")
+  elif isinstance(value, (float, np.floating)):
+    out.append("float")  # a hyperparameter
+  elif isinstance(value, (tuple, list)):
+    out.append("[")
+    for v in value:
+      _describe(v, seen, out)
+    out.append("]")
+  elif isinstance(value, dict):
+    out.append("{")
+    for k in sorted(value, key=repr):
+      out.append(repr(k) + ":")
+      _describe(value[k], seen, out)
+    out.append("}")
+  elif isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
+    out.append(f"dtype:{np.dtype(value).name}")
+  elif hasattr(value, "init") and hasattr(value, "update"):  # a GradientTransformation
+    out.append(type(value).__name__ + "<")
+    _describe(value.init, seen, out)
+    _describe(value.update, seen, out)
+    out.append(">")
+  elif callable(value):
+    out.append("callable")  # masks, label functions, partials: configuration, not identity
+  else:
+    out.append(type(value).__name__)  # arrays and other data: their type only
+
+
+def optimizer_signature(optimizer) -> str:
+  """A short, stable name for what ``optimizer`` computes (see the module docstring).
+
+  Args:
+    optimizer: an ``optax.GradientTransformation``.
+
+  Returns:
+    ``"<outermost function>#<12 hex digits>"``: equal for the same optimizer
+    with other floating hyperparameters or schedules, different for another
+    update rule or flag.
+  """
+  out: list[str] = []
+  _describe(optimizer, set(), out)
+  digest = hashlib.sha256(" ".join(out).encode()).hexdigest()[:12]
+  names = [t[:-1].split(":", 1)[1].split(".")[0] for t in out if t.endswith("(") and ":" in t]
+  names = [n for n in names if n not in ("chain", "with_extra_args_support", "init_empty_state")]
+  head = names[0] if names else "optimizer"
+  return f"{head}#{digest}"
