@@ -155,3 +155,69 @@ def gradient_collectives(colls):
   """Reduce-scatters and all-reduces that carry an array of more than one element."""
   return [c for c in colls if c[0] in ("reduce-scatter", "all-reduce")
           and any(np.prod(s) > 1 for s in shapes_in(c[1]))]
+
+
+_GROUPS_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+
+
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\],\s*device_ids=\(\[([\d,]+)\]"
+                          r"(?:T\(([\d,]+)\))?\)\s*\{([^}]*)\}")
+
+
+def _mesh_groups(m):
+  """Groups of the mesh form: ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}``."""
+  axes = [(n.strip().strip("'"), int(v)) for n, v in
+          (a.split("=") for a in m.group(1).split(","))]
+  dims = [int(d) for d in m.group(2).split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if m.group(3):
+    ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+  ids = ids.reshape([v for _, v in axes])
+  reduced = {a.strip().strip("'") for a in m.group(4).split(",")}
+  order = [i for i, (n, _) in enumerate(axes) if n not in reduced] + \
+          [i for i, (n, _) in enumerate(axes) if n in reduced]
+  size = int(np.prod([v for n, v in axes if n in reduced]))
+  return [tuple(int(d) for d in g) for g in ids.transpose(order).reshape(-1, size)]
+
+
+def replica_groups(line):
+  """The device groups of one HLO collective, as a list of tuples of device ids.
+
+  Reads the forms XLA prints: ``{{0,1},{2,3}}``, the iota form ``[2,4]<=[8]`` /
+  ``[4,2]<=[2,4]T(1,0)`` (iota over the second shape, transposed, reshaped to
+  the first), and the mesh form ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0))
+  {'a'}`` (devices on a mesh, grouped along the named axes).
+  """
+  m = _GROUPS_MESH.search(line)
+  if m:
+    return _mesh_groups(m)
+  m = _GROUPS_EXPLICIT.search(line)
+  if m:
+    return [tuple(int(d) for d in g.split(",") if d)
+            for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+  m = _GROUPS_IOTA.search(line)
+  if m:
+    shape = [int(d) for d in m.group(1).split(",")]
+    dims = [int(d) for d in m.group(2).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(3):
+      ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+    return [tuple(int(d) for d in g) for g in ids.reshape(shape[0], -1)]
+  return None
+
+
+def collective_groups(hlo):
+  """``[(op, result_shape_text, groups)]`` for every collective in compiled HLO text."""
+  out = []
+  for line in hlo.splitlines():
+    m = _OP.search(line)
+    if m:
+      out.append((m.group(2), m.group(1), replica_groups(line)))
+  return out
+
+
+def shard_bytes(tree, device):
+  """Bytes of ``tree``'s shards that live on ``device``."""
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+             if s.device == device)

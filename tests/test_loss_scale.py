@@ -158,9 +158,10 @@ def test_every_field_survives_jit_and_pytree_round_trips():
   s = zj.adjust_loss_scale(zj.adjust_loss_scale(s, True), False)  # good 0, skipped 1, 256
   s = zj.adjust_loss_scale(s, True)
   want = (256.0, 1, 1, True, 7, 4.0, 0.5)
-  assert fields(s) == want
+  assert fields(s) == want and int(s.skipped_in_a_row) == 0
+  assert int(zj.adjust_loss_scale(zj.adjust_loss_scale(s, False), False).skipped_in_a_row) == 2
   leaves, treedef = jax.tree_util.tree_flatten(s)
-  assert len(leaves) == 3  # only the arrays are leaves; the rest is static
+  assert len(leaves) == 4  # only the arrays are leaves; the rest is static
   rep = NamedSharding(MESH, P())
   trips = {
       "jit returning it": jax.jit(lambda: zj.adjust_loss_scale(

@@ -144,7 +144,8 @@ def test_every_process_gets_the_same_params_and_python_metrics(two_processes):
     rows.append(rep["rows"])
     for variant, types in rep["metrics"].items():
       assert types == {"loss": "float", "grad_norm": "float", "grads_finite": "bool",
-                       "loss_scale": "float"}, variant
+                       "loss_scale": "float", "skipped_steps": "int",
+                       "skipped_in_a_row": "int"}, variant
   assert rows == [[0, 8], [8, 16]]
 
 

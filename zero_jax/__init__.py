@@ -11,9 +11,10 @@ from zero_jax.loss_scale import (LossScaleState, adjust_loss_scale, all_finite,
                                  static_loss_scale, unscale_grads)
 from zero_jax.memory import CompiledMemory, MemoryReport, compiled_memory, memory_report
 from zero_jax.precision import POLICIES, Policy
+from zero_jax.loss import WeightedLoss
 from zero_jax.stacked import ShardedParam, gather
-from zero_jax.train_step import (ShardedTrainStep, StateMeta, TrainState,
-                                 make_sharded_train_step)
+from zero_jax.state import StateMeta, TrainState
+from zero_jax.train_step import ShardedTrainStep, make_sharded_train_step
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "ShardedTrainStep",
     "StateMeta",
     "TrainState",
+    "WeightedLoss",
     "adjust_loss_scale",
     "all_finite",
     "clip_by_global_norm",

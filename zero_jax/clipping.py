@@ -20,19 +20,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def _varying_axes(x) -> frozenset:
-  """The manual mesh axes ``x`` varies over inside ``shard_map`` (its "vma")."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # jax >= 0.9: ManualAxisType(varying=...)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
+from zero_jax.collectives import varying_axes
 
 
 def _check_tracks_variance(axis_name) -> None:
   """Raises unless the enclosing shard_map tracks which values vary over the axis."""
-  if axis_name not in _varying_axes(jax.lax.axis_index(axis_name)):
+  if axis_name not in varying_axes(jax.lax.axis_index(axis_name)):
     raise ValueError(
         f"global_norm(..., axis_name={axis_name!r}) tells a device's slice of a leaf from a "
         f"replicated leaf by whether it varies over the axis, which jax only tracks under "
@@ -67,7 +60,7 @@ def global_norm(tree, axis_name: str | None = None) -> jax.Array:
   sharded, whole = jnp.float32(0), jnp.float32(0)
   for x in jax.tree.leaves(tree):
     sq = jnp.sum(jnp.square(x.astype(jnp.float32)))
-    if axis_name is not None and axis_name in _varying_axes(sq):
+    if axis_name is not None and axis_name in varying_axes(sq):
       sharded = sharded + sq
     else:
       whole = whole + sq
@@ -98,7 +91,16 @@ def clip_by_global_norm(tree, max_norm: float, axis_name: str | None = None):
     ``(clipped_tree, norm)`` where ``norm`` is the norm before clipping.
   """
   norm = global_norm(tree, axis_name)
+  return clip_with_norm(tree, norm, max_norm), norm
+
+
+def clip_with_norm(tree, norm: jax.Array, max_norm: float):
+  """``tree`` scaled to global norm ``max_norm`` given its ``norm`` (optax's formula).
+
+  For callers that have the norm already (the step computes it once for the
+  metrics and the finite check).
+  """
   keep = norm < max_norm  # optax's test: a nan norm clips (to nan) rather than passing
   def one(g):
     return jnp.where(keep, g, (g / norm.astype(g.dtype)) * max_norm).astype(g.dtype)
-  return jax.tree.map(one, tree), norm
+  return jax.tree.map(one, tree)

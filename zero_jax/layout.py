@@ -1,10 +1,18 @@
-"""How each leaf is split across the data axis.
+"""How each leaf is split across the data axes (and kept split over model axes).
 
-A leaf with at least one dimension is split along one dimension, chosen to
-minimise padding: the dimension is padded at its end to a multiple of the axis
-size ``n`` and each device holds one contiguous block of ``padded // n``
-entries. Zero-dimensional leaves (step counters, scalar parameters and their
-state) are replicated: they cannot be split and cost one element each.
+A leaf with at least one dimension is split along one dimension over the data
+axes (the product of the step's ``axis_name`` axes, ``n`` devices), chosen to
+minimise padding: the dimension is padded at its end to a multiple of ``n``
+and each device holds one contiguous block of ``padded // n`` entries.
+Zero-dimensional leaves (step counters, scalar parameters and their state)
+are replicated: they cannot be split and cost one element each.
+
+A leaf may also be split over the user's *model* axes (tensor parallelism,
+``param_specs=``): ``model[d]`` names the model axes of dimension ``d``. The
+data split then goes on another dimension, padded as above, or on a model
+dimension as a product (model axes first, then the data axes) when that
+dimension divides evenly, so that no padding sits inside a model block. With
+no such dimension the leaf is replicated over the data axes.
 
 The *logical* view of a leaf is its original shape; the *storage* view is the
 padded one that lives sharded on the mesh between steps. Converting between
@@ -23,17 +31,30 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 
+def _entry(names: tuple) -> str | tuple | None:
+  """One PartitionSpec entry for a tuple of axis names."""
+  if not names:
+    return None
+  return names[0] if len(names) == 1 else tuple(names)
+
+
 class Layout(NamedTuple):
-  """Placement of one leaf on the data axis (static, hashable).
+  """Placement of one leaf on the mesh (static, hashable).
 
   Attributes:
     shape: the logical shape.
-    dim: the split dimension, or ``None`` for a replicated leaf.
-    padded: size of ``dim`` in storage (a multiple of the axis size).
+    dim: the dimension split over the data axes, or ``None`` when the leaf is
+      replicated over them.
+    padded: size of ``dim`` in storage (a multiple of the data axes' size).
+    model: per dimension, the model axes it is split over (``()`` when the
+      leaf is not model-parallel).
+    model_size: per dimension, the product of those axes' sizes.
   """
   shape: tuple[int, ...]
   dim: int | None
   padded: int
+  model: tuple[tuple[str, ...], ...] = ()
+  model_size: tuple[int, ...] = ()
 
   @property
   def storage_shape(self) -> tuple[int, ...]:
@@ -47,44 +68,94 @@ class Layout(NamedTuple):
   def pad_amount(self) -> int:
     return 0 if self.dim is None else self.padded - self.shape[self.dim]
 
-  def spec(self, axis_name: str) -> P:
-    """PartitionSpec of the storage view."""
-    if self.dim is None:
-      return P()
-    return P(*([None] * self.dim + [axis_name]))
+  @property
+  def has_model(self) -> bool:
+    return any(self.model)
+
+  def spec(self, data_axes) -> P:
+    """PartitionSpec of the storage view: model axes, then the data axes on ``dim``.
+
+    One entry per dimension (``P(None, 'data')``, not ``P(None, 'data')`` trimmed), the
+    form JAX gives back, so that a state keeps one sharding through every step.
+    """
+    data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    entries = []
+    for d in range(len(self.shape)):
+      names = tuple(self.model[d]) if self.model else ()
+      if d == self.dim:
+        names += data_axes
+      entries.append(_entry(names))
+    return P(*entries)
+
+  def data_spec(self, data_axes) -> P:
+    """The storage spec without the model axes (what a ``shard_map`` over the
+    data and replica axes names: the model axes stay automatic)."""
+    return Layout(self.shape, self.dim, self.padded).spec(data_axes)
+
+  def model_spec(self) -> P:
+    """PartitionSpec over the model axes only (how the logical leaf is split)."""
+    if not self.model:
+      return P(*[None] * len(self.shape))
+    return P(*[_entry(tuple(m)) for m in self.model])
 
 
-def leaf_layout(shape, n: int, *, stacked: bool = False) -> Layout:
-  """Chooses the split dimension of a leaf of ``shape`` over ``n`` devices.
+def leaf_layout(shape, n: int, *, stacked: bool = False, model=None,
+                model_size=None) -> Layout:
+  """Chooses the data-split dimension of a leaf of ``shape`` over ``n`` devices.
 
   The dimension with the smallest padded total size wins; among equals, the
   largest dimension, then the first. A ``stacked`` leaf (a stack of per-layer
   weights along its first dimension, see `zero_jax.gather`) is never split
   along that first dimension, so each layer's slice is itself split over all
-  ``n`` devices; a stacked leaf with one dimension is replicated.
+  ``n`` devices; a stacked leaf with one dimension is replicated. A dimension
+  split over model axes is a candidate only when it divides evenly by its
+  model size times ``n``.
 
   >>> leaf_layout((9, 7), 8)
-  Layout(shape=(9, 7), dim=1, padded=8)
-  >>> leaf_layout((16, 9, 7), 8, stacked=True)
-  Layout(shape=(16, 9, 7), dim=2, padded=8)
+  Layout(shape=(9, 7), dim=1, padded=8, model=(), model_size=())
+  >>> leaf_layout((16, 9, 7), 8, stacked=True).dim
+  2
+  >>> leaf_layout((6, 8), 4, model=((), ("model",)), model_size=(1, 2)).spec("data")
+  PartitionSpec('data', 'model')
+
+  Args:
+    shape: the leaf's logical shape.
+    n: the number of devices of the data axes.
+    stacked: the leaf is a stack of layers along its first dimension.
+    model: per dimension, the model axes it is split over, or None.
+    model_size: per dimension, the product of those axes' sizes.
+
+  Returns:
+    The `Layout`.
   """
   shape = tuple(int(d) for d in shape)
+  if model is not None and any(model):
+    model = tuple(tuple(m) for m in model)
+    model_size = tuple(int(s) for s in model_size)
+  else:
+    model, model_size = (), ()
   first = 1 if stacked else 0
-  if len(shape) <= first:
-    return Layout(shape, None, 0)
   total = math.prod(shape)
   best = None
   for d in range(first, len(shape)):
-    size = shape[d]
+    size, m = shape[d], (model_size[d] if model else 1)
+    if m > 1 and size % (m * n):
+      continue  # padding would sit inside model blocks
     padded = -(-size // n) * n
     key = (total // max(size, 1) * padded, -size, d)
     if best is None or key < best[0]:
       best = (key, d, padded)
-  return Layout(shape, best[1], best[2])
+  if best is None:
+    return Layout(shape, None, 0, model, model_size)
+  return Layout(shape, best[1], best[2], model, model_size)
 
 
 def pad(x: jax.Array, layout: Layout) -> jax.Array:
-  """Logical view -> storage view (zero padding at the end of ``dim``)."""
+  """Logical view -> storage view (zero padding at the end of ``dim``).
+
+  Works on the whole leaf and on a device's model block alike: the padded
+  dimension is never split over model axes.
+  """
   if layout.pad_amount == 0:
     return x
   widths = [(0, 0)] * x.ndim
@@ -100,9 +171,16 @@ def unpad(x: jax.Array, layout: Layout) -> jax.Array:
 
 
 def local_storage_shape(layout: Layout, n: int) -> tuple[int, ...]:
-  """Shape of one device's block of the storage view."""
-  if layout.dim is None:
-    return layout.shape
-  s = list(layout.shape)
-  s[layout.dim] = layout.padded // n
+  """Shape of one device's block of the storage view (data and model splits)."""
+  s = list(layout.storage_shape)
+  for d, m in enumerate(layout.model_size):
+    s[d] //= m
+  if layout.dim is not None:
+    s[layout.dim] //= n
   return tuple(s)
+
+
+def model_block_shape(layout: Layout) -> tuple[int, ...]:
+  """Shape of one device's model block of the logical leaf (before the data split)."""
+  return tuple(s // m for s, m in zip(layout.shape, layout.model_size)) if layout.model \
+      else layout.shape

@@ -29,6 +29,7 @@ class LossScaleState:
     scale: f32[] the factor the loss is multiplied by.
     good_steps: i32[] finite steps since the scale last changed.
     skipped_steps: i32[] total steps skipped for non-finite gradients.
+    skipped_in_a_row: i32[] steps skipped since the last finite one.
     dynamic: whether the scale adapts (static).
     period: finite steps before the scale grows (static).
     factor: growth factor; the backoff divides by it (static).
@@ -37,6 +38,7 @@ class LossScaleState:
   scale: jax.Array
   good_steps: jax.Array
   skipped_steps: jax.Array
+  skipped_in_a_row: jax.Array
   dynamic: bool = struct.field(pytree_node=False, default=False)
   period: int = struct.field(pytree_node=False, default=2000)
   factor: float = struct.field(pytree_node=False, default=2.0)
@@ -46,7 +48,8 @@ class LossScaleState:
 def _state(scale, **static) -> LossScaleState:
   return LossScaleState(scale=jnp.asarray(scale, jnp.float32),
                         good_steps=jnp.zeros((), jnp.int32),
-                        skipped_steps=jnp.zeros((), jnp.int32), **static)
+                        skipped_steps=jnp.zeros((), jnp.int32),
+                        skipped_in_a_row=jnp.zeros((), jnp.int32), **static)
 
 
 def dynamic_loss_scale(init: float = 2.0**15, *, period: int = 2000,
@@ -95,8 +98,13 @@ def no_loss_scale() -> LossScaleState:
   return _state(1.0)
 
 
+def _wide(x):
+  """``x`` in at least float32 (float64 and complex keep their precision)."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def scale_loss(state: LossScaleState, loss: jax.Array) -> jax.Array:
-  """``loss * scale``, computed in float32 (a scaled fp16 loss may exceed 65504).
+  """``loss * scale``, computed in at least float32 (a scaled fp16 loss may exceed 65504).
 
   Example:
     >>> import jax, jax.numpy as jnp, zero_jax as zj
@@ -106,19 +114,20 @@ def scale_loss(state: LossScaleState, loss: jax.Array) -> jax.Array:
     >>> zj.unscale_grads(s, grads).tolist()
     [0.5, 0.5]
   """
-  return loss.astype(jnp.float32) * state.scale
+  return _wide(loss) * state.scale.astype(_wide(loss).dtype)
 
 
 def unscale_grads(state: LossScaleState, grads):
-  """Divides every leaf by the scale, after upcasting it to float32.
+  """Divides every leaf by the scale, after upcasting it to at least float32.
 
   Upcasting first matters: ``g / scale`` in fp16 underflows for small ``g``
-  (and a scale of 2**16 is not even representable in fp16).
+  (and a scale of 2**16 is not even representable in fp16). float64 and
+  complex leaves keep their dtype.
 
   Returns:
-    ``grads`` with every leaf float32.
+    ``grads`` with every half-precision leaf float32.
   """
-  return jax.tree.map(lambda g: g.astype(jnp.float32) / state.scale, grads)
+  return jax.tree.map(lambda g: _wide(g) / state.scale.astype(jnp.finfo(_wide(g).dtype).dtype), grads)
 
 
 def all_finite(tree, axis_name: str | None = None) -> jax.Array:
@@ -156,8 +165,9 @@ def adjust_loss_scale(state: LossScaleState, grads_finite: jax.Array) -> LossSca
   """
   grads_finite = jnp.asarray(grads_finite, bool)
   skipped = state.skipped_steps + jnp.where(grads_finite, 0, 1).astype(jnp.int32)
+  in_a_row = jnp.where(grads_finite, 0, state.skipped_in_a_row + 1).astype(jnp.int32)
   if not state.dynamic:
-    return state.replace(skipped_steps=skipped)
+    return state.replace(skipped_steps=skipped, skipped_in_a_row=in_a_row)
   good = jnp.where(grads_finite, state.good_steps + 1, 0)
   grow = good >= state.period
   grown = state.scale * state.factor
@@ -166,4 +176,5 @@ def adjust_loss_scale(state: LossScaleState, grads_finite: jax.Array) -> LossSca
                     jnp.where(grow, grown, state.scale),
                     jnp.maximum(state.scale / state.factor, state.min_scale))
   good = jnp.where(grow, 0, good).astype(jnp.int32)
-  return state.replace(scale=scale.astype(jnp.float32), good_steps=good, skipped_steps=skipped)
+  return state.replace(scale=scale.astype(jnp.float32), good_steps=good, skipped_steps=skipped,
+                       skipped_in_a_row=in_a_row)

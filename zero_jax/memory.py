@@ -49,9 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zero_jax.layout import leaf_layout, local_storage_shape
-from zero_jax.precision import get_policy
-from zero_jax.train_step import stacked_flags, trainable_flags
+from zero_jax import precision as prec
+from zero_jax.layout import local_storage_shape, model_block_shape
+from zero_jax.spec import planning_spec
+from zero_jax.state import build_meta, masked_optimizer
 
 STAGE_NAMES = {0: "DP (replicated)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
@@ -146,36 +147,37 @@ def _shape_dtype(path, x):
   return tuple(int(d) for d in np.shape(x)), jnp.dtype(x.dtype)
 
 
-def _is_float(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating)
-
-
-def _full(shape, dtype) -> int:
+def _bytes(shape, dtype) -> int:
   return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def _block(shape, dtype, n: int, stacked: bool = False) -> int:
-  """Bytes of one device's block of the padded storage view (scalars: replicated)."""
-  layout = leaf_layout(shape, n, stacked=stacked)
-  return math.prod(local_storage_shape(layout, n)) * jnp.dtype(dtype).itemsize
-
-
-def memory_report(params: Any, optimizer: optax.GradientTransformation, *, n_devices: int,
-                  precision: str = "fp32", stages=(0, 1, 2, 3), trainable=None,
-                  stacked=None, comm_dtype=None) -> MemoryReport:
+def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
+                  n_devices: int | None = None, mesh=None, axis_name="data", replica_axis=None,
+                  param_specs=None, precision: str = "fp32", stages=(0, 1, 2, 3),
+                  trainable=None, stacked=None, comm_dtype=None) -> MemoryReport:
   """Per-device bytes of params, gradients, optimizer state and master copy.
 
   Computed from shapes only, with the exact layouts (and padding) the step
-  uses on ``n_devices`` devices; see the module docstring for what is counted.
+  uses; see the module docstring for what is counted. Give either
+  ``n_devices`` (one data axis) or the ``mesh`` (a ``jax.sharding.Mesh`` or
+  ``AbstractMesh``, so any size can be planned for) with the step's
+  ``axis_name``, ``replica_axis`` and ``param_specs``: the state is then split
+  over the data axes and, for model-parallel leaves, their model axes.
 
   Example:
     >>> shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
     >>> print(zj.memory_report(shapes, optax.adamw(3e-4), n_devices=8, precision="bf16"))
+    >>> mesh = jax.sharding.AbstractMesh((16, 8), ("replica", "data"))   # 16 hosts x 8 GPUs
+    >>> zj.memory_report(shapes, optax.adamw(3e-4), mesh=mesh, replica_axis="replica")
 
   Args:
     params: the parameter tree: arrays or ``jax.ShapeDtypeStruct``s.
     optimizer: the ``optax.GradientTransformation`` the step will use.
-    n_devices: devices on the data axis.
+    n_devices: devices on the data axis (without ``mesh``).
+    mesh: the step's mesh (without ``n_devices``).
+    axis_name: as for `make_sharded_train_step` (with ``mesh``).
+    replica_axis: as for `make_sharded_train_step` (with ``mesh``).
+    param_specs: as for `make_sharded_train_step` (with ``mesh``).
     precision: the step's precision policy (``"fp32"``, ``"bf16"``, ``"fp16"``,
       ``"fp16_memory_efficient"``).
     stages: which rows to report; 0 is plain (replicated) data parallelism.
@@ -188,8 +190,6 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *, n_dev
   Returns:
     A `MemoryReport`; ``print`` it for a table, index it by stage for numbers.
   """
-  if not (isinstance(n_devices, (int, np.integer)) and n_devices >= 1):
-    raise ValueError(f"n_devices must be a positive int, got {n_devices!r}.")
   bad = [s for s in stages if s not in STAGE_NAMES]
   if bad:
     raise ValueError(f"stages={tuple(stages)!r}: each stage must be 0 (plain data "
@@ -197,47 +197,39 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *, n_dev
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(f"optimizer must be an optax.GradientTransformation (e.g. "
                     f"optax.adamw(3e-4)); got {type(optimizer).__name__}.")
-  n = int(n_devices)
-  policy = get_policy(precision)
+  spec = planning_spec(n_devices=n_devices, mesh=mesh, axis_name=axis_name,
+                       replica_axis=replica_axis, precision=precision, comm_dtype=comm_dtype)
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [_shape_dtype(p, x) for p, x in paths_leaves]
   structs = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes])
-  flags = trainable_flags(trainable, structs)
-  stacks = stacked_flags(stacked, structs)
+  _, meta = build_meta(spec, optimizer, structs, trainable=trainable, stacked=stacked,
+                       param_specs=param_specs)
+  n, pol = spec.n_data, spec.policy
+  src = jax.tree.unflatten(treedef, [
+      jax.ShapeDtypeStruct(s, prec.optimizer_dtype(pol, dt) if t else dt)
+      for (s, dt), t in zip(shapes, meta.trainable)])
+  opt_dtypes = [x.dtype for x in jax.tree.leaves(
+      jax.eval_shape(masked_optimizer(optimizer, treedef, meta.trainable).init, src))]
 
-  # What the step keeps: trainable leaves in the policy's dtype (under "fp32"
-  # their own), frozen ones as given; the optimizer sees float32 under the
-  # mixed-precision policies and each leaf's own dtype under "fp32".
-  param_dt = [(policy.param_dtype or dt) if t else dt for (_, dt), t in zip(shapes, flags)]
-  src_dt = [(jnp.dtype(jnp.float32) if policy.param_dtype is not None else dt) if t else dt
-            for (_, dt), t in zip(shapes, flags)]
-  grad_dt = jnp.dtype(comm_dtype) if comm_dtype is not None else None
-  trained = [(s, grad_dt or pdt, st)
-             for (s, _), pdt, t, st in zip(shapes, param_dt, flags, stacks) if t]
-  src = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, dt)
-                                     for (s, _), dt in zip(shapes, src_dt)])
-  opt = optimizer if all(flags) else optax.masked(
-      optimizer, jax.tree.unflatten(treedef, flags))
-  opt_leaves = [(tuple(x.shape), x.dtype, False)
-                for x in jax.tree.leaves(jax.eval_shape(opt.init, src))]
-  masters = ([(s, policy.master_dtype, st) for s, _, st in trained]
-             if policy.master_dtype else [])
+  def size(layout, dtype, split: bool) -> int:  # one device's bytes of a leaf
+    shape = local_storage_shape(layout, n) if split else model_block_shape(layout)
+    return _bytes(shape, dtype)
 
-  def total(items, sharded):  # items: (shape, dtype, stacked)
-    return sum(_block(s, dt, n, st) if sharded else _full(s, dt) for s, dt, st in items)
-
+  pdt = [prec.param_dtype(pol, dt) if t else dt for (_, dt), t in zip(shapes, meta.trainable)]
+  gdt = [spec.comm_dtype or d for d in pdt]
+  trained = [i for i, t in enumerate(meta.trainable) if t]
+  pl = meta.param_layouts
   rows = []
   for stage in stages:
     rows.append(StageMemory(
         stage=stage,
-        params=total([(s, dt, st) for (s, _), dt, st in zip(shapes, param_dt, stacks)],
-                     stage >= 3),
-        gradients=total(trained, stage >= 2),
-        optimizer_state=total(opt_leaves, stage >= 1),
-        master=total(masters, stage >= 1)))
+        params=sum(size(l, d, stage >= 3) for l, d in zip(pl, pdt)),
+        gradients=sum(size(pl[i], gdt[i], stage >= 2) for i in trained),
+        optimizer_state=sum(size(l, d, stage >= 1) for l, d in zip(meta.opt_layouts, opt_dtypes)),
+        master=sum(size(pl[i], jnp.float32, stage >= 1) for i in trained if meta.master[i])))
   return MemoryReport(
-      n_devices=n, precision=policy.name, n_params=sum(math.prod(s) for s, _ in shapes),
-      n_trainable=sum(math.prod(s) for s, _, _ in trained), rows=tuple(rows))
+      n_devices=n, precision=pol.name, n_params=sum(math.prod(s) for s, _ in shapes),
+      n_trainable=sum(math.prod(shapes[i][0]) for i in trained), rows=tuple(rows))
 
 
 class CompiledMemory(NamedTuple):

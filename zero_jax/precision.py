@@ -7,8 +7,10 @@
 | ``"fp16"``      | float16           | float32, sharded       | dynamic            |
 | ``"fp16_memory_efficient"`` | float16 | none                 | dynamic            |
 
-Under ``"fp32"`` nothing is cast: each leaf keeps its dtype and the step is
-exactly plain optax. Under the other policies the optimizer state and the
+Under ``"fp32"`` nothing is cast: each leaf keeps its dtype (float64 with
+``jax_enable_x64``, complex, bfloat16 ...) and the step is exactly plain optax.
+Under the mixed policies real floating leaves are cast; complex leaves keep
+their dtype (as under ``"fp32"``). Under the other policies the optimizer state and the
 update are float32 (the update is
 computed from the master copy, or from the fp16 values upcast to float32 in
 the memory-efficient mode, and rounded back to float16 once). Gradients are
@@ -21,6 +23,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 
 class Policy(NamedTuple):
@@ -53,3 +56,27 @@ def get_policy(precision: str) -> Policy:
     raise ValueError(f"precision={precision!r} is not a precision policy; choose one of "
                      f"{sorted(POLICIES)}.")
   return POLICIES[precision]
+
+
+def is_trainable_dtype(dtype) -> bool:
+  """Whether a leaf of ``dtype`` can train: every inexact dtype (real and complex), as in optax."""
+  return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _cast(policy: Policy, dtype) -> bool:
+  return policy.param_dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def param_dtype(policy: Policy, dtype) -> np.dtype:
+  """dtype a trainable leaf of ``dtype`` is stored in and seen by the loss."""
+  return policy.param_dtype if _cast(policy, dtype) else jnp.dtype(dtype)
+
+
+def optimizer_dtype(policy: Policy, dtype) -> np.dtype:
+  """dtype the optimizer sees a trainable leaf of ``dtype`` in (its state's dtype)."""
+  return jnp.dtype(jnp.float32) if _cast(policy, dtype) else jnp.dtype(dtype)
+
+
+def has_master(policy: Policy, dtype) -> bool:
+  """Whether a trainable leaf of ``dtype`` keeps a sharded float32 master copy."""
+  return policy.master_dtype is not None and _cast(policy, dtype)

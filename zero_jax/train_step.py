@@ -1,207 +1,47 @@
 """`make_sharded_train_step`: ZeRO stages 1-3 as one compiled function.
 
-How a step runs (all inside one ``jax.jit``):
+The step is assembled from the modules that do each part, in the order the
+data flows through it (all inside one ``jax.jit``):
 
-1. **Gradients, in ``shard_map``.** Each device evaluates ``loss_fn`` on its
-   slice of the global batch and differentiates it with respect to a
-   device-varying copy of the parameters (``lax.pcast(..., to="varying")``),
-   so the gradient is the device's own, not already summed. Stage 1
-   all-reduces it; stage 2 reduce-scatters it (``psum_scatter``) so a device
-   only ever receives its block of the averaged gradient. Stage 3 keeps the
-   parameters sharded at rest and all-gathers each leaf inside the loss; the
-   transpose of that gather is the reduce-scatter. Leaves marked ``stacked=``
-   are gathered by ``loss_fn`` itself, one layer's slice at a time inside its
-   loop over layers (`zero_jax.stacked`), and gathered again by the backward
-   loop; the others are gathered before ``loss_fn`` runs, under a
-   ``jax.checkpoint`` that asks XLA to gather them again for the backward
-   pass rather than keep them (XLA:CPU does not: see BENCHMARKS.md).
-2. **The update, on logical arrays.** The optimizer is not run on slices.
-   Gradient blocks, optimizer state and master weights are viewed in their
-   original (logical) shapes, still sharded over the data axis, and the user's
-   ``optax`` transformation runs on those global views under XLA's SPMD
-   partitioner. Elementwise math stays on each device's block; anything that
-   needs the whole leaf or the whole tree (LAMB/LARS trust ratios, Adafactor's
-   factored moments, ``clip_by_global_norm`` in a ``chain``, masks, labels,
-   schedules) gets the exact cross-device reduction it needs from the
-   compiler. So every ``GradientTransformation`` gives its single-device
-   result by construction, with no list of special cases, while its state is
-   stored 1/N per device.
-3. **Parameters rebuilt, in ``shard_map``.** Each device's updated block is
-   cast to the parameter dtype and all-gathered (stages 1-2); stage 3 keeps
-   the blocks.
+* `zero_jax.spec`: the options, validated once (the role of each mesh axis);
+* `zero_jax.state`: the `TrainState`, how it is made and checked;
+* `zero_jax.batch`: the global batch, checked and placed on the batch axes;
+* `zero_jax.grads`: inside ``shard_map``, each device's gradient reduced to
+  its block (reduce-scatter over the data axes, all-reduce over the replica
+  axes);
+* `zero_jax.update`: the optimizer on logical, still-sharded views, and the
+  parameters rebuilt.
 
-What is split and how: every leaf of the optimizer state, of the gradient
-(stage 2+), of the fp32 master copy (mixed precision) and of the parameters
-(stage 3) is split along one dimension, padded at its end to a multiple of
-the data-axis size; see `zero_jax.layout`. Zero-dimensional leaves (step
-counters, scalar parameters) are replicated. Padding is zero and is sliced
-off before the optimizer sees the leaf, so it never changes a result.
+The user's mesh may have Explicit or Auto axes and the step may be called
+inside or outside ``jax.set_mesh``: the state and outputs live on the user's
+mesh, and the step computes in Auto mode inside (``jax.sharding.auto_axes``).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
-from typing import Any, Callable, NamedTuple
+import warnings
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import collectives, layout as lay
-from zero_jax import loss_scale as ls
-from zero_jax.clipping import clip_by_global_norm
-from zero_jax.stacked import ShardedParam
-from zero_jax.precision import Policy, get_policy
+from zero_jax import batch as batching
+from zero_jax import grads as grads_lib
+from zero_jax import layout as lay
+from zero_jax import state as st
+from zero_jax import update as update_lib
+from zero_jax.spec import StepSpec, make_spec, parse_loss_scale
+from zero_jax.state import StateMeta, TrainState
 
-_GATHERED = "zero_jax_gathered_param"
-
-
-def _regather_policy(layouts):
-  """Stage-3 remat policy: save activations, never a gathered parameter.
-
-  A gathered leaf must be gathered again in the backward pass, so no value
-  computed from it alone may be saved: not the all-gather's output, not the
-  un-padding slice or the named leaf, and not what ``loss_fn`` derives from
-  it before combining it with activations (``w.T``, ``w.astype(bf16)``,
-  ``2 * w`` from the derivative of ``w ** 2``): saving any of these would
-  keep a full-size copy alive from the forward to the backward pass. The
-  policy only sees each operation's inputs, so such values are recognised as
-  the results of operations with a single non-scalar input shaped like a
-  gathered leaf (logical, padded or reversed shape). An activation that
-  happens to have such a shape is recomputed (an elementwise op, cheap);
-  nothing else changes. (``save_anything_except_these_names`` is a no-op that
-  saves everything in jax 0.10, and excluding only a name would save the op
-  feeding it instead.)
-  """
-  shapes = set()
-  for l in layouts:
-    if l.dim is not None:
-      shapes |= {l.shape, l.storage_shape, l.shape[::-1]}
-
-  def policy(prim, *avals, **params):
-    del params
-    if prim.name in ("all_gather", "all_gather_invariant"):
-      return False
-    arrays = [tuple(a.shape) for a in avals if getattr(a, "ndim", 0)]
-    return not (len(arrays) == 1 and arrays[0] in shapes)
-  return policy
-
-
-class StateMeta(NamedTuple):
-  """Static description of a `TrainState` (hashable pytree metadata).
-
-  Attributes:
-    param_layouts: one `Layout` per parameter leaf, in flattening order.
-    trainable: one bool per parameter leaf.
-    opt_layouts: one `Layout` per optimizer-state leaf.
-    stacked: one bool per parameter leaf (``stacked=``).
-  """
-  param_layouts: tuple
-  trainable: tuple
-  opt_layouts: tuple
-  stacked: tuple
-
-
-@struct.dataclass
-class TrainState:
-  """Everything a step reads and writes. A registered pytree.
-
-  Attributes:
-    step: i32[] number of steps taken (skipped ones included).
-    params: the parameters in the policy's parameter dtype. Stages 1-2: the
-      original shapes, replicated. Stage 3: the padded storage view, sharded.
-    master: list, one f32 padded storage leaf per trainable parameter,
-      sharded; ``None`` when the parameters are their own master copy.
-    opt_state: the optax state, every leaf in its padded storage view, sharded.
-    loss_scale: `LossScaleState` (replicated scalars).
-    model_state: untrained model state such as BatchNorm statistics,
-      replicated; ``None`` when unused.
-    rng: a PRNG key (replicated) or ``None``.
-    meta: `StateMeta` (static).
-  """
-  step: jax.Array
-  params: Any
-  master: Any
-  opt_state: Any
-  loss_scale: ls.LossScaleState
-  model_state: Any
-  rng: Any
-  meta: StateMeta = struct.field(pytree_node=False)
-
-
-def _auto_mesh(mesh: Mesh) -> Mesh:
-  """The same devices and axes with Auto axis types (accepts Explicit meshes)."""
-  if not isinstance(mesh, Mesh):
-    raise TypeError(f"mesh must be a concrete jax.sharding.Mesh (e.g. jax.make_mesh(("
-                    f"jax.device_count(),), ('data',))); got {type(mesh).__name__}.")
-  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-
-
-def _is_float(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
-def _leaf_flags(spec, params, name: str) -> list:
-  """(flag, explicit) per params leaf from a per-leaf option.
-
-  ``spec`` is None (all False), a function ``(path, leaf) -> bool``, or a
-  pytree of bools matching ``params`` or a prefix of it. ``explicit`` is
-  True only for a bool given for the leaf itself (not for a subtree, and not
-  by a function, which sees every leaf).
-  """
-  paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  if spec is None:
-    return [(False, False)] * len(paths_leaves)
-  if callable(spec):
-    return [(bool(spec(path, x)), False) for path, x in paths_leaves]
-  for path, m in jax.tree_util.tree_flatten_with_path(spec)[0]:
-    if not (isinstance(m, (bool, np.bool_)) or
-            (getattr(m, "shape", None) == () and getattr(m, "dtype", None) == jnp.bool_)):
-      raise TypeError(f"{name}{jax.tree_util.keystr(path)} is {m!r}; every leaf of a "
-                      f"{name}= tree must be True or False (or pass a function "
-                      f"(path, leaf) -> bool).")
-  expand = lambda m, sub: jax.tree.map(
-      lambda _: (bool(m), jax.tree_util.treedef_is_leaf(jax.tree.structure(sub))), sub)
-  try:
-    full = jax.tree.map(expand, spec, params)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"{name}= must be a pytree of bools with the structure of the "
-                     f"params (or a prefix of it), or a function (path, leaf) -> bool; it "
-                     f"does not match the params: {e}") from None
-  return jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and
-                         isinstance(x[0], bool))
-
-
-def trainable_flags(spec, params) -> tuple:
-  """One bool per params leaf: does it train (``trainable=``, see `make_sharded_train_step`)."""
-  if spec is None:
-    return tuple(_is_float(x) for x in jax.tree.leaves(params))
-  flags = []
-  for (f, explicit), (path, x) in zip(_leaf_flags(spec, params, "trainable"),
-                                      jax.tree_util.tree_flatten_with_path(params)[0]):
-    if f and explicit and not _is_float(x):
-      raise ValueError(f"trainable marks the leaf params{jax.tree_util.keystr(path)} of "
-                       f"dtype {jnp.result_type(x)} as trainable, but only floating leaves "
-                       f"can train; mark it False (non-float leaves are frozen by default).")
-    flags.append(f and _is_float(x))
-  return tuple(flags)
-
-
-def stacked_flags(spec, params) -> tuple:
-  """One bool per params leaf: is it a stack of layers (``stacked=``)."""
-  flags = []
-  for (f, _), (path, x) in zip(_leaf_flags(spec, params, "stacked"),
-                               jax.tree_util.tree_flatten_with_path(params)[0]):
-    if f and not np.shape(x):
-      raise ValueError(f"stacked marks params{jax.tree_util.keystr(path)} as a stack of "
-                       f"per-layer weights, but it is a scalar; a stacked leaf has the "
-                       f"layers along its first dimension. Mark it False.")
-    flags.append(bool(f))
-  return tuple(flags)
+_STALL_STATIC = 3  # skipped steps in a row that warn without a dynamic loss scale
+_METRICS = ("loss", "grad_norm", "grads_finite", "loss_scale", "skipped_steps",
+            "skipped_in_a_row")
 
 
 def _device_put(tree, sharding):
@@ -214,106 +54,133 @@ def _device_put(tree, sharding):
   return jax.tree.map(put, tree)
 
 
-def _keystrs(tree):
-  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+def _mesh_context(spec: StepSpec):
+  """The context a call runs in: the user's ``jax.set_mesh(mesh)`` if they are in it,
+  else the Auto view of the mesh (see `StepSpec.working_mesh`)."""
+  if spec.in_user_context():
+    return contextlib.nullcontext()
+  try:
+    return jax.set_mesh(spec.auto_mesh)
+  except ValueError:  # inside a user's jit: their context stands
+    return contextlib.nullcontext()
+
+
+def _in_auto(spec: StepSpec, fn, out_specs):
+  """``fn`` traced in Auto mode: wrapped in ``auto_axes`` when the context has Explicit axes.
+
+  ``out_specs(*args)`` gives PartitionSpecs for ``fn``'s output (a prefix).
+  """
+  def run(*args):
+    context = jax.sharding.get_abstract_mesh()
+    if not any(t == jax.sharding.AxisType.Explicit for t in context.axis_types):
+      return fn(*args)
+    one = lambda *a: (fn(*a),)  # auto_axes wants a tuple of outputs
+    return jax.sharding.auto_axes(one, out_sharding=(out_specs(*args),))(*args)[0]
+  return run
+
+
+def _closure_error(e: NotImplementedError):
+  if "Closing over inputs to shard_map" not in str(e):
+    return None
+  return ValueError(
+      "loss_fn closes over an array that lives on the mesh's Explicit axes (made under "
+      "jax.set_mesh, or placed with a sharding on an Explicit mesh); JAX cannot close over such "
+      "an array inside the step's shard_map. Pass it in instead: as a leaf of the params marked "
+      "trainable=False (it keeps its param_specs split), in the batch (one row per example), or "
+      f"in model_state=; or make it a plain array (np.asarray(x)). JAX said: {e}")
+
+
+class _StallWatch:
+  """Warns once when steps keep being skipped (reads finished metrics only, never blocks)."""
+
+  def __init__(self):
+    self.pending = collections.deque(maxlen=8)
+    self.warned = False
+
+  def observe(self, metrics, loss_scale):
+    self.pending.append((metrics["skipped_in_a_row"], metrics["loss_scale"], loss_scale))
+    while self.pending and self.pending[0][0].is_ready() and not self.warned:
+      in_a_row, scale, ls_state = self.pending.popleft()
+      if jax.process_count() > 1 and not in_a_row.is_fully_addressable:
+        continue
+      self._check(int(in_a_row), float(scale), ls_state)
+
+  def _check(self, in_a_row, scale, ls_state):
+    at_min = ls_state.dynamic and scale <= ls_state.min_scale and in_a_row >= 2
+    if not (at_min or (not ls_state.dynamic and in_a_row >= _STALL_STATIC)):
+      return
+    self.warned = True
+    why = (f"the dynamic loss scale sits at its minimum ({ls_state.min_scale:g}) and steps "
+           f"still overflow" if at_min else f"the last {in_a_row} steps were all skipped")
+    warnings.warn(
+        f"zero_jax: training is not progressing: {why}, because their gradients were not "
+        f"finite (metrics['grads_finite'] is False; metrics['skipped_steps'] counts skipped "
+        f"steps). Likely causes: NaN or inf in the parameters (check step.get_params(state)); "
+        f"a loss that is NaN or inf for this data (log metrics['loss']); in fp16, values "
+        f"beyond its range that no loss scale fixes (try precision='bf16', a lower learning "
+        f"rate or max_grad_norm=).", RuntimeWarning, stacklevel=3)
 
 
 class ShardedTrainStep:
-  """A compiled ZeRO training step. Made by `make_sharded_train_step`."""
+  """A compiled ZeRO training step. Made by `make_sharded_train_step`.
 
-  def __init__(self, loss_fn, optimizer, *, mesh, axis_name, stage, has_aux, precision,
-               loss_scale, max_grad_norm, grad_accum_steps, accumulate, trainable,
-               stacked, comm_dtype, donate):
-    if axis_name not in mesh.axis_names:
-      raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are "
-                       f"{tuple(mesh.axis_names)}; pass axis_name= one of them or build the "
-                       f"mesh with that axis, e.g. jax.make_mesh((n,), ({axis_name!r},)).")
-    if stage not in (1, 2, 3):
-      raise ValueError(f"stage={stage!r}: choose 1 (optimizer state sharded), 2 (and "
-                       f"gradients) or 3 (and parameters).")
+  Attributes:
+    spec: the validated options (`zero_jax.spec.StepSpec`).
+    mesh: the user's mesh.
+    loss_fn: the user's loss function.
+    optimizer: the optax transformation.
+  """
+
+  def __init__(self, loss_fn, optimizer, spec: StepSpec, *, loss_scale, trainable, stacked,
+               param_specs):
     if not isinstance(optimizer, optax.GradientTransformation):
       raise TypeError(f"optimizer must be an optax.GradientTransformation (e.g. "
-                      f"optax.adamw(3e-4)); got {type(optimizer).__name__}.")
-    if not (isinstance(grad_accum_steps, int) and grad_accum_steps >= 1):
-      raise ValueError(f"grad_accum_steps must be a positive int, got {grad_accum_steps!r}.")
-    if accumulate is None:
-      accumulate = "sharded" if stage == 3 else "local"
-    if accumulate not in ("local", "sharded"):
-      raise ValueError(f"accumulate={accumulate!r}: choose 'local' (accumulate full "
-                       f"gradients locally, reduce once) or 'sharded' (reduce-scatter each "
-                       f"micro-batch, keep a 1/N accumulator).")
-    if stage == 1 and accumulate == "sharded":
-      raise ValueError("accumulate='sharded' reduce-scatters gradients, which is stage 2; "
-                       "use stage=2, or accumulate='local' with stage=1.")
-    if stage == 3 and accumulate == "local":
-      raise ValueError("stage=3 differentiates through the parameter all-gather, whose "
-                       "transpose reduce-scatters every micro-batch; use accumulate='sharded' "
-                       "(the default for stage 3) or stage=2.")
-    if stage == 3 and comm_dtype is not None:
-      raise ValueError("comm_dtype applies to stages 1-2; at stage 3 the gradient is "
-                       "reduce-scattered by the transpose of the parameter all-gather, in the "
-                       "parameter dtype (choose precision='bf16' to halve it), so drop "
-                       "comm_dtype or use stage=2.")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-      raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}.")
+                      f"optax.adamw(3e-4)); got {type(optimizer).__name__}. (For an "
+                      f"nnx.Optimizer, pass its transformation: step.init(model) replaces "
+                      f"nnx.Optimizer(model, tx).)")
     self.loss_fn = loss_fn
     self.optimizer = optimizer
-    self.user_mesh = mesh
-    self.mesh = _auto_mesh(mesh)
-    self.axis_name = axis_name
-    self.n = int(mesh.shape[axis_name])
-    self.stage = stage
-    self.has_aux = has_aux
-    self.policy: Policy = get_policy(precision)
-    if loss_scale is None:
-      loss_scale = "dynamic" if self.policy.dynamic_loss_scale else "none"
-    if isinstance(loss_scale, str):
-      makers = {"dynamic": ls.dynamic_loss_scale, "none": ls.no_loss_scale}
-      if loss_scale not in makers:
-        raise ValueError(f"loss_scale={loss_scale!r}: pass 'dynamic', 'none', a number "
-                         f"(static scale) or a zero_jax.LossScaleState.")
-      loss_scale = makers[loss_scale]()
-    elif isinstance(loss_scale, (int, float)):
-      loss_scale = ls.static_loss_scale(float(loss_scale))
-    elif not isinstance(loss_scale, ls.LossScaleState):
-      raise TypeError(f"loss_scale must be None, 'dynamic', 'none', a number or a "
-                      f"LossScaleState; got {type(loss_scale).__name__}.")
+    self.spec = spec
+    self.mesh = spec.mesh
     self.initial_loss_scale = loss_scale
-    self.max_grad_norm = max_grad_norm
-    self.grad_accum_steps = grad_accum_steps
-    self.accumulate = accumulate
     self.trainable = trainable
     self.stacked = stacked
-    self.comm_dtype = None if comm_dtype is None else jnp.dtype(comm_dtype)
-    self.donate = donate
-    self._step = jax.jit(self._step_fn, donate_argnums=(0,) if donate else ())
+    self.param_specs = param_specs
+    self._jits: dict = {}  # (meta, in the user's context) -> the jitted step
     self._get_params = jax.jit(self._get_params_fn)
+    self._metas: dict[int, StateMeta] = {}
+    self._batches: set = set()
+    self._stall = _StallWatch()
 
-  # ------------------------------------------------------------------ helpers
-  def _sharding(self, spec) -> NamedSharding:
-    return NamedSharding(self.mesh, spec)
+  @property
+  def n(self) -> int:
+    """Devices the state is split over (the product of the data axes)."""
+    return self.spec.n_data
 
-  def _replicated(self) -> NamedSharding:
-    return self._sharding(P())
-
-  def _optimizer(self, treedef, trainable) -> optax.GradientTransformation:
-    if all(trainable):
-      return self.optimizer
-    return optax.masked(self.optimizer, jax.tree.unflatten(treedef, list(trainable)))
-
-  def _check_params(self, params):
+  # --------------------------------------------------------------------- init
+  def _meta(self, params, module=None):
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
       if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"params{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an "
                         f"array; every parameter leaf must be a jax or numpy array "
                         f"(wrap Python numbers with jnp.asarray).")
+    treedef, meta = st.build_meta(self.spec, self.optimizer, params, trainable=self.trainable,
+                                  stacked=self.stacked, param_specs=self.param_specs,
+                                  module=module)
+    self._metas[id(meta)] = meta
+    return treedef, meta
 
-  # --------------------------------------------------------------------- init
+  def _specs(self, meta, treedef, model_state, rng, loss_scale=None) -> TrainState:
+    o_def = st.opt_treedef(self.optimizer, meta, treedef)
+    return st.state_specs(self.spec, meta, treedef, o_def, model_state, rng,
+                          self.initial_loss_scale if loss_scale is None else loss_scale)
+
   def init(self, params, *, model_state=None, rng=None) -> TrainState:
     """Places ``params`` on the mesh and builds the sharded optimizer state.
 
     Args:
-      params: a pytree of arrays (host numpy or on any device).
+      params: a pytree of arrays (host numpy, on any device, or global arrays
+        whose sharding over the model axes gives their ``param_specs``).
       model_state: optional untrained state (e.g. Flax ``batch_stats``); when
         given, ``loss_fn`` is called with ``model_state=`` and returns the
         new one (see `make_sharded_train_step`).
@@ -323,13 +190,21 @@ class ShardedTrainStep:
     Returns:
       The `TrainState`.
     """
-    self._check_params(params)
     treedef, meta = self._meta(params)
-    placed = jax.device_put(jax.tree.leaves(params), self._replicated())
-    extras = _device_put((model_state, rng, self.initial_loss_scale), self._replicated())
-    init = jax.jit(functools.partial(self._init_fn, meta, treedef),
-                   out_shardings=self._state_shardings(meta, treedef, model_state, rng))
-    return init(placed, *extras)
+    if not any(meta.trainable):
+      warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
+                    "is floating); every step will leave the parameters unchanged.",
+                    RuntimeWarning, stacklevel=2)
+    spec = self.spec
+    placed = [jax.device_put(x, st.sharding(spec, l.model_spec()))
+              for x, l in zip(jax.tree.leaves(params), meta.param_layouts)]
+    extras = _device_put((model_state, rng, self.initial_loss_scale), st.sharding(spec, P()))
+    specs = self._specs(meta, treedef, model_state, rng)
+    body = functools.partial(st.init_state, spec, self.optimizer, meta, treedef)
+    init = jax.jit(_in_auto(spec, body, lambda *_: specs),
+                   out_shardings=st.state_shardings(spec, specs))
+    with _mesh_context(spec):
+      return init(placed, *extras)
 
   def abstract_state(self, params, *, model_state=None, rng=None) -> TrainState:
     """The `TrainState` that ``init`` would return, as shape/dtype/sharding only.
@@ -342,374 +217,143 @@ class ShardedTrainStep:
       model_state: as for ``init`` (arrays or shape structs), or None.
       rng: as for ``init`` (a key or its shape struct), or None.
     """
-    self._check_params(params)
     treedef, meta = self._meta(params)
     leaves = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
-    shape = jax.eval_shape(functools.partial(self._init_fn, meta, treedef), leaves, model_state,
-                           rng, self.initial_loss_scale)
-    shardings = self._state_shardings(meta, treedef, model_state, rng)
+    body = functools.partial(st.init_state, self.spec, self.optimizer, meta, treedef)
+    specs = self._specs(meta, treedef, model_state, rng)
+    with _mesh_context(self.spec):
+      shape = jax.eval_shape(_in_auto(self.spec, body, lambda *_: specs), leaves, model_state,
+                             rng, self.initial_loss_scale)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shape, shardings)
+                        shape, st.state_shardings(self.spec, specs))
 
-  def _meta(self, params):
-    """(treedef, StateMeta) for a params tree (arrays or shape structs)."""
-    treedef = jax.tree.structure(params)
-    leaves = jax.tree.leaves(params)
-    trainable = trainable_flags(self.trainable, params)
-    stacked = stacked_flags(self.stacked, params)
-    param_layouts = tuple(lay.leaf_layout(np.shape(x), self.n, stacked=s)
-                          for x, s in zip(leaves, stacked))
-    src_abstract = jax.tree.unflatten(treedef, [
-        jax.ShapeDtypeStruct(np.shape(x), self._src_dtype(x) if t else jnp.result_type(x))
-        for x, t in zip(leaves, trainable)])
-    opt_abstract = jax.eval_shape(self._optimizer(treedef, trainable).init, src_abstract)
-    opt_layouts = tuple(lay.leaf_layout(x.shape, self.n) for x in jax.tree.leaves(opt_abstract))
-    return treedef, StateMeta(param_layouts, trainable, opt_layouts, stacked)
+  # ---------------------------------------------------------------- the step
+  def _prepare(self, state, what: str = "the step") -> TrainState:
+    """The state, checked, on the mesh this call works on (moved without a copy if not)."""
+    self._check_state(state, what)
+    mesh = self.spec.working_mesh()
+    first = state.step
+    if getattr(getattr(first, "sharding", None), "mesh", mesh) == mesh:
+      return state
+    move = lambda x: jax.device_put(x, NamedSharding(mesh, x.sharding.spec,
+                                                     memory_kind=x.sharding.memory_kind))
+    return jax.tree.map(move, state)
 
-  def _state_shardings(self, meta, treedef, model_state, rng) -> TrainState:
-    """A TrainState of NamedShardings: where each part of the state lives."""
-    ax, rep = self.axis_name, self._replicated()
-    storage = lambda l: self._sharding(l.spec(ax))
-    params = [storage(l) if self.stage == 3 else rep for l in meta.param_layouts]
-    master = None
-    if self.policy.master_dtype is not None:
-      master = [storage(l) for l, t in zip(meta.param_layouts, meta.trainable) if t]
-    src_abstract = jax.tree.unflatten(treedef, [
-        jax.ShapeDtypeStruct(l.shape, jnp.float32) for l in meta.param_layouts])
-    o_def = jax.tree.structure(jax.eval_shape(self._optimizer(treedef, meta.trainable).init,
-                                              src_abstract))
-    return TrainState(
-        step=rep, params=jax.tree.unflatten(treedef, params), master=master,
-        opt_state=jax.tree.unflatten(o_def, [storage(l) for l in meta.opt_layouts]),
-        loss_scale=jax.tree.map(lambda _: rep, self.initial_loss_scale),
-        model_state=jax.tree.map(lambda _: rep, model_state),
-        rng=jax.tree.map(lambda _: rep, rng), meta=meta)
-
-  def _src_dtype(self, x):
-    """dtype the optimizer sees for a trainable leaf.
-
-    The leaf's own dtype under "fp32" (nothing is cast, as in plain optax);
-    float32 under the mixed-precision policies.
-    """
-    return jnp.result_type(x) if self.policy.param_dtype is None else jnp.dtype(jnp.float32)
-
-  def _param_dtype(self, x):
-    """dtype a trainable leaf is stored and used in by the loss."""
-    return self.policy.param_dtype or jnp.result_type(x)
-
-  def _init_fn(self, meta, treedef, leaves, model_state, rng, loss_scale):
-    pl, tr = meta.param_layouts, meta.trainable
-    src = [x.astype(self._src_dtype(x)) if t else x for x, t in zip(leaves, tr)]
-    opt = self._optimizer(treedef, tr)
-    opt_state = opt.init(jax.tree.unflatten(treedef, src))
-    o_leaves, o_def = jax.tree.flatten(opt_state)
-    o_leaves = [self._to_storage(x, l) for x, l in zip(o_leaves, meta.opt_layouts)]
-    params = [x.astype(self._param_dtype(x)) if t else x for x, t in zip(leaves, tr)]
-    if self.stage == 3:
-      params = [self._to_storage(x, l) for x, l in zip(params, pl)]
-    else:
-      params = [self._constrain(x, P()) for x in params]
-    master = None
-    if self.policy.master_dtype is not None:
-      master = [self._to_storage(x.astype(self.policy.master_dtype), l)
-                for x, l, t in zip(leaves, pl, tr) if t]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=jax.tree.unflatten(treedef, params),
-                      master=master, opt_state=jax.tree.unflatten(o_def, o_leaves),
-                      loss_scale=loss_scale, model_state=model_state, rng=rng, meta=meta)
-
-  def _constrain(self, x, spec):
-    return jax.lax.with_sharding_constraint(x, self._sharding(spec))
-
-  def _to_storage(self, x, layout):
-    return self._constrain(lay.pad(x, layout), layout.spec(self.axis_name))
-
-  def _to_logical(self, x, layout):
-    return self._constrain(lay.unpad(x, layout), layout.spec(self.axis_name))
-
-  # ---------------------------------------------------------------- the batch
-  def _place_batch(self, batch):
-    div = self.n * self.grad_accum_steps
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-      shape = np.shape(x)
-      if len(shape) == 0 or shape[0] % div:
-        what = "a scalar" if not shape else f"leading dimension {shape[0]}"
-        need = (f"{self.n} devices on axis {self.axis_name!r}" +
-                (f" x grad_accum_steps={self.grad_accum_steps}"
-                 if self.grad_accum_steps > 1 else ""))
-        raise ValueError(f"batch{jax.tree_util.keystr(path)} has {what} (shape {shape}), but "
-                         f"every batch leaf's leading dimension is the global batch size and "
-                         f"must be divisible by {div} ({need}); use a global batch size that "
-                         f"is a multiple of {div}, or drop the last incomplete batch.")
-    sharding = self._sharding(P(self.axis_name))
-    def place(x):
-      if isinstance(x, jax.ShapeDtypeStruct):  # abstract batch, for lower()
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-      return jax.device_put(x, sharding)
-    return jax.tree.map(place, batch)
-
-  def _check_state(self, state):
+  def _check_state(self, state, what: str = "the step") -> None:
     if not isinstance(state, TrainState):
       raise TypeError(f"state must be the TrainState returned by step.init(params), got "
                       f"{type(state).__name__}.")
+    if isinstance(state.step, jax.Array) and state.step.is_deleted():
+      raise RuntimeError(
+          f"this TrainState was already passed to the step, which donated its buffers to the "
+          f"new state (donate=True, the default, so the step needs no second copy of the "
+          f"state); it cannot be used again by {what}. Use the state the step returned "
+          f"(state, metrics = step(state, batch)), or build the step with donate=False to "
+          f"keep old states alive (at the cost of a second copy in memory).")
+    meta = state.meta
+    if self._metas.get(id(meta)) is meta:
+      return
+    expected = st.build_meta(
+        self.spec, self.optimizer, st.logical_params(meta, state.params),
+        trainable=self.trainable, stacked=self.stacked,
+        param_specs=(self.param_specs if self.param_specs is not None else
+                     jax.tree.unflatten(jax.tree.structure(state.params),
+                                        [l.model_spec() for l in meta.param_layouts])),
+        module=meta.module)[1]
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(state.params)[0]]
+    st.check_meta(expected, meta, paths)
+    self._metas[id(meta)] = meta
 
-  # ----------------------------------------------------------------- the step
+  def _place(self, batch):
+    leaves, treedef = jax.tree.flatten(batch)
+    key = (treedef, tuple(np.shape(x) for x in leaves))
+    if key not in self._batches:
+      batching.check_batch(self.spec, batch)
+      self._batches.add(key)
+    return batching.place_batch(self.spec, batch)
+
+  def _step_fn(self, state: TrainState, batch):
+    spec = self.spec
+
+    def body(state, batch):
+      treedef = jax.tree.structure(state.params)
+      paths = [jax.tree_util.keystr(p) for p, _ in
+               jax.tree_util.tree_flatten_with_path(state.params)[0]]
+      local = grads_lib.sharded_grads(spec, state.meta, treedef, paths, self.loss_fn,
+                                      state.params, batch, state.model_state, state.rng,
+                                      state.loss_scale, state.step)
+      new_state, metrics = update_lib.apply_update(spec, self.optimizer, state, local.grads,
+                                                   local.loss, local.aux)
+      metrics["skipped_in_a_row"] = new_state.loss_scale.skipped_in_a_row
+      return new_state.replace(model_state=local.model_state), metrics
+
+    def out_specs(state, batch):  # metrics are replicated scalars (aux: a prefix)
+      del batch
+      metrics = dict.fromkeys(_METRICS + (("aux",) if spec.has_aux else ()), P())
+      return (self._specs(state.meta, jax.tree.structure(state.params), state.model_state,
+                          state.rng, state.loss_scale), metrics)
+    return _in_auto(spec, body, out_specs)(state, batch)
+
+  def _run(self, fn, state, batch):
+    with _mesh_context(self.spec):
+      try:
+        return fn(state, self._place(batch))
+      except NotImplementedError as e:
+        err = _closure_error(e)
+        if err is None:
+          raise
+        raise err from None
+
+  def _compiled(self, state: TrainState):
+    """The jitted step for this state's layout, its outputs pinned to the state's shardings."""
+    key = (state.meta, self.spec.in_user_context())
+    fn = self._jits.get(key)
+    if fn is None:
+      specs = self._specs(state.meta, jax.tree.structure(state.params), state.model_state,
+                          state.rng, state.loss_scale)
+      rep = st.sharding(self.spec, P())
+      metrics = dict.fromkeys(_METRICS + (("aux",) if self.spec.has_aux else ()), rep)
+      fn = jax.jit(self._step_fn, donate_argnums=(0,) if self.spec.donate else (),
+                   out_shardings=(st.state_shardings(self.spec, specs), metrics))
+      self._jits[key] = fn
+    return fn
+
   def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     """One training step on a global batch. Returns ``(new_state, metrics)``."""
-    self._check_state(state)
-    return self._step(state, self._place_batch(batch))
+    state = self._prepare(state)
+    loss_scale = state.loss_scale
+    new_state, metrics = self._run(self._compiled(state), state, batch)
+    self._stall.observe(metrics, loss_scale)
+    return new_state, metrics
 
   def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
     """The lowered step, for ``.compile().memory_analysis()`` or ``.as_text()``."""
-    self._check_state(state)
-    return self._step.lower(state, self._place_batch(batch))
-
-  def _call_loss(self, params, batch, model_state, rng):
-    kwargs = {}
-    if model_state is not None:
-      kwargs["model_state"] = model_state
-    if rng is not None:
-      kwargs["rng"] = rng
-    out = self.loss_fn(params, batch, **kwargs)
-    expect = ("loss" if not (self.has_aux or model_state is not None) else
-              "(loss, " + ", ".join((["aux"] if self.has_aux else []) +
-                                    (["new_model_state"] if model_state is not None else [])) + ")")
-    n_out = 1 + self.has_aux + (model_state is not None)
-    if n_out > 1:
-      if not (isinstance(out, (tuple, list)) and len(out) == n_out):
-        raise TypeError(f"loss_fn must return {expect} (has_aux={self.has_aux}, model state "
-                        f"{'given' if model_state is not None else 'not given'} to init); "
-                        f"it returned {type(out).__name__}"
-                        f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}.")
-      loss, rest = out[0], list(out[1:])
-    else:
-      if isinstance(out, (tuple, list)):
-        raise TypeError(f"loss_fn returned a {type(out).__name__} of length {len(out)}; it "
-                        f"must return a scalar loss, or pass has_aux=True if it returns "
-                        f"(loss, aux).")
-      loss, rest = out, []
-    aux = rest.pop(0) if self.has_aux else None
-    new_ms = rest.pop(0) if model_state is not None else None
-    if not hasattr(loss, "shape") or loss.shape != () or not _is_float(loss):
-      raise TypeError(f"loss_fn must return a scalar floating loss (the mean over the "
-                      f"examples it is given); it returned "
-                      f"{getattr(loss, 'shape', type(loss).__name__)} "
-                      f"{getattr(loss, 'dtype', '')}. Reduce it with .mean(), or pass "
-                      f"has_aux=True if it returns (loss, aux).")
-    if model_state is not None:
-      if jax.tree.structure(new_ms) != jax.tree.structure(model_state):
-        raise TypeError(f"loss_fn must return the new model state with the structure of "
-                        f"the one given to init: {jax.tree.structure(model_state)}; got "
-                        f"{jax.tree.structure(new_ms)}.")
-    return loss, aux, new_ms
-
-  def _local_grads(self, meta, treedef, params, batch, model_state, rng, scale, step):
-    """Runs on each device inside shard_map. Returns gradient blocks and stats."""
-    ax, n, k = self.axis_name, self.n, self.grad_accum_steps
-    pl, tr = meta.param_layouts, meta.trainable
-    leaves = jax.tree.leaves(params)
-    train_idx = [i for i, t in enumerate(tr) if t]
-    frozen = {i: leaves[i] for i, t in enumerate(tr) if not t}
-    dev = jax.lax.axis_index(ax)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    stacked = self.stage == 3 and any(meta.stacked)
-
-    def gathered(i, x, to):
-      """Stage 3: the leaf as loss_fn receives it, gathered or (stacked) not yet."""
-      if meta.stacked[i]:
-        return ShardedParam(x, pl[i], ax, paths[i])
-      return checkpoint_name(collectives.all_gather(x, pl[i], ax, to=to), _GATHERED)
-
-    def micro_loss(train_leaves, mb, ms, key):
-      full = dict(frozen)
-      if self.stage == 3:
-        full = {i: gathered(i, x, "invarying") for i, x in frozen.items()}
-      for i, x in zip(train_idx, train_leaves):
-        full[i] = gathered(i, x, "varying") if self.stage == 3 else x
-      p = jax.tree.unflatten(treedef, [full[i] for i in range(len(leaves))])
-      loss, aux, new_ms = self._call_loss(p, mb, ms, key)
-      # Divided by n * k here, not after the reduction: each example's cotangent is
-      # then the single-device one (scale / global batch), so an fp16 sum over
-      # devices overflows exactly when the single-device gradient would.
-      return ls.scale_loss(scale, loss) / (n * k), (loss, aux, new_ms)
-
-    if self.stage == 3 and not stacked:
-      # Ask XLA not to keep gathered leaves for the backward pass. With stacked
-      # leaves, loss_fn's own per-layer jax.checkpoint does that for the layers
-      # (an outer checkpoint around its scan would copy the stacked blocks).
-      micro_loss = jax.checkpoint(micro_loss, policy=_regather_policy(pl))
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    diff_leaves = [leaves[i] for i in train_idx]
-    if self.stage != 3:  # a local gradient, not one already summed over devices
-      diff_leaves = [jax.lax.pcast(x, ax, to="varying") for x in diff_leaves]
-    train_layouts = [pl[i] for i in train_idx]
-
-    def reduce(grads):  # local grads -> this device's reduced block (sum over devices)
-      if self.stage == 1:
-        return [jax.lax.psum(g.astype(self.comm_dtype or g.dtype), ax).astype(jnp.float32)
-                for g in grads]
-      if self.stage == 2:
-        return [collectives.reduce_scatter(g, l, ax, comm_dtype=self.comm_dtype)
-                for g, l in zip(grads, train_layouts)]
-      return [g.astype(jnp.float32) for g in grads]  # stage 3: already scattered
-
-    def key_for(micro):
-      if rng is None:
-        return None
-      return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(rng, step), dev), micro)
-
-    shard_acc = self.accumulate == "sharded"
-
-    def micro_grads(mb, ms, i):
-      (_, (loss, aux, ms)), g = grad_fn(diff_leaves, mb, ms, key_for(i))
-      g = reduce(g) if shard_acc or k == 1 else [x.astype(jnp.float32) for x in g]
-      aux = None if aux is None else jax.tree.map(lambda a: a.astype(jnp.float32), aux)
-      return g, loss.astype(jnp.float32), aux, ms
-
-    if k == 1:
-      grads, loss, aux, ms = micro_grads(batch, model_state, 0)
-    else:
-      # The first micro-batch runs outside the scan so the carry has the types
-      # (and device variance) of a real iteration.
-      micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
-      first = micro_grads(jax.tree.map(lambda x: x[0], micro), model_state, 0)
-
-      def body(carry, xs):
-        acc, loss_sum, aux_sum, ms = carry
-        g, loss, aux, ms = micro_grads(xs[0], ms, xs[1])
-        add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        return (add(acc, g), loss_sum + loss, add(aux_sum, aux), ms), None
-
-      rest = jax.tree.map(lambda x: x[1:], micro)
-      (grads, loss, aux, ms), _ = jax.lax.scan(body, first, (rest, jnp.arange(1, k)))
-      loss = loss / k
-      aux = None if aux is None else jax.tree.map(lambda a: a / k, aux)
-      if not shard_acc:
-        grads = reduce(grads)
-    loss = jax.lax.pmean(loss.astype(jnp.float32), ax)
-    aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, ax), aux)
-    if ms is not None:
-      ms = jax.tree.map(lambda a: jax.lax.pmean(a, ax) if _is_float(a) else
-                        jax.lax.pmax(a, ax), ms)
-    return grads, loss, aux, ms
-
-  def _gather_params(self, blocks, layouts):
-    """Storage blocks (sharded) -> full logical leaves (replicated)."""
-    ax = self.axis_name
-    fn = jax.shard_map(
-        lambda bs: [collectives.all_gather(b, l, ax) for b, l in zip(bs, layouts)],
-        mesh=self.mesh, in_specs=([l.spec(ax) for l in layouts],),
-        out_specs=[P() for _ in layouts])
-    return fn(blocks)
-
-  def _step_fn(self, state: TrainState, batch):
-    meta, ax = state.meta, self.axis_name
-    pl, tr = meta.param_layouts, meta.trainable
-    treedef = jax.tree.structure(state.params)
-    leaves = jax.tree.leaves(state.params)
-    train_idx = [i for i, t in enumerate(tr) if t]
-    t_layouts = [pl[i] for i in train_idx]
-    param_specs = jax.tree.unflatten(treedef, [
-        l.spec(ax) if self.stage == 3 else P() for l in pl])
-    batch_specs = jax.tree.map(lambda _: P(ax), batch)
-    grad_specs = [P() if self.stage == 1 else l.spec(ax) for l in t_layouts]
-    local = jax.shard_map(
-        functools.partial(self._local_grads, meta, treedef),
-        mesh=self.mesh,
-        in_specs=(param_specs, batch_specs, P(), P(), P(), P()),
-        out_specs=(grad_specs, P(), P(), P()))
-    grads, loss, aux, model_state = local(state.params, batch, state.model_state, state.rng,
-                                          state.loss_scale, state.step)
-
-    # Logical, still-sharded views of everything the optimizer touches.
-    if self.stage == 1:
-      grads = [self._constrain(g, l.spec(ax)) for g, l in zip(grads, t_layouts)]
-    else:
-      grads = [self._to_logical(g, l) for g, l in zip(grads, t_layouts)]
-    grads = ls.unscale_grads(state.loss_scale, grads)
-    finite = ls.all_finite(grads)
-    grad_norm = optax.tree.norm(grads)
-    if self.max_grad_norm is not None:
-      grads, _ = clip_by_global_norm(grads, self.max_grad_norm)
-
-    if state.master is not None:
-      src = [self._to_logical(m, l) for m, l in zip(state.master, t_layouts)]
-    elif self.stage == 3:
-      src = [self._to_logical(leaves[i], pl[i]).astype(self._src_dtype(leaves[i])) for i in train_idx]
-    else:
-      src = [self._constrain(leaves[i], pl[i].spec(ax)).astype(self._src_dtype(leaves[i]))
-             for i in train_idx]
-    full_src, full_grads = list(leaves), list(leaves)
-    for j, i in enumerate(train_idx):
-      full_src[i], full_grads[i] = src[j], grads[j]
-    for i, t in enumerate(tr):
-      if not t:
-        full_grads[i] = jnp.zeros(pl[i].shape, jnp.result_type(leaves[i]))
-        if self.stage == 3:
-          full_src[i] = lay.unpad(leaves[i], pl[i])
-    opt = self._optimizer(treedef, tr)
-    o_leaves, o_def = jax.tree.flatten(state.opt_state)
-    opt_state = jax.tree.unflatten(
-        o_def, [self._to_logical(x, l) for x, l in zip(o_leaves, meta.opt_layouts)])
-    for j in range(len(src)):  # the optimizer sees gradients in its parameters' dtype
-      full_grads[train_idx[j]] = grads[j].astype(src[j].dtype)
-
-    def apply(_):
-      updates, new_opt = opt.update(jax.tree.unflatten(treedef, full_grads), opt_state,
-                                    jax.tree.unflatten(treedef, full_src))
-      updates = jax.tree.leaves(updates)
-      new_src = [self._constrain((s + updates[i]).astype(s.dtype), l.spec(ax))
-                 for s, i, l in zip(src, train_idx, t_layouts)]
-      return new_src, [x.astype(y.dtype) for x, y in zip(jax.tree.leaves(new_opt), o_leaves)]
-
-    # A step with non-finite gradients changes nothing but the loss scale. A
-    # cond, not a select of new and old: selecting makes XLA copy every donated
-    # optimizer-state buffer (8Ψ/N bytes of temp for Adam).
-    new_src, new_o = jax.lax.cond(finite, apply,
-                                  lambda _: (list(src), jax.tree.leaves(opt_state)), None)
-    new_o = [self._to_storage(x, l) for x, l in zip(new_o, meta.opt_layouts)]
-    new_opt = jax.tree.unflatten(o_def, new_o)
-
-    new_blocks = [self._to_storage(s.astype(leaves[i].dtype), l)
-                  for s, i, l in zip(new_src, train_idx, t_layouts)]
-    new_leaves = list(leaves)
-    if self.stage == 3:
-      for j, i in enumerate(train_idx):
-        new_leaves[i] = new_blocks[j]
-    else:
-      for j, full in zip(train_idx, self._gather_params(new_blocks, t_layouts)):
-        new_leaves[j] = full
-    master = None
-    if state.master is not None:
-      master = [self._to_storage(s, l) for s, l in zip(new_src, t_layouts)]
-
-    new_state = state.replace(
-        step=state.step + 1, params=jax.tree.unflatten(treedef, new_leaves), master=master,
-        opt_state=new_opt, loss_scale=ls.adjust_loss_scale(state.loss_scale, finite),
-        model_state=model_state)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "grads_finite": finite,
-               "loss_scale": state.loss_scale.scale}
-    if self.has_aux:
-      metrics["aux"] = aux
-    return new_state, metrics
+    state = self._prepare(state, "lower")
+    return self._run(self._compiled(state).lower, state, batch)
 
   # --------------------------------------------------------------- get_params
   def get_params(self, state: TrainState):
-    """The full parameters: original shapes, tree and (master) dtypes, replicated."""
-    self._check_state(state)
-    return self._get_params(state)
+    """The full parameters: original shapes, tree and (master) dtypes, on the user's mesh
+    (replicated over the data and replica axes, split over model axes as ``param_specs``)."""
+    state = self._prepare(state, "get_params")
+    with _mesh_context(self.spec):
+      return self._get_params(state)
 
   def _get_params_fn(self, state: TrainState):
-    pl, tr = state.meta.param_layouts, state.meta.trainable
-    treedef = jax.tree.structure(state.params)
+    spec, meta = self.spec, state.meta
     leaves = list(jax.tree.leaves(state.params))
-    if state.master is not None:
-      for m, i in zip(state.master, [i for i, t in enumerate(tr) if t]):
-        leaves[i] = m
-    out = []
-    for i, x in enumerate(leaves):
-      stored = self.stage == 3 or (state.master is not None and tr[i])
-      out.append(self._constrain(lay.unpad(x, pl[i]) if stored else x, P()))
-    return jax.tree.unflatten(treedef, out)
+    masters = state.master or [None] * len(meta.train_idx)
+    for m, i in zip(masters, meta.train_idx):
+      if m is not None:
+        leaves[i] = update_lib.to_memory(spec, m, meta.param_layouts[i], "device")
+    specs = [l.model_spec() for l in meta.param_layouts]
+
+    def body(leaves):
+      return [spec.constrain(lay.unpad(x, l) if x.shape != l.shape else x, s)
+              for x, l, s in zip(leaves, meta.param_layouts, specs)]
+    out = _in_auto(spec, body, lambda *_: specs)(leaves)
+    return jax.tree.unflatten(jax.tree.structure(state.params), out)
 
 
 def make_sharded_train_step(
@@ -717,7 +361,9 @@ def make_sharded_train_step(
     optimizer: optax.GradientTransformation,
     *,
     mesh: Mesh,
-    axis_name: str = "data",
+    axis_name: str | tuple[str, ...] = "data",
+    replica_axis: str | tuple[str, ...] | None = None,
+    param_specs=None,
     stage: int = 2,
     has_aux: bool = False,
     precision: str = "fp32",
@@ -728,6 +374,7 @@ def make_sharded_train_step(
     trainable=None,
     stacked=None,
     comm_dtype=None,
+    offload: str | None = None,
     donate: bool = True,
 ) -> ShardedTrainStep:
   """Builds a ZeRO-sharded training step for ``loss_fn`` and ``optimizer``.
@@ -735,7 +382,7 @@ def make_sharded_train_step(
   The step's loss and gradient equal ``loss_fn(params, global_batch)`` and its
   gradient on one device; its update equals ``optimizer``'s single-device
   update. Optimizer state (stage 1), gradients (stage 2) and parameters
-  (stage 3) are split over ``axis_name``; see the module docstring.
+  (stage 3) are split over the product of the ``axis_name`` axes.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
@@ -750,17 +397,27 @@ def make_sharded_train_step(
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss over the
-      examples of ``batch``. With ``has_aux=True`` it returns ``(loss, aux)``.
-      When ``init`` got ``model_state=``, it is called with the keyword
-      ``model_state=`` and returns the new model state last:
-      ``(loss, new_model_state)`` or ``(loss, aux, new_model_state)``; the step
-      averages the new model state over the data axis (for BatchNorm
-      statistics). When ``init`` got ``rng=``, it is called with the keyword
-      ``rng=``, a key folded from the state's key, the step, the device index
-      and the micro-batch index.
+      examples of ``batch``, or a `WeightedLoss` (a sum and its weight; the
+      step then takes the weighted mean over the whole global batch). With
+      ``has_aux=True`` it returns ``(loss, aux)``. When ``init`` got
+      ``model_state=``, it is called with the keyword ``model_state=`` and
+      returns the new model state last: ``(loss, new_model_state)`` or
+      ``(loss, aux, new_model_state)``; the step averages the new model state
+      over the batch axes (for BatchNorm statistics). When ``init`` got
+      ``rng=``, it is called with the keyword ``rng=``, this device's key:
+      ``fold_in(fold_in(fold_in(rng, step), device), micro_batch)``.
     optimizer: any ``optax.GradientTransformation``.
     mesh: the ``jax.sharding.Mesh`` (Explicit or Auto axis types).
-    axis_name: the mesh axis the batch and the state are split over.
+    axis_name: the mesh axis, or tuple of axes, the batch and the state are
+      split over (ZeRO).
+    replica_axis: axes the batch is also split over but the state is
+      replicated along (hybrid sharding: the reduce-scatter and all-gather
+      stay within the ``axis_name`` group; only each 1/N gradient block is
+      all-reduced across ``replica_axis``). None: no such axes.
+    param_specs: a pytree of ``PartitionSpec`` (a prefix of the params) over
+      the mesh's other axes (tensor parallelism). Default: taken from params
+      that arrive as global arrays sharded on the mesh. Every other mesh axis
+      of size > 1 must be used by some parameter.
     stage: 1, 2 or 3 (ZeRO stage).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; floating ``aux``
       leaves are averaged over devices (and micro-batches).
@@ -771,50 +428,36 @@ def make_sharded_train_step(
     max_grad_norm: clip the averaged, unscaled gradient to this global norm.
     grad_accum_steps: split each device's batch into this many micro-batches,
       run in order by a ``lax.scan`` inside the step (the global batch size
-      must be divisible by N * grad_accum_steps). The update equals one step
-      on the whole batch. Model state, when given, is threaded through the
-      micro-batches of a device in order.
-    accumulate: where the micro-batch gradients are summed. For Ψ trainable
-      parameters, N devices and k = ``grad_accum_steps``:
-      ``"local"`` (default for stages 1-2, like ``no_sync``): each device sums
-      its full-size gradients without communication and reduces once per step
-      (stage 1 all-reduce, stage 2 reduce-scatter), as with k = 1 but in
-      the accumulator's float32 unless ``comm_dtype`` is given; costs one
-      full-size float32 accumulator (4Ψ bytes per device) during the step.
-      ``"sharded"`` (stage 2 or 3; the default and only choice for stage 3,
-      whose gather's transpose reduce-scatters every micro-batch): each
-      micro-batch's gradient is reduce-scattered at once and only the
-      device's block is accumulated (4Ψ/N bytes), at k times the gradient
-      communication.
-    trainable: which parameter leaves train: ``None`` (every floating leaf),
-      a pytree of bools matching the params or a prefix of them (a bool for
-      a subtree covers its floating leaves), or a function
-      ``(path, leaf) -> bool``. Frozen leaves have no optimizer state (the
-      optimizer is wrapped in ``optax.masked``, so they also stay out of
-      global norms and weight decay), no gradient and no communication
-      (stage 3 still gathers them where used), and never change. Non-float
-      leaves are always frozen; ``True`` given for a non-float leaf itself is
-      an error.
+      must be divisible by the batch devices times ``grad_accum_steps``). The
+      update equals one step on the whole batch.
+    accumulate: where the micro-batch gradients are summed: ``"local"``
+      (default for stages 1-2, like ``no_sync``: full-size float32
+      accumulator, one reduction per step) or ``"sharded"`` (stage 2 or 3;
+      the default and only choice for stage 3: each micro-batch's gradient is
+      reduce-scattered at once and only the 1/N block accumulated).
+    trainable: which parameter leaves train: ``None`` (every floating or
+      complex leaf), a pytree of bools matching the params or a prefix of
+      them, or a function ``(path, leaf) -> bool``. Frozen leaves have no
+      optimizer state, no gradient and no communication, and never change.
     stacked: which leaves are stacks of per-layer weights along their first
-      dimension that ``loss_fn`` loops over (``lax.scan``); same forms as
-      ``trainable``. They are never split along that dimension. At stage 3
-      they reach ``loss_fn`` as `ShardedParam`s, not gathered, and
-      ``loss_fn`` calls `zero_jax.gather` on each layer's slice where the
-      layer uses it, under a per-layer ``jax.checkpoint``, so that only a
-      layer or two are whole at a time (see `zero_jax.stacked`). The other
-      leaves are then gathered once before ``loss_fn`` and kept until their
-      backward use. At stages 1-2 stacked leaves are plain arrays and
-      ``gather`` is the identity, so the same ``loss_fn`` runs at every stage.
-    comm_dtype: dtype on the wire for the gradient reduction (stages 1-2),
-      e.g. ``jnp.bfloat16``; default the gradient's dtype.
+      dimension that ``loss_fn`` loops over; same forms as ``trainable``. At
+      stage 3 they reach ``loss_fn`` as `ShardedParam`s and ``loss_fn`` calls
+      `zero_jax.gather` on each layer's slice (see `zero_jax.stacked`).
+    comm_dtype: floating dtype on the wire for the gradient reduction
+      (stages 1-2), e.g. ``jnp.bfloat16``; default the gradient's dtype.
+    offload: ``None`` or ``"optimizer"``: keep the optimizer state and the
+      master copy in pinned host memory between steps.
     donate: donate the input state's buffers to the output (do not reuse a
       state after passing it to the step).
 
   Returns:
-    A `ShardedTrainStep` with ``init``, ``__call__``, ``lower`` and ``get_params``.
+    A `ShardedTrainStep` with ``init``, ``__call__``, ``lower``,
+    ``abstract_state`` and ``get_params``.
   """
-  return ShardedTrainStep(
-      loss_fn, optimizer, mesh=mesh, axis_name=axis_name, stage=stage, has_aux=has_aux,
-      precision=precision, loss_scale=loss_scale, max_grad_norm=max_grad_norm,
-      grad_accum_steps=grad_accum_steps, accumulate=accumulate, trainable=trainable,
-      stacked=stacked, comm_dtype=comm_dtype, donate=donate)
+  spec = make_spec(mesh=mesh, axis_name=axis_name, replica_axis=replica_axis, stage=stage,
+                   has_aux=has_aux, precision=precision, max_grad_norm=max_grad_norm,
+                   grad_accum_steps=grad_accum_steps, accumulate=accumulate,
+                   comm_dtype=comm_dtype, donate=donate, offload=offload)
+  return ShardedTrainStep(loss_fn, optimizer, spec,
+                          loss_scale=parse_loss_scale(loss_scale, spec.policy),
+                          trainable=trainable, stacked=stacked, param_specs=param_specs)

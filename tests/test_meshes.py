@@ -1,0 +1,219 @@
+"""Meshes as users build them: Explicit axes and ``jax.set_mesh``, several data axes,
+hybrid sharding (``replica_axis``) and model-parallel axes (``param_specs``).
+
+Each configuration runs 5 steps on 8 CPU devices against the plain single-device
+``jax.jit`` + optax reference (rel 1e-5, fp32), with SGD and Adam, at stages 1-3,
+on a tree whose leaves all need padding. The optimizer state per device is read
+off the shards, and the compiled hybrid step's collectives off its HLO.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import zero_jax as zj
+from _feature_helpers import (assert_tree_close, collective_groups, reference_run,
+                              shapes_in, shard_bytes)
+from _small_mlp import init_params, loss_fn
+from zero_jax import batch as batching
+from zero_jax.layout import local_storage_shape
+
+STEPS = 5
+OPTS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
+
+
+def batches(n=STEPS, rows=16, fin=9, fout=5):
+  r = np.random.default_rng(1)
+  return [{"x": r.normal(size=(rows, fin)).astype(np.float32),
+           "y": r.normal(size=(rows, fout)).astype(np.float32)} for _ in range(n)]
+
+
+def train(step, params, bs):
+  state, losses = step.init(params), []
+  for b in bs:
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+  return state, losses
+
+
+def check_against_reference(step, state, losses, loss, opt, params, bs):
+  ref, ref_losses, _ = reference_run(loss, opt, params, bs)
+  assert_tree_close(step.get_params(state), ref[-1], what="params ")
+  np.testing.assert_allclose(losses, [float(x) for x in ref_losses], rtol=1e-5)
+
+
+def opt_bytes_per_device(state, n_state):
+  """Per device: (bytes held, the padded replicated state's bytes / n_state, scalars)."""
+  held = shard_bytes(state.opt_state, jax.devices()[0])
+  padded = sum(int(np.prod(l.storage_shape)) * x.dtype.itemsize
+               for l, x in zip(state.meta.opt_layouts, jax.tree.leaves(state.opt_state)))
+  scalars = sum(x.dtype.itemsize for x in jax.tree.leaves(state.opt_state) if x.ndim == 0)
+  return held, (padded - scalars) / n_state + scalars
+
+
+# ------------------------------------------------------------------ Explicit
+@pytest.mark.parametrize("opt", sorted(OPTS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_explicit_mesh_inside_and_outside_set_mesh_equals_single_device(stage, opt):
+  mesh = jax.make_mesh((8,), ("data",))  # Explicit axes, as jax.make_mesh makes them
+  assert mesh.axis_types == (jax.sharding.AxisType.Explicit,)
+  params, bs = init_params(), batches()
+  step = zj.make_sharded_train_step(loss_fn, OPTS[opt](), mesh=mesh, stage=stage)
+  state, losses = train(step, params, bs)
+  check_against_reference(step, state, losses, loss_fn, OPTS[opt](), params, bs)
+  with jax.set_mesh(mesh):  # the same user code inside a mesh context
+    step = zj.make_sharded_train_step(loss_fn, OPTS[opt](), mesh=mesh, stage=stage)
+    state_in, losses_in = train(step, params, bs)
+    got = step.get_params(state_in)
+    # What the user does next in that context works: arrays live on their mesh.
+    _ = float(jnp.sum(got["w1"]) + state_in.step) * 2
+  assert losses_in == losses
+  assert_tree_close(got, step.get_params(state), rtol=0, atol=0)
+
+
+def test_batch_already_on_the_users_mesh_is_used_without_a_copy():
+  mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, replica_axis="replica")
+  b = jax.device_put(batches(1)[0], NamedSharding(mesh, P(("replica", "data"))))
+  buffers = lambda x: [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+  for context in (jax.set_mesh(mesh), contextlib.nullcontext()):
+    with context:
+      placed = batching.place_batch(step.spec, b)
+    for k in b:  # the same device buffers (outside a context: re-typed, not copied)
+      assert buffers(placed[k]) == buffers(b[k]), k
+  with jax.set_mesh(mesh):
+    assert all(batching.place_batch(step.spec, b)[k] is b[k] for k in b)
+  host = batching.place_batch(step.spec, batches(1)[0])  # host arrays are split the same way
+  assert host["x"].sharding.spec[0] == ("replica", "data")
+
+
+def test_loss_closing_over_an_explicit_array_gets_an_error_with_the_fix():
+  mesh = jax.make_mesh((8,), ("data",))
+  with jax.set_mesh(mesh):
+    scale = jnp.ones((5,))  # an array typed on the Explicit mesh
+    step = zj.make_sharded_train_step(lambda p, b: loss_fn(p, b) * scale.sum(), optax.sgd(0.1),
+                                      mesh=mesh)
+    state = step.init(init_params())
+    with pytest.raises(ValueError, match=r"closes over an array.*Explicit.*trainable=False.*"
+                                         r"np\.asarray"):
+      step(state, batches(1)[0])
+
+
+# --------------------------------------- several data axes, and hybrid (HSDP)
+ROLES = {  # name: (options, devices the optimizer state is split over)
+    "two_data_axes": ({"axis_name": ("replica", "data")}, 8),
+    "hybrid": ({"replica_axis": "replica"}, 4),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(OPTS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("roles", sorted(ROLES))
+def test_data_and_replica_axes_equal_single_device_with_state_split_over_data(roles, stage, opt):
+  mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  options, n_state = ROLES[roles]
+  params, bs = init_params(), batches()
+  step = zj.make_sharded_train_step(loss_fn, OPTS[opt](), mesh=mesh, stage=stage, **options)
+  state, losses = train(step, params, bs)
+  check_against_reference(step, state, losses, loss_fn, OPTS[opt](), params, bs)
+  held, share = opt_bytes_per_device(state, n_state)  # 1/8 or 1/4 (plus padding)
+  assert held == share
+
+
+def test_hybrid_collectives_stay_in_groups_and_only_blocks_cross_replicas():
+  mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  rows = [set(int(d.id) for d in row) for row in mesh.devices]
+  params = {"w": np.ones((64, 32), np.float32), "b": np.ones((32,), np.float32)}
+  loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"]) ** 2)
+  step = zj.make_sharded_train_step(loss, optax.adam(1e-3), mesh=mesh, replica_axis="replica")
+  state = step.init(params)
+  hlo = step.lower(state, {"x": np.ones((16, 64), np.float32)}).compile().as_text()
+  colls = collective_groups(hlo)
+  crossing = 0
+  for op, shape, groups in colls:
+    inside_a_row = all(any(set(g) <= r for r in rows) for g in groups)
+    if op in ("reduce-scatter", "all-gather"):
+      assert inside_a_row, (op, shape, groups)
+      assert all(len(g) == 4 for g in groups), (op, groups)
+    elif op == "all-reduce" and not inside_a_row:
+      crossing += sum(int(np.prod(s)) for s in shapes_in(shape) if s)
+  assert any(op == "reduce-scatter" for op, _, _ in colls)
+  grad_elems = 64 * 32 + 32
+  # Only each device's 1/4 block of the gradient crosses the replica axis (plus scalars).
+  assert 0 < crossing <= grad_elems / 4 + 8, crossing
+
+
+# ---------------------------------------------------------- model parallel
+def megatron_params():
+  r = np.random.default_rng(0)
+  f = lambda *s: (r.normal(size=s) * 0.4).astype(np.float32)
+  return {"w1": f(6, 16), "b1": f(16), "w2": f(16, 5), "b2": f(5)}
+
+
+def megatron_loss(p, b):
+  h = jax.nn.gelu(b["x"] @ p["w1"] + p["b1"])  # column-parallel: hidden split over "model"
+  return jnp.mean((h @ p["w2"] + p["b2"] - b["y"]) ** 2)  # row-parallel, then an all-reduce
+
+
+MEGATRON_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
+
+
+@pytest.mark.parametrize("opt", sorted(OPTS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_param_specs_on_data_by_model_mesh_equal_single_device(stage, opt):
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  params, bs = megatron_params(), batches(fin=6)
+  step = zj.make_sharded_train_step(megatron_loss, OPTS[opt](), mesh=mesh, stage=stage,
+                                    param_specs=MEGATRON_SPECS)
+  state, losses = train(step, params, bs)
+  check_against_reference(step, state, losses, megatron_loss, OPTS[opt](), params, bs)
+  got = step.get_params(state)
+  assert got["w1"].sharding.spec == P(None, "model")  # the user's split is kept
+  if opt == "adam":  # each model-split moment is 1/(4 x 2) of the leaf per device
+    mu = state.opt_state[0].mu
+    for k in ("w1", "b1", "w2"):
+      layout = dict(zip(["b1", "b2", "w1", "w2"], state.meta.param_layouts))[k]
+      shard = mu[k].addressable_shards[0].data
+      assert shard.shape == local_storage_shape(layout, 4)
+      assert shard.size * 8 == int(np.prod(layout.storage_shape)), k
+
+
+def test_param_specs_are_read_from_params_that_arrive_sharded():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  params = {k: jax.device_put(v, NamedSharding(mesh, MEGATRON_SPECS[k]))
+            for k, v in megatron_params().items()}
+  bs = batches(2, fin=6)
+  step = zj.make_sharded_train_step(megatron_loss, optax.adam(1e-2), mesh=mesh)
+  state, losses = train(step, params, bs)
+  check_against_reference(step, state, losses, megatron_loss, optax.adam(1e-2),
+                          megatron_params(), bs)
+  assert state.params["w2"].sharding.spec == P("model", None)
+
+
+# --------------------------------------------------------------------- errors
+def test_error_mesh_axis_with_no_role_names_it_and_the_three_roles():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh)
+  with pytest.raises(ValueError, match=r"mesh axis 'model' \(size 2\) has no role.*"
+                                       r"axis_name=.*replica_axis=.*param_specs="):
+    step.init(init_params())
+
+
+def test_error_replica_axis_overlapping_axis_name():
+  mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  with pytest.raises(ValueError, match=r"replica_axis=.*axis_name=.*both name \['data'\]"):
+    zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh,
+                               axis_name=("replica", "data"), replica_axis="data")
+
+
+def test_error_param_specs_naming_the_data_axis():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  step = zj.make_sharded_train_step(megatron_loss, optax.sgd(0.1), mesh=mesh,
+                                    param_specs={**MEGATRON_SPECS, "w1": P("data", "model")})
+  with pytest.raises(ValueError, match=r"params\['w1'\].*names 'data'.*model axes"):
+    step.init(megatron_params())

@@ -1,0 +1,254 @@
+"""Nothing silent: misuse fails at once with an error that names what is wrong and how
+to fix it, and a condition that is legal but almost surely a mistake warns.
+
+Classes: a state from another step; a donated state reused; inconsistent batches;
+dtypes (communication, float64, complex, numpy loss-scale numbers); a loss already
+averaged over the data axis and collectives over axes the step does not map;
+training that cannot progress.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zero_jax as zj
+from _feature_helpers import assert_tree_close, reference_run
+from _small_mlp import init_params, loss_fn
+
+
+def batch(rows=16, seed=1):
+  r = np.random.default_rng(seed)
+  return {"x": r.normal(size=(rows, 9)).astype(np.float32),
+          "y": r.normal(size=(rows, 5)).astype(np.float32)}
+
+
+def make(mesh, opt=None, **kw):
+  return zj.make_sharded_train_step(loss_fn, opt or optax.adam(1e-2), mesh=mesh, **kw)
+
+
+# ------------------------------------------------- 1. a state from another step
+OTHER = {
+    "trainable": ({}, {"trainable": {"w1": True, "b1": False, "w2": True, "b2": True,
+                                     "s": True}}, r"trainable= differs for params\['b1'\]"),
+    "optimizer": ({}, {"opt": optax.sgd(0.1)}, r"optimizer"),
+    "same_state_type_other_rule": ({}, {"opt": optax.nadam(1e-2)}, r"optimizer: the state's "
+                                   r"'scale_by_adam#.*this step's 'scale_by_adam#"),
+    "precision": ({}, {"precision": "fp16"}, r"precision: the state's 'fp32', this step's "
+                  r"'fp16'"),
+    "stage": ({}, {"stage": 3}, r"ZeRO stage: the state's 2, this step's 3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OTHER))
+def test_state_from_a_step_with_other_options_is_refused_naming_what_differs(case, mesh):
+  made_with, run_with, needle = OTHER[case]
+  opt_a = made_with.pop("opt", None)
+  state = make(mesh, opt_a, **made_with).init(init_params())
+  run_with = dict(run_with)
+  other = make(mesh, run_with.pop("opt", None), **run_with)
+  with pytest.raises(ValueError, match=r"not made by this step(.|\n)*" + needle +
+                     r"(.|\n)*CheckpointManager"):
+    other(state, batch())
+  with pytest.raises(ValueError, match="not made by this step"):
+    other.get_params(state)
+
+
+def test_state_from_a_smaller_mesh_is_refused_naming_the_axis_sizes(mesh):
+  small = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  state = make(small).init(init_params())
+  with pytest.raises(ValueError, match=r"data axes \(name, size\): the state's "
+                                       r"\(\('data', 4\),\), this step's \(\('data', 8\),\)"):
+    make(mesh)(state, batch())
+
+
+def test_state_from_an_identically_built_step_is_accepted(mesh):
+  state = make(mesh).init(init_params())
+  a, _ = make(mesh, donate=False)(state, batch())
+  b, _ = make(mesh, donate=False)(state, batch())
+  assert_tree_close(a.params, b.params, rtol=0, atol=0)
+
+
+# ------------------------------------------------------ 2. a donated state reused
+def test_reusing_a_donated_state_raises_before_dispatch_and_explains_donation(mesh):
+  step = make(mesh, stage=3)
+  state = step.init(init_params())
+  new, _ = step(state, batch())
+  for use in (lambda: step(state, batch()), lambda: step.get_params(state)):
+    with pytest.raises(RuntimeError, match=r"already passed to the step.*donate=False"):
+      use()
+  step(new, batch())  # the returned state is fine
+
+
+# ----------------------------------------------------------------- 3. batches
+def test_batch_leaves_with_different_leading_sizes_are_refused_naming_them(mesh):
+  step = make(mesh)
+  state = step.init(init_params())
+  bad = {"x": batch()["x"], "y": batch(rows=8)["y"]}  # 8 still divides 8 devices
+  with pytest.raises(ValueError, match=r"batch\['x'\] has 16, batch\['y'\] has 8"):
+    step(state, bad)
+
+
+def test_python_list_batch_leaf_is_refused_with_the_fix(mesh):
+  step = make(mesh)
+  state = step.init(init_params())
+  bad = {"x": batch()["x"], "y": [0.5] * 16}
+  with pytest.raises(TypeError, match=r"batch\['y'\] is a Python list of numbers.*np\.asarray"):
+    step(state, bad)
+
+
+# ------------------------------------------------------------------ 4. dtypes
+@pytest.mark.parametrize("dtype", ["int8", "bool", jnp.int32])
+def test_comm_dtype_must_be_floating(dtype, mesh):
+  with pytest.raises(ValueError, match=r"comm_dtype=.*floating dtype"):
+    make(mesh, comm_dtype=dtype)
+
+
+def test_numpy_scalar_loss_scale_is_accepted(mesh):
+  step = make(mesh, precision="fp16", loss_scale=np.float32(2**12))
+  _, m = step(step.init(init_params()), batch())
+  assert float(m["loss_scale"]) == 2**12
+
+
+def complex_loss(p, b):
+  pred = (b["x"].astype(jnp.complex64) @ p["w"]).real + p["b"]
+  return jnp.mean((pred - b["y"]) ** 2)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_complex_params_train_like_optax(opt, mesh):
+  r = np.random.default_rng(0)
+  params = {"w": (r.normal(size=(9, 5)) + 1j * r.normal(size=(9, 5))).astype(np.complex64),
+            "b": np.zeros(5, np.float32)}
+  tx = {"sgd": optax.sgd(0.05), "adam": optax.adam(1e-2)}[opt]
+  bs = [batch(seed=s) for s in range(3)]
+  ref, opt_state = jax.tree.map(jnp.asarray, params), tx.init(params)
+  for b in bs:  # plain optax on one device, every leaf trained (complex included)
+    updates, opt_state = tx.update(jax.grad(complex_loss)(ref, b), opt_state, ref)
+    ref = optax.apply_updates(ref, updates)
+  step = zj.make_sharded_train_step(complex_loss, tx, mesh=mesh)
+  state = step.init(params)
+  for b in bs:
+    state, _ = step(state, b)
+  assert_tree_close(step.get_params(state), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_float64_params_train_in_float64_with_x64():
+  """In a subprocess: x64 is a process-wide switch."""
+  code = textwrap.dedent("""
+      import jax
+      jax.config.update("jax_enable_x64", True)
+      jax.config.update("jax_num_cpu_devices", 8)
+      import jax.numpy as jnp, numpy as np, optax, zero_jax as zj
+      mesh = jax.make_mesh((8,), ("data",))
+      r = np.random.default_rng(0)
+      p = {"w": r.normal(size=(9, 5)), "b": np.zeros(5)}
+      b = {"x": r.normal(size=(16, 9)), "y": r.normal(size=(16, 5)) * 1e-9}
+      loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+      ref = jax.tree.map(lambda w, g: w - 0.1 * g, p, jax.grad(loss)(p, b))
+      for stage in (1, 2, 3):
+        step = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh, stage=stage)
+        state, m = step(step.init(p), b)
+        got = step.get_params(state)
+        assert got["w"].dtype == np.float64, got["w"].dtype
+        err = max(float(np.abs(got[k] - ref[k]).max()) for k in p)
+        assert err < 1e-13, (stage, err)   # float32 rounding would be ~1e-8
+      print("ok")
+  """)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300)
+  assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+# ------------------------------------------- 5. losses averaged, foreign axes
+def test_loss_already_averaged_over_the_data_axis_is_refused(mesh):
+  step = zj.make_sharded_train_step(lambda p, b: jax.lax.pmean(loss_fn(p, b), "data"),
+                                    optax.sgd(0.1), mesh=mesh)
+  with pytest.raises(ValueError, match=r"same on every device of axis 'data'.*already "
+                                       r"averaged.*1/N.*WeightedLoss"):
+    step(step.init(init_params()), batch())
+
+
+def test_loss_summed_over_the_replica_axis_only_is_refused_too():
+  mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  step = zj.make_sharded_train_step(lambda p, b: jax.lax.psum(loss_fn(p, b), "replica") / 2,
+                                    optax.sgd(0.1), mesh=mesh, replica_axis="replica")
+  with pytest.raises(ValueError, match=r"same on every device of axis 'replica'"):
+    step(step.init(init_params()), batch())
+
+
+class SyncBN(nn.Module):
+  axis_name: str | None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(6, use_bias=False)(x)
+    x = nn.BatchNorm(use_running_average=False, axis_name=self.axis_name, momentum=0.9)(x)
+    return nn.Dense(5)(x)
+
+
+def test_collective_over_an_axis_the_step_does_not_map_names_the_axes(mesh):
+  model = SyncBN("batch")  # Flax's ImageNet ResNet names its axis "batch"
+  v = model.init(jax.random.key(0), jnp.zeros((2, 9)))
+
+  def loss(p, b, *, model_state):
+    out, new = model.apply({"params": p, **model_state}, b["x"], mutable=["batch_stats"])
+    return jnp.mean((out - b["y"]) ** 2), new
+
+  step = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh)
+  state = step.init(v["params"], model_state={"batch_stats": v["batch_stats"]})
+  with pytest.raises(ValueError, match=r"collective.*names an axis the step does not map.*"
+                                       r"\('data',\).*axis_name='data'"):
+    step(state, batch())
+
+
+# ------------------------------------------------- 6. training that cannot progress
+def test_nan_loss_at_every_step_warns_once_and_counts_the_skips(mesh):
+  step = zj.make_sharded_train_step(lambda p, b: loss_fn(p, b) * jnp.nan, optax.sgd(0.1),
+                                    mesh=mesh)
+  state = step.init(init_params())
+  before = step.get_params(state)
+  with pytest.warns(RuntimeWarning, match=r"not progressing.*skipped.*NaN") as rec:
+    for _ in range(8):
+      state, m = step(state, batch())
+      jax.block_until_ready(m)
+  assert sum("not progressing" in str(w.message) for w in rec) == 1
+  assert int(m["skipped_steps"]) == 8 and not bool(m["grads_finite"])
+  assert_tree_close(step.get_params(state), before, rtol=0, atol=0)
+
+
+def test_fp16_overflow_at_every_step_warns_when_the_scale_hits_its_minimum(mesh):
+  big = lambda p, b: loss_fn(p, b) * 1e30  # overflows fp16 at any scale
+  step = zj.make_sharded_train_step(big, optax.sgd(0.1), mesh=mesh, precision="fp16",
+                                    loss_scale=zj.dynamic_loss_scale(8.0, min_scale=1.0))
+  state = step.init(init_params())
+  with pytest.warns(RuntimeWarning, match=r"loss scale sits at its minimum"):
+    for _ in range(8):
+      state, m = step(state, batch())
+      jax.block_until_ready(m)
+  assert float(m["loss_scale"]) == 1.0
+
+
+def test_healthy_training_does_not_warn(mesh):
+  step = make(mesh)
+  state = step.init(init_params())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for _ in range(4):
+      state, m = step(state, batch())
+      jax.block_until_ready(m)
+
+
+def test_nothing_trainable_warns_at_init(mesh):
+  step = make(mesh, trainable=False)
+  with pytest.warns(RuntimeWarning, match="no parameter leaf trains"):
+    step.init(init_params())

@@ -1,0 +1,278 @@
+"""Each device's gradient, inside ``shard_map``, reduced to its block.
+
+The ``shard_map`` is manual over the batch axes (data and replica) only; the
+model axes stay automatic, so ``loss_fn`` written for global arrays gets
+tensor parallelism from the parameters' shardings. On each device:
+
+1. **Micro-batches.** The device's rows are split into ``grad_accum_steps``
+   micro-batches run in order by a ``lax.scan`` (model state is threaded
+   through them).
+2. **The objective.** ``loss_fn`` is differentiated with respect to a
+   device-varying copy of the parameters (``lax.pcast(..., to="varying")``),
+   so the gradient is the device's own and not already summed. A mean loss is
+   divided by the number of devices and micro-batches; a `WeightedLoss` total
+   by the global weight of its micro-batch (a scalar ``psum``), so every
+   example's cotangent is the single-device one (an fp16 sum overflows
+   exactly when the single-device gradient would).
+3. **The reduction.** Stage 1 all-reduces the gradient over the batch axes;
+   stage 2 reduce-scatters it over the data axes and all-reduces each block
+   over the replica axes; stage 3 gets it reduce-scattered from the transpose
+   of the parameter all-gather in the loss. Leaves split over model axes are
+   reduced in a second, fully manual ``shard_map`` on their model blocks
+   (XLA would gather a model-split dimension around a partially manual
+   reduce-scatter).
+
+The per-device key (``rng=``, and key-typed model state leaves) is
+``fold_in(fold_in(fold_in(key, step), device), micro_batch)``, ``device``
+being the index along the batch axes in mesh order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from zero_jax import collectives
+from zero_jax import loss_scale as ls
+from zero_jax.loss import call_loss
+from zero_jax.spec import StepSpec
+from zero_jax.stacked import ShardedParam
+
+_GATHERED = "zero_jax_gathered_param"
+
+
+def regather_policy(layouts):
+  """Stage-3 remat policy: save activations, never a gathered parameter.
+
+  A gathered leaf must be gathered again in the backward pass, so no value
+  computed from it alone may be saved: not the all-gather's output, not the
+  un-padding slice, and not what ``loss_fn`` derives from it before combining
+  it with activations (``w.T``, ``w.astype(bf16)``). Such values are
+  recognised as the results of operations with a single non-scalar input
+  shaped like a gathered leaf (logical, padded or reversed shape); an
+  activation that happens to have such a shape is recomputed (cheap).
+  """
+  shapes = set()
+  for l in layouts:
+    if l.dim is not None:
+      shapes |= {l.shape, l.storage_shape, l.shape[::-1]}
+
+  def policy(prim, *avals, **params):
+    del params
+    if prim.name in ("all_gather", "all_gather_invariant"):
+      return False
+    arrays = [tuple(a.shape) for a in avals if getattr(a, "ndim", 0)]
+    return not (len(arrays) == 1 and arrays[0] in shapes)
+  return policy
+
+
+def _is_key(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+
+
+def fold_key(key, step, micro, batch_axes):
+  """This device's key for one micro-batch (see the module docstring)."""
+  dev = jax.lax.axis_index(batch_axes)
+  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, step), dev), micro)
+
+
+def _with_device_keys(ms, original, step, micro, batch_axes):
+  """Model state whose key leaves are this device's streams for this micro-batch."""
+  return jax.tree.map(lambda x, o: fold_key(o, step, micro, batch_axes) if _is_key(o) else x,
+                      ms, original)
+
+
+def average_model_state(ms, original, batch_axes):
+  """New model state agreed by every device: floats averaged, keys kept, ints the max."""
+  def one(x, o):
+    if _is_key(o):
+      return o
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      return jax.lax.pmean(x, batch_axes)
+    return jax.lax.pmax(x, batch_axes)
+  return jax.tree.map(one, ms, original)
+
+
+class Local(NamedTuple):
+  """One device's results. grads: one per trainable leaf (reduced, or local)."""
+  grads: list
+  loss: jax.Array
+  aux: Any
+  model_state: Any
+
+
+def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train):
+  """The parameter tree ``loss_fn`` sees: stage 3 gathers (or wraps stacked leaves)."""
+  full = dict(frozen)
+  if spec.stage == 3:
+    def gathered(i, x, to):
+      layout = meta.param_layouts[i]
+      if meta.stacked[i]:
+        return ShardedParam(x, layout, spec.data_axes, paths[i])
+      return checkpoint_name(collectives.all_gather(x, layout, spec.data_axes, to=to), _GATHERED)
+    full = {i: gathered(i, x, "invarying") for i, x in frozen.items()}
+    train = {i: gathered(i, x, "varying") for i, x in train.items()}
+  full.update(train)
+  return jax.tree.unflatten(treedef, [full[i] for i in range(len(full))])
+
+
+def _reduce(spec: StepSpec, layout, g):
+  """A local gradient -> this device's reduced block (sum over the batch axes)."""
+  if spec.stage == 1:
+    return collectives.all_reduce(g, spec.batch_axes, comm_dtype=spec.comm_dtype)
+  if spec.stage == 2:
+    return collectives.reduce_scatter(g, layout, spec.data_axes, replica_axes=spec.replica_axes,
+                                      comm_dtype=spec.comm_dtype)
+  return g.astype(jnp.promote_types(g.dtype, jnp.float32))  # stage 3: reduced by autodiff
+
+
+def _upcast(g):
+  return g.astype(jnp.promote_types(g.dtype, jnp.float32))
+
+
+def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, params, batch,
+                model_state, rng, scale, step) -> Local:
+  """Runs on each device inside the ``shard_map`` (see the module docstring).
+
+  ``reduce_here[j]`` says whether trainable leaf ``j`` is reduced here; the
+  others are returned local (scaled, summed over micro-batches) for
+  `reduce_model_split`.
+  """
+  k, axes = spec.grad_accum_steps, spec.batch_axes
+  leaves = jax.tree.leaves(params)
+  idx = meta.train_idx
+  layouts = [meta.param_layouts[i] for i in idx]
+  frozen = {i: leaves[i] for i, t in enumerate(meta.trainable) if not t}
+  sharded_acc = spec.accumulate == "sharded" or spec.stage == 3
+
+  def objective(train_leaves, mb, ms, key):
+    p = _loss_params(spec, meta, treedef, paths, frozen, dict(zip(idx, train_leaves)))
+    out = call_loss(loss_fn, p, mb, model_state=ms, rng=key, has_aux=spec.has_aux,
+                    batch_axes=axes, mesh_axes=tuple(spec.mesh.axis_names))
+    if out.weight is None:
+      denom, w = spec.n_batch * k, None
+    else:
+      w = jax.lax.psum(out.weight, axes)  # this micro-batch's global weight
+      denom = k * jnp.where(w > 0, w, 1.0)
+    return ls.scale_loss(scale, out.value) / denom, (out, w)
+
+  if spec.stage == 3 and not any(meta.stacked):
+    objective = jax.checkpoint(objective, policy=regather_policy(meta.param_layouts))
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+  diff = [leaves[i] for i in idx]
+  if spec.stage != 3:  # a local gradient, not one already summed over devices
+    diff = [jax.lax.pcast(x, axes, to="varying") for x in diff]
+
+  weighted = []  # set when the first micro-batch is traced: does loss_fn weight?
+
+  def micro(mb, ms, j):
+    key = None if rng is None else fold_key(rng, step, j, axes)
+    ms_in = None if ms is None else _with_device_keys(ms, model_state, step, j, axes)
+    (_, (out, w)), g = grad_fn(diff, mb, ms_in, key)
+    if not weighted:
+      weighted.append(w is not None)
+    if w is not None and k > 1:  # undo this micro-batch's normaliser; 1/W at the end
+      g = [x * (k * w).astype(x.dtype) for x in g]
+    reduce_now = sharded_acc or k == 1
+    g = [_reduce(spec, l, x) if reduce_now and r else _upcast(x)
+         for x, l, r in zip(g, layouts, reduce_here)]
+    aux = None if out.aux is None else jax.tree.map(lambda a: a.astype(jnp.float32), out.aux)
+    return (g, out.value.astype(jnp.float32), jnp.float32(0) if w is None else w, aux,
+            out.model_state)
+
+  if k == 1:
+    grads, total, weight, aux, ms = micro(batch, model_state, 0)
+  else:
+    mbs = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+    first = micro(jax.tree.map(lambda x: x[0], mbs), model_state, 0)
+
+    def body(carry, xs):
+      out = micro(xs[0], carry[4], xs[1])
+      add = lambda a, b: jax.tree.map(jnp.add, a, b)
+      return tuple(add(c, o) for c, o in zip(carry[:4], out[:4])) + (out[4],), None
+
+    rest = jax.tree.map(lambda x: x[1:], mbs)
+    (grads, total, weight, aux, ms), _ = jax.lax.scan(body, first, (rest, jnp.arange(1, k)))
+    if weighted[0]:  # weight = the global weight W of the whole step
+      grads = [x / weight.astype(x.dtype) for x in grads]
+    if not sharded_acc:
+      grads = [_reduce(spec, l, x) if r else x for x, l, r in zip(grads, layouts, reduce_here)]
+  if weighted[0]:
+    loss = jax.lax.psum(total, axes) / jnp.where(weight > 0, weight, 1.0)
+  else:
+    loss = jax.lax.pmean(total / k, axes)
+  aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a / k, axes), aux)
+  if ms is not None:
+    ms = average_model_state(ms, model_state, axes)
+  return Local(grads, loss, aux, ms)
+
+
+def _stack_spec(spec: StepSpec, layout) -> P:
+  """Spec of a local gradient stacked over the batch devices, with its model split."""
+  model = layout.model_spec()
+  return P(spec.batch_axes, *(list(model) + [None] * (len(layout.shape) - len(model))))
+
+
+def reduce_model_split(spec: StepSpec, layouts, stacked_grads):
+  """Reduces local gradients of model-split leaves on their model blocks (fully manual).
+
+  Args:
+    spec: the step's spec.
+    layouts: the leaves' layouts.
+    stacked_grads: per leaf, the local gradients stacked along a leading
+      dimension over the batch devices (``P(batch_axes, *model split)``).
+
+  Returns:
+    Per leaf, the reduced gradient: the storage view split over data and
+    model axes (stage 2), or the logical leaf split over model axes (stage 1).
+  """
+  def body(gs):
+    return [_reduce(spec, l, g[0]) for g, l in zip(gs, layouts)]
+  out_specs = [l.spec(spec.data_axes) if spec.stage == 2 else l.model_spec() for l in layouts]
+  return jax.shard_map(body, mesh=spec.auto_mesh,
+                       in_specs=([_stack_spec(spec, l) for l in layouts],),
+                       out_specs=out_specs)(stacked_grads)
+
+
+def sharded_grads(spec: StepSpec, meta, treedef, paths, loss_fn, params, batch, model_state,
+                  rng, scale, step) -> Local:
+  """The step's gradient: one reduced block (stage 2-3) or leaf (stage 1) per trainable leaf.
+
+  Returns:
+    A `Local` of global arrays: grads in their storage spec (stages 2-3) or
+    replicated over the data axes (stage 1); loss, aux and model state
+    replicated.
+  """
+  axes = spec.batch_axes
+  layouts = [meta.param_layouts[i] for i in meta.train_idx]
+  split_later = [l.has_model and spec.stage != 3 and spec.accumulate == "local"
+                 for l in layouts]
+  param_specs = jax.tree.unflatten(treedef, [
+      l.data_spec(spec.data_axes) if spec.stage == 3 else P() for l in meta.param_layouts])
+  grad_specs = [P(axes) if later else (P() if spec.stage == 1 else l.data_spec(spec.data_axes))
+                for l, later in zip(layouts, split_later)]
+  reduce_here = [not later for later in split_later]
+
+  def body(*args):
+    out = local_grads(spec, meta, treedef, paths, loss_fn, reduce_here, *args)
+    return out._replace(grads=[g[None] if later else g
+                               for g, later in zip(out.grads, split_later)])
+
+  local = jax.shard_map(
+      body, mesh=spec.auto_mesh, axis_names=set(axes),
+      in_specs=(param_specs, P(axes), P(), P(), P(), P()),
+      out_specs=Local(grad_specs, P(), P(), P()))
+  out = local(params, batch, model_state, rng, scale, step)
+  if any(split_later):
+    later = [j for j, s in enumerate(split_later) if s]
+    reduced = reduce_model_split(spec, [layouts[j] for j in later],
+                                 [out.grads[j] for j in later])
+    grads = list(out.grads)
+    for j, g in zip(later, reduced):
+      grads[j] = g
+    out = out._replace(grads=grads)
+  return out

@@ -1,0 +1,182 @@
+"""Calling the user's ``loss_fn`` inside the step, and reading what it returns.
+
+``loss_fn`` returns the mean loss over the examples it is given, or a
+`WeightedLoss` (a sum and its weight, e.g. summed token losses and the number
+of non-padding tokens), optionally with ``aux`` (``has_aux=True``) and, when
+the state has model state, the new model state last. The checks here run at
+trace time, on each device's values inside ``shard_map``, so that a loss that
+would train wrongly fails with an error that names the problem and its fix:
+a loss already averaged over the step's axes (pmap-era ``lax.pmean``), a
+non-scalar loss, outputs of the wrong shape, and collectives over axes the
+step does not map.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from zero_jax.collectives import varying_axes
+
+
+@struct.dataclass
+class WeightedLoss:
+  """A loss given as a sum and its weight; the step takes the global weighted mean.
+
+  Return it from ``loss_fn`` in place of a mean loss when examples count
+  unequally, e.g. a sequence model whose loss is the sum over non-padding
+  tokens divided by their number. The step then sums ``total`` and ``weight``
+  over every device and micro-batch and uses ``sum(total) / sum(weight)`` as
+  the loss (``metrics["loss"]``) and its gradient, exactly as single-device
+  code that divides by the whole global batch's weight. Averaging each
+  device's ratio instead would weight devices with few real tokens too much.
+
+  Example:
+    >>> import jax.numpy as jnp, zero_jax as zj
+    >>> def loss_fn(params, batch):
+    ...   per_token = jnp.square(batch["x"] @ params["w"] - batch["y"]).sum(-1)
+    ...   mask = batch["mask"]                     # 1 for real tokens, 0 for padding
+    ...   return zj.WeightedLoss(total=(per_token * mask).sum(), weight=mask.sum())
+
+  Attributes:
+    total: f32[] the sum of the per-example (per-token) losses.
+    weight: f32[] their total weight (count); it is not differentiated.
+  """
+  total: jax.Array
+  weight: jax.Array
+
+
+class LossOutput(NamedTuple):
+  """What one call of ``loss_fn`` gave, on one device.
+
+  Attributes:
+    value: the scalar the step differentiates: the mean loss, or the
+      `WeightedLoss` total.
+    weight: the `WeightedLoss` weight (stop-gradient), or None for a mean loss.
+    aux: ``aux`` (``has_aux=True``) or None.
+    model_state: the new model state, or None.
+  """
+  value: jax.Array
+  weight: Any
+  aux: Any
+  model_state: Any
+
+
+def _expected(has_aux: bool, has_ms: bool) -> str:
+  if not (has_aux or has_ms):
+    return "loss"
+  return "(loss, " + ", ".join((["aux"] if has_aux else []) +
+                               (["new_model_state"] if has_ms else [])) + ")"
+
+
+def _split(out, has_aux: bool, has_ms: bool):
+  n_out = 1 + has_aux + has_ms
+  if n_out == 1:
+    if isinstance(out, (tuple, list)):
+      raise TypeError(f"loss_fn returned a {type(out).__name__} of length {len(out)}; it "
+                      f"must return a scalar loss (or a zj.WeightedLoss), or pass "
+                      f"has_aux=True if it returns (loss, aux).")
+    return out, None, None
+  if not (isinstance(out, (tuple, list)) and len(out) == n_out):
+    raise TypeError(f"loss_fn must return {_expected(has_aux, has_ms)} (has_aux={has_aux}, "
+                    f"model state {'given' if has_ms else 'not given'} to init); it "
+                    f"returned {type(out).__name__}"
+                    f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}.")
+  rest = list(out[1:])
+  aux = rest.pop(0) if has_aux else None
+  return out[0], aux, (rest.pop(0) if has_ms else None)
+
+
+def _scalar(x, what: str):
+  ok = hasattr(x, "shape") and x.shape == () and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+  if not ok:
+    raise TypeError(f"loss_fn must return a scalar floating {what}; it returned "
+                    f"{getattr(x, 'shape', type(x).__name__)} {getattr(x, 'dtype', '')}. "
+                    f"Reduce it with .mean() (or .sum() inside a zj.WeightedLoss), or pass "
+                    f"has_aux=True if it returns (loss, aux).")
+
+
+def _check_not_averaged(value, batch_axes) -> None:
+  """A loss that already varies over none of the batch axes was averaged by the user."""
+  missing = [a for a in batch_axes if a not in varying_axes(value)]
+  if missing:
+    raise ValueError(
+        f"loss_fn returned a loss that is the same on every device of axis {missing[0]!r}: "
+        f"it was already averaged (or summed) over the step's axes {batch_axes}, e.g. with "
+        f"lax.pmean(loss, {missing[0]!r}) as pmap-era code does. The step averages the "
+        f"losses and gradients of the devices itself, so the update would be 1/N of the "
+        f"right one (N devices) while the reported loss looks right. Return "
+        f"the loss of this device's examples only (drop the pmean/psum); for a weighted "
+        f"mean over the global batch return zj.WeightedLoss(total, weight). Collectives on "
+        f"intermediate values (cross-device BatchNorm) are fine.")
+
+
+def _axis_error(e: AssertionError, batch_axes, mesh_axes):
+  frames = traceback.extract_tb(e.__traceback__)
+  if str(e) or not frames or "jax/_src" not in frames[-1].filename.replace("\\", "/"):
+    return None
+  where = f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}"
+  return ValueError(
+      f"loss_fn failed with a bare AssertionError from inside JAX ({where}). Inside the step "
+      f"this is what a collective raises when it names an axis the step does not map: "
+      f"lax.psum/pmean/all_gather, nn.BatchNorm(axis_name=...) or nnx.BatchNorm(axis_name=...) "
+      f"may only name the step's batch axes {batch_axes} (the mesh's axes are {mesh_axes}; "
+      f"other axes are partitioned automatically and take no collectives). Use "
+      f"axis_name={batch_axes[0]!r} in the model (BatchNorm statistics are then synchronised "
+      f"over the global batch), drop the axis_name (each device's statistics, averaged by the "
+      f"step), or name the mesh axis as the model does (e.g. jax.make_mesh((8,), ('batch',)) "
+      f"with axis_name='batch' for Flax's ImageNet ResNet).")
+
+
+def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_axes,
+              mesh_axes, check_averaged: bool = True) -> LossOutput:
+  """Calls ``loss_fn`` on one device's values and checks what it returns.
+
+  Args:
+    loss_fn: the user's ``loss_fn(params, batch[, model_state=][, rng=])``.
+    params: the parameters as the loss sees them.
+    batch: this device's (micro-)batch.
+    model_state: the model state, or None.
+    rng: this device's key, or None.
+    has_aux: whether ``loss_fn`` returns ``aux``.
+    batch_axes: the manual axes the batch is split over (for the checks).
+    mesh_axes: all axes of the mesh (for messages).
+    check_averaged: check that the loss is not already averaged over devices.
+
+  Returns:
+    A `LossOutput`.
+  """
+  kwargs = {}
+  if model_state is not None:
+    kwargs["model_state"] = model_state
+  if rng is not None:
+    kwargs["rng"] = rng
+  try:
+    out = loss_fn(params, batch, **kwargs)
+  except AssertionError as e:
+    err = _axis_error(e, batch_axes, mesh_axes)
+    if err is None:
+      raise
+    raise err from e
+  loss, aux, new_ms = _split(out, has_aux, model_state is not None)
+  if isinstance(loss, WeightedLoss):
+    _scalar(loss.total, "WeightedLoss.total")
+    weight = jax.lax.stop_gradient(jnp.asarray(loss.weight, jnp.float32))
+    if weight.shape != ():
+      raise TypeError(f"WeightedLoss.weight must be a scalar (the total weight of this "
+                      f"device's examples), got shape {weight.shape}; sum it.")
+    value = loss.total
+  else:
+    _scalar(loss, "loss (the mean over the examples it is given)")
+    value, weight = loss, None
+  if check_averaged:
+    _check_not_averaged(value, batch_axes)
+  if model_state is not None and jax.tree.structure(new_ms) != jax.tree.structure(model_state):
+    raise TypeError(f"loss_fn must return the new model state with the structure of "
+                    f"the one given to init: {jax.tree.structure(model_state)}; got "
+                    f"{jax.tree.structure(new_ms)}.")
+  return LossOutput(value, weight, aux, new_ms)

@@ -1,0 +1,182 @@
+"""Per-leaf options resolved to one value per parameter leaf.
+
+``trainable=`` and ``stacked=`` are None, a pytree of bools matching the
+params (or a prefix of them), or a function ``(path, leaf) -> bool``.
+``param_specs=`` is a pytree of ``PartitionSpec``s over the mesh's model axes
+(or a prefix of the params tree; ``None`` for a replicated subtree), or is
+read from params that arrive as global arrays with a ``NamedSharding`` on the
+step's mesh. Errors name the leaf (``jax.tree_util.keystr``) and the fix.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zero_jax import precision as prec
+from zero_jax.spec import StepSpec
+
+
+def _is_bool(m) -> bool:
+  return isinstance(m, (bool, np.bool_)) or (
+      getattr(m, "shape", None) == () and getattr(m, "dtype", None) == jnp.bool_)
+
+
+def leaf_flags(spec, params, name: str) -> list:
+  """(flag, explicit) per params leaf from a per-leaf bool option.
+
+  ``explicit`` is True only for a bool given for the leaf itself (not for a
+  subtree, and not by a function, which sees every leaf).
+  """
+  paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  if spec is None:
+    return [(False, False)] * len(paths_leaves)
+  if callable(spec) and not isinstance(spec, (dict, list, tuple)):
+    return [(bool(spec(path, x)), False) for path, x in paths_leaves]
+  for path, m in jax.tree_util.tree_flatten_with_path(spec)[0]:
+    if not _is_bool(m):
+      raise TypeError(f"{name}{jax.tree_util.keystr(path)} is {m!r}; every leaf of a "
+                      f"{name}= tree must be True or False (or pass a function "
+                      f"(path, leaf) -> bool).")
+  expand = lambda m, sub: jax.tree.map(
+      lambda _: (bool(m), jax.tree_util.treedef_is_leaf(jax.tree.structure(sub))), sub)
+  try:
+    full = jax.tree.map(expand, spec, params)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{name}= must be a pytree of bools with the structure of the "
+                     f"params (or a prefix of it), or a function (path, leaf) -> bool; it "
+                     f"does not match the params: {e}") from None
+  return jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and
+                         isinstance(x[0], bool))
+
+
+def trainable_flags(spec, params) -> tuple:
+  """One bool per params leaf: does it train (``trainable=``, see `make_sharded_train_step`)."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  ok = [prec.is_trainable_dtype(jnp.result_type(x)) for _, x in leaves]
+  if spec is None:
+    return tuple(ok)
+  flags = []
+  for (f, explicit), (path, x), can in zip(leaf_flags(spec, params, "trainable"), leaves, ok):
+    if f and explicit and not can:
+      raise ValueError(f"trainable marks the leaf params{jax.tree_util.keystr(path)} of "
+                       f"dtype {jnp.result_type(x)} as trainable, but only floating (and "
+                       f"complex) leaves can train; mark it False (integer and bool leaves are "
+                       f"frozen by default).")
+    flags.append(f and can)
+  return tuple(flags)
+
+
+def stacked_flags(spec, params) -> tuple:
+  """One bool per params leaf: is it a stack of layers (``stacked=``)."""
+  flags = []
+  for (f, _), (path, x) in zip(leaf_flags(spec, params, "stacked"),
+                               jax.tree_util.tree_flatten_with_path(params)[0]):
+    if f and not np.shape(x):
+      raise ValueError(f"stacked marks params{jax.tree_util.keystr(path)} as a stack of "
+                       f"per-layer weights, but it is a scalar; a stacked leaf has the "
+                       f"layers along its first dimension. Mark it False.")
+    flags.append(bool(f))
+  return tuple(flags)
+
+
+
+# ------------------------------------------------------------------ model axes
+def _same_mesh(sharding, spec: StepSpec) -> bool:
+  mesh = getattr(sharding, "mesh", None)
+  if not isinstance(spec.mesh, Mesh):  # an abstract mesh (planning): no devices to match
+    return False
+  return (isinstance(sharding, NamedSharding) and tuple(mesh.axis_names) ==
+          tuple(spec.mesh.axis_names) and mesh.devices.shape == spec.mesh.devices.shape and
+          all(a.id == b.id for a, b in zip(mesh.devices.flat, spec.mesh.devices.flat)))
+
+
+def _spec_entries(pspec: P, ndim: int) -> list[tuple[str, ...]]:
+  entries = list(pspec) + [None] * (ndim - len(pspec))
+  return [() if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in entries]
+
+
+def _given_specs(spec: StepSpec, params, param_specs) -> list:
+  """One PartitionSpec (or None) per leaf, from param_specs= or the leaves' shardings."""
+  leaves = jax.tree.leaves(params)
+  if param_specs is None:
+    out = []
+    for x in leaves:
+      sh = getattr(x, "sharding", None)
+      if _same_mesh(sh, spec):
+        keep = [tuple(a for a in axes if a in spec.model_axes)
+                for axes in _spec_entries(sh.spec, np.ndim(x))]
+        out.append(P(*[_entry(e) for e in keep]))
+      else:
+        out.append(None)
+    return out
+  is_leaf = lambda x: x is None or isinstance(x, P)
+  try:
+    full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), param_specs, params,
+                        is_leaf=is_leaf)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"param_specs= must be a pytree of PartitionSpecs with the structure of "
+                     f"the params or a prefix of it (None for a replicated subtree); it does "
+                     f"not match the params: {e}") from None
+  out = jax.tree.leaves(full, is_leaf=is_leaf)
+  for path_x, s in zip(jax.tree_util.tree_flatten_with_path(params)[0], out):
+    if s is not None and not isinstance(s, P):
+      raise TypeError(f"param_specs for params{jax.tree_util.keystr(path_x[0])} is {s!r}; "
+                      f"pass a jax.sharding.PartitionSpec (or None).")
+  return out
+
+
+def _entry(names):
+  return None if not names else (names[0] if len(names) == 1 else tuple(names))
+
+
+def model_axes_per_leaf(spec: StepSpec, params, param_specs) -> list:
+  """Per leaf: per dimension, the model axes it is split over (None: not split).
+
+  Raises:
+    ValueError: a spec names a data/replica axis or an unknown one, uses an
+      axis twice or has more entries than the leaf has dimensions; or a model
+      axis of size > 1 is used by no parameter.
+  """
+  out, used = [], set()
+  for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                          _given_specs(spec, params, param_specs)):
+    where = f"param_specs for params{jax.tree_util.keystr(path)}"
+    if s is None or all(e is None for e in s):
+      out.append(None)
+      continue
+    ndim = np.ndim(x)
+    if len(s) > ndim:
+      raise ValueError(f"{where} is {s} with {len(s)} entries, but the leaf has shape "
+                       f"{np.shape(x)}; give at most one entry per dimension.")
+    dims = _spec_entries(s, ndim)
+    flat = [a for d in dims for a in d]
+    for a in flat:
+      if a in spec.data_axes + spec.replica_axes:
+        raise ValueError(
+            f"{where} is {s}, which names {a!r}, one of the step's "
+            f"{'data' if a in spec.data_axes else 'replica'} axes; param_specs describe the "
+            f"split over the model axes {spec.model_axes} only: the step adds its own split "
+            f"over axis_name. Drop {a!r} from the spec.")
+      if a not in spec.model_axes:
+        raise ValueError(f"{where} is {s}, which names {a!r}, not an axis of the mesh "
+                         f"{tuple(spec.mesh.axis_names)}.")
+    if len(set(flat)) != len(flat):
+      raise ValueError(f"{where} is {s}, which uses an axis twice.")
+    used |= set(flat)
+    out.append(tuple(dims))
+  sizes = spec.axis_sizes()
+  unused = [a for a in spec.model_axes if sizes[a] > 1 and a not in used]
+  if unused:
+    a = unused[0]
+    raise ValueError(
+        f"mesh axis {a!r} (size {sizes[a]}) has no role in this step: the batch is split over "
+        f"{spec.batch_axes}, and no parameter is split over {a!r}, so every group of "
+        f"{sizes[a]} devices along it would compute the same thing. Give it a role: add it to "
+        f"axis_name= (split the batch and the optimizer state over it too, e.g. "
+        f"axis_name={spec.data_axes + (a,)!r}), to replica_axis= (split the batch, replicate "
+        f"the state: hybrid sharding across hosts), or split parameters over it with "
+        f"param_specs= (tensor parallelism, e.g. {{'w': P(None, {a!r})}}).")
+  return out

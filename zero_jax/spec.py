@@ -1,0 +1,276 @@
+"""The step's options, validated once into a small frozen, hashable description.
+
+Every mesh axis has one of three roles:
+
+* **data** (``axis_name=``, a name or a tuple): the global batch is split over
+  it, and the optimizer state, gradients (stage 2+) and parameters (stage 3)
+  are split over the product of the data axes (ZeRO);
+* **replica** (``replica_axis=``): the batch is split over it too, but the
+  sharded state is replicated along it (hybrid sharding: the reduce-scatter
+  and all-gather stay within a group of data axes, and only each device's
+  1/N gradient block is all-reduced across the replica axes);
+* **model**: every other axis belongs to the user (tensor parallelism). Inside
+  the step it stays under the compiler's automatic partitioning, and
+  ``param_specs=`` says how each parameter is split over it.
+
+A mesh with one data axis is the special case with no replica and no model
+axes; nothing else differs. Errors name the option, what was given and how to
+fix it, and are raised when the step is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from zero_jax import layout as lay
+
+from zero_jax import loss_scale as ls
+from zero_jax.precision import Policy, get_policy
+
+OFFLOAD_CHOICES = (None, "optimizer")
+
+
+def _axis_tuple(value, option: str, mesh: Mesh) -> tuple[str, ...]:
+  """A name, a tuple of names or None -> a tuple of mesh axes in mesh order."""
+  if value is None:
+    return ()
+  names = (value,) if isinstance(value, str) else value
+  if not isinstance(names, (tuple, list)) or not all(isinstance(a, str) for a in names):
+    raise TypeError(f"{option}={value!r}: pass a mesh axis name or a tuple of them.")
+  for a in names:
+    if a not in mesh.axis_names:
+      what = f"{option}={value!r}" if isinstance(value, str) else f"{option}={value!r}: {a!r}"
+      raise ValueError(
+          f"{what} is not an axis of the mesh, whose axes are "
+          f"{tuple(mesh.axis_names)}; pass {option}= one of them (or a tuple), or build the "
+          f"mesh with that axis, e.g. jax.make_mesh((n,), ({a!r},)).")
+  if len(set(names)) != len(names):
+    raise ValueError(f"{option}={value!r} names an axis twice.")
+  return tuple(a for a in mesh.axis_names if a in names)
+
+
+def _positive_int(value, option: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    raise ValueError(f"{option} must be a positive int, got {value!r}.")
+  return int(value)
+
+
+def parse_loss_scale(loss_scale, policy: Policy) -> ls.LossScaleState:
+  """``loss_scale=`` (None, a name, a number or a state) -> a `LossScaleState`."""
+  if loss_scale is None:
+    loss_scale = "dynamic" if policy.dynamic_loss_scale else "none"
+  if isinstance(loss_scale, str):
+    makers = {"dynamic": ls.dynamic_loss_scale, "none": ls.no_loss_scale}
+    if loss_scale not in makers:
+      raise ValueError(f"loss_scale={loss_scale!r}: pass 'dynamic', 'none', a number "
+                       f"(static scale) or a zero_jax.LossScaleState.")
+    return makers[loss_scale]()
+  if isinstance(loss_scale, ls.LossScaleState):
+    return loss_scale
+  if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):
+    return ls.static_loss_scale(float(loss_scale))
+  if isinstance(loss_scale, (np.ndarray, jax.Array)) and np.shape(loss_scale) == ():
+    return ls.static_loss_scale(float(loss_scale))
+  raise TypeError(f"loss_scale must be None, 'dynamic', 'none', a number or a "
+                  f"LossScaleState; got {type(loss_scale).__name__}.")
+
+
+def _comm_dtype(comm_dtype, stage: int):
+  if comm_dtype is None:
+    return None
+  if stage == 3:
+    raise ValueError("comm_dtype applies to stages 1-2; at stage 3 the gradient is "
+                     "reduce-scattered by the transpose of the parameter all-gather, in the "
+                     "parameter dtype (choose precision='bf16' to halve it), so drop "
+                     "comm_dtype or use stage=2.")
+  try:
+    dt = jnp.dtype(comm_dtype)
+  except TypeError as e:
+    raise TypeError(f"comm_dtype={comm_dtype!r} is not a dtype; pass e.g. jnp.bfloat16.") from e
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise ValueError(f"comm_dtype={dt.name}: gradients are summed on the wire, which needs a "
+                     f"floating dtype; pass jnp.bfloat16, jnp.float16 or jnp.float32 (or None "
+                     f"for the gradient's own dtype).")
+  return dt
+
+
+def _check_offload(offload, mesh: Mesh):
+  if offload not in OFFLOAD_CHOICES:
+    raise ValueError(f"offload={offload!r}: choose None (everything on the devices) or "
+                     f"'optimizer' (optimizer state and master copy in pinned host memory "
+                     f"between steps).")
+  if offload is None:
+    return
+  for d in mesh.devices.flat:
+    if d.process_index != jax.process_index():
+      continue
+    kinds = {m.kind for m in d.addressable_memories()}
+    if "pinned_host" not in kinds:
+      raise ValueError(f"offload='optimizer' keeps the optimizer state in 'pinned_host' "
+                       f"memory, but {d} (platform {d.platform}) has the memory kinds "
+                       f"{sorted(kinds)}; use offload=None on this backend.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+  """What a step does, validated (static and hashable). Made by `make_spec`.
+
+  Attributes:
+    mesh: the user's mesh (any axis types).
+    auto_mesh: the same devices and axes, every axis Auto: what the step's
+      sharding constraints and ``shard_map``s are written against.
+    data_axes: the axes the batch and the ZeRO state are split over.
+    replica_axes: the axes the batch is split over and the state replicated.
+    model_axes: the user's axes (left to the compiler inside the step).
+    stage, has_aux, max_grad_norm, grad_accum_steps, accumulate, comm_dtype,
+    donate, offload: the options of `make_sharded_train_step`.
+    policy: the precision `Policy`.
+  """
+  mesh: Mesh
+  auto_mesh: Mesh
+  data_axes: tuple[str, ...]
+  replica_axes: tuple[str, ...]
+  model_axes: tuple[str, ...]
+  stage: int
+  policy: Policy
+  has_aux: bool
+  max_grad_norm: float | None
+  grad_accum_steps: int
+  accumulate: str
+  comm_dtype: np.dtype | None
+  donate: bool
+  offload: str | None
+
+  @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """The axes the batch is split over (replica and data), in mesh order."""
+    return tuple(a for a in self.mesh.axis_names if a in self.data_axes + self.replica_axes)
+
+  @property
+  def n_data(self) -> int:
+    return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
+  @property
+  def n_batch(self) -> int:
+    return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+  @property
+  def explicit(self) -> bool:
+    """Whether the user's mesh has Explicit axes (the step then runs in ``auto_axes``)."""
+    return any(t == AxisType.Explicit for t in self.mesh.axis_types)
+
+  def in_user_context(self) -> bool:
+    """Whether the current mesh context is the user's mesh (``with jax.set_mesh(mesh)``)."""
+    return jax.sharding.get_abstract_mesh() == self.mesh.abstract_mesh
+
+  def working_mesh(self) -> Mesh:
+    """The mesh the state and outputs live on for a call made now.
+
+    Inside ``jax.set_mesh(mesh)`` it is the user's mesh (Explicit axes stay
+    Explicit, as JAX code in that context expects); elsewhere it is the Auto
+    view of the same devices, whose arrays mix freely with any other arrays.
+    The two differ only in axis types; moving between them copies nothing.
+    """
+    return self.mesh if self.in_user_context() else self.auto_mesh
+
+  def axis_sizes(self) -> dict[str, int]:
+    return {a: int(self.mesh.shape[a]) for a in self.mesh.axis_names}
+
+  # Inside the step (Auto mode): sharding constraints and the two views of a leaf.
+  def constrain(self, x, pspec: P):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.auto_mesh, pspec))
+
+  def to_storage(self, x, layout: lay.Layout):
+    """Logical view -> padded storage view, split as it is kept between steps."""
+    return self.constrain(lay.pad(x, layout), layout.spec(self.data_axes))
+
+  def to_logical(self, x, layout: lay.Layout):
+    """Storage view -> logical view, still split (what the optimizer sees)."""
+    return self.constrain(lay.unpad(x, layout), layout.spec(self.data_axes))
+
+
+def planning_spec(*, n_devices=None, mesh=None, axis_name="data", replica_axis=None,
+                  precision="fp32", comm_dtype=None) -> StepSpec:
+  """A `StepSpec` for reasoning about layouts without devices (`zero_jax.memory_report`).
+
+  Either ``n_devices`` (one data axis of that size, as many devices as you
+  plan for, not as this machine has) or a ``mesh`` (concrete or abstract,
+  with the step's ``axis_name`` and ``replica_axis``).
+  """
+  if (n_devices is None) == (mesh is None):
+    raise ValueError("pass either n_devices= (devices on one data axis) or mesh= (with "
+                     "axis_name= and replica_axis= as for the step), not both or neither.")
+  if mesh is None:
+    if isinstance(n_devices, bool) or not isinstance(n_devices, numbers.Integral) or \
+        n_devices < 1:
+      raise ValueError(f"n_devices must be a positive int, got {n_devices!r}.")
+    mesh, axis_name, replica_axis = (
+        jax.sharding.AbstractMesh((int(n_devices),), ("data",), axis_types=(AxisType.Auto,)),
+        "data", None)
+  if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh or AbstractMesh, got "
+                    f"{type(mesh).__name__}.")
+  data = _axis_tuple(axis_name, "axis_name", mesh)
+  replica = _axis_tuple(replica_axis, "replica_axis", mesh)
+  model = tuple(a for a in mesh.axis_names if a not in data + replica)
+  return StepSpec(mesh=mesh, auto_mesh=mesh, data_axes=data, replica_axes=replica,
+                  model_axes=model, stage=2, policy=get_policy(precision), has_aux=False,
+                  max_grad_norm=None, grad_accum_steps=1, accumulate="local",
+                  comm_dtype=_comm_dtype(comm_dtype, 2), donate=True, offload=None)
+
+
+def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_grad_norm,
+              grad_accum_steps, accumulate, comm_dtype, donate, offload) -> StepSpec:
+  """Validates the options of `make_sharded_train_step` (see there)."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a concrete jax.sharding.Mesh (e.g. jax.make_mesh(("
+                    f"jax.device_count(),), ('data',))); got {type(mesh).__name__}.")
+  data = _axis_tuple(axis_name, "axis_name", mesh)
+  if not data:
+    raise ValueError("axis_name must name at least one mesh axis to split the state over.")
+  replica = _axis_tuple(replica_axis, "replica_axis", mesh)
+  both = sorted(set(data) & set(replica))
+  if both:
+    raise ValueError(
+        f"replica_axis={replica_axis!r} and axis_name={axis_name!r} both name {both}: an axis "
+        f"either splits the optimizer state (axis_name) or replicates it (replica_axis), not "
+        f"both. For hybrid sharding put the axes within a host in axis_name and the axes "
+        f"across hosts in replica_axis, e.g. axis_name='data', replica_axis='replica'.")
+  if isinstance(stage, bool) or stage not in (1, 2, 3):
+    raise ValueError(f"stage={stage!r}: choose 1 (optimizer state sharded), 2 (and "
+                     f"gradients) or 3 (and parameters).")
+  policy = get_policy(precision)
+  k = _positive_int(grad_accum_steps, "grad_accum_steps")
+  if accumulate is None:
+    accumulate = "sharded" if stage == 3 else "local"
+  if accumulate not in ("local", "sharded"):
+    raise ValueError(f"accumulate={accumulate!r}: choose 'local' (accumulate full "
+                     f"gradients locally, reduce once) or 'sharded' (reduce-scatter each "
+                     f"micro-batch, keep a 1/N accumulator).")
+  if stage == 1 and accumulate == "sharded":
+    raise ValueError("accumulate='sharded' reduce-scatters gradients, which is stage 2; "
+                     "use stage=2, or accumulate='local' with stage=1.")
+  if stage == 3 and accumulate == "local":
+    raise ValueError("stage=3 differentiates through the parameter all-gather, whose "
+                     "transpose reduce-scatters every micro-batch; use accumulate='sharded' "
+                     "(the default for stage 3) or stage=2.")
+  if max_grad_norm is not None:
+    if not isinstance(max_grad_norm, numbers.Real) or not max_grad_norm > 0:
+      raise ValueError(f"max_grad_norm must be a positive number or None, got "
+                       f"{max_grad_norm!r}.")
+    max_grad_norm = float(max_grad_norm)
+  _check_offload(offload, mesh)
+  auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+  model = tuple(a for a in mesh.axis_names if a not in data + replica)
+  return StepSpec(mesh=mesh, auto_mesh=auto, data_axes=data, replica_axes=replica,
+                  model_axes=model, stage=stage, policy=policy, has_aux=bool(has_aux),
+                  max_grad_norm=max_grad_norm, grad_accum_steps=k, accumulate=accumulate,
+                  comm_dtype=_comm_dtype(comm_dtype, stage), donate=bool(donate),
+                  offload=offload)

@@ -1,0 +1,293 @@
+"""`TrainState`, its static description, and how a state is made and checked.
+
+The state is a registered pytree of arrays; everything static about it (the
+layout of every leaf, which leaves train, the step's signature: stage,
+precision, axes and their sizes, the optimizer) is `StateMeta`, carried as
+pytree metadata. A step runs only states whose meta it would have made
+itself (`check_meta`), so a state from another step fails at once with an
+error that names what differs, instead of training on silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zero_jax import layout as lay
+from zero_jax import loss_scale as ls
+from zero_jax import precision as prec
+from zero_jax.options import model_axes_per_leaf, stacked_flags, trainable_flags
+from zero_jax.signature import optimizer_signature
+from zero_jax.spec import StepSpec
+
+
+class StepSignature(NamedTuple):
+  """What a state depends on besides its parameters (static, comparable).
+
+  Attributes:
+    stage: the ZeRO stage.
+    precision: the precision policy's name.
+    data: ``((axis, size), ...)`` of the data axes.
+    replica: the same for the replica axes.
+    model: the same for the model axes.
+    optimizer: `zero_jax.signature.optimizer_signature` of the optimizer.
+    offload: the ``offload=`` option.
+  """
+  stage: int
+  precision: str
+  data: tuple
+  replica: tuple
+  model: tuple
+  optimizer: str
+  offload: str | None
+
+
+def step_signature(spec: StepSpec, optimizer) -> StepSignature:
+  sizes = spec.axis_sizes()
+  pairs = lambda axes: tuple((a, sizes[a]) for a in axes)
+  return StepSignature(spec.stage, spec.policy.name, pairs(spec.data_axes),
+                       pairs(spec.replica_axes), pairs(spec.model_axes),
+                       optimizer_signature(optimizer), spec.offload)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StateMeta:
+  """Static description of a `TrainState` (hashable pytree metadata).
+
+  Attributes:
+    param_layouts: one `Layout` per parameter leaf, in flattening order.
+    trainable: one bool per parameter leaf.
+    opt_layouts: one `Layout` per optimizer-state leaf.
+    stacked: one bool per parameter leaf (``stacked=``).
+    master: one bool per parameter leaf: it has a float32 master copy.
+    signature: the `StepSignature` of the step that made the state.
+    module: for a state made from an ``nnx.Module``, how to rebuild it
+      (see `zero_jax.nnx`); None otherwise.
+  """
+  param_layouts: tuple
+  trainable: tuple
+  opt_layouts: tuple
+  stacked: tuple
+  master: tuple
+  signature: StepSignature
+  module: Any = None
+
+  def _key(self):
+    return (self.param_layouts, self.trainable, self.opt_layouts, self.stacked, self.master,
+            self.signature, self.module)
+
+  def __post_init__(self):  # jit hashes the meta on every call: compute it once
+    object.__setattr__(self, "_hash", hash(self._key()))
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return self is other or (isinstance(other, StateMeta) and self._hash == other._hash
+                             and self._key() == other._key())
+
+  @property
+  def train_idx(self) -> list[int]:
+    return [i for i, t in enumerate(self.trainable) if t]
+
+
+@struct.dataclass
+class TrainState:
+  """Everything a step reads and writes. A registered pytree.
+
+  Attributes:
+    step: i32[] number of steps taken (skipped ones included).
+    params: the parameters in the policy's parameter dtype. Stages 1-2: the
+      original shapes, replicated over the data axes. Stage 3: the padded
+      storage view, sharded.
+    master: list, one f32 padded storage leaf per trainable parameter that
+      keeps a master copy (``None`` for the others), sharded; ``None`` when
+      no parameter has one.
+    opt_state: the optax state, every leaf in its padded storage view, sharded.
+    loss_scale: `LossScaleState` (replicated scalars; counts skipped steps).
+    model_state: untrained model state such as BatchNorm statistics,
+      replicated; ``None`` when unused.
+    rng: a PRNG key (replicated) or ``None``.
+    meta: `StateMeta` (static).
+  """
+  step: jax.Array
+  params: Any
+  master: Any
+  opt_state: Any
+  loss_scale: ls.LossScaleState
+  model_state: Any
+  rng: Any
+  meta: StateMeta = struct.field(pytree_node=False)
+
+
+# ------------------------------------------------------------------- the meta
+def masked_optimizer(optimizer, treedef, trainable) -> optax.GradientTransformation:
+  """``optimizer``, wrapped in ``optax.masked`` when some leaves are frozen."""
+  if all(trainable):
+    return optimizer
+  return optax.masked(optimizer, jax.tree.unflatten(treedef, list(trainable)))
+
+
+def _opt_layouts(opt_abstract, params_paths, param_layouts, n) -> tuple:
+  """Optimizer-state leaves that mirror a parameter (same path suffix and shape)
+  take its layout, so that the update needs no resharding; others get their own."""
+  by_path = {p: l for p, l in zip(params_paths, param_layouts)}
+  out = []
+  for path, x in jax.tree_util.tree_flatten_with_path(opt_abstract)[0]:
+    key = jax.tree_util.keystr(path)
+    match = next((l for p, l in by_path.items() if p and key.endswith(p)
+                  and tuple(l.shape) == tuple(x.shape)), None)
+    out.append(match if match is not None else lay.leaf_layout(x.shape, n))
+  return tuple(out)
+
+
+def build_meta(spec: StepSpec, optimizer, params, *, trainable=None, stacked=None,
+               param_specs=None, module=None) -> tuple[Any, StateMeta]:
+  """(treedef, StateMeta) for a params tree (arrays or shape structs)."""
+  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
+  leaves = [x for _, x in paths_leaves]
+  dtypes = [jnp.result_type(x) for x in leaves]
+  flags = trainable_flags(trainable, params)
+  stacks = stacked_flags(stacked, params)
+  models = model_axes_per_leaf(spec, params, param_specs)
+  sizes = spec.axis_sizes()
+  layouts = []
+  for x, s, m in zip(leaves, stacks, models):
+    msize = tuple(int(np.prod([sizes[a] for a in dim])) for dim in m) if m else None
+    layouts.append(lay.leaf_layout(np.shape(x), spec.n_data, stacked=s, model=m,
+                                   model_size=msize))
+  src = jax.tree.unflatten(treedef, [
+      jax.ShapeDtypeStruct(np.shape(x), prec.optimizer_dtype(spec.policy, d) if t else d)
+      for x, d, t in zip(leaves, dtypes, flags)])
+  opt_abstract = jax.eval_shape(masked_optimizer(optimizer, treedef, flags).init, src)
+  master = tuple(bool(t and prec.has_master(spec.policy, d)) for t, d in zip(flags, dtypes))
+  meta = StateMeta(tuple(layouts), flags, _opt_layouts(opt_abstract, paths, layouts, spec.n_data),
+                   stacks, master, step_signature(spec, optimizer), module)
+  return treedef, meta
+
+
+# ------------------------------------------------------------- where it lives
+def sharding(spec: StepSpec, pspec, memory_kind=None) -> NamedSharding:
+  """A NamedSharding on the mesh states and outputs live on now (`StepSpec.working_mesh`)."""
+  return NamedSharding(spec.working_mesh(), pspec, memory_kind=memory_kind)
+
+
+def param_spec(spec: StepSpec, layout: lay.Layout) -> P:
+  """Where a parameter leaf lives: its storage spec at stage 3, else its model spec."""
+  return layout.spec(spec.data_axes) if spec.stage == 3 else layout.model_spec()
+
+
+def state_specs(spec: StepSpec, meta: StateMeta, treedef, o_def, model_state, rng,
+                loss_scale) -> TrainState:
+  """A TrainState of PartitionSpecs (the user's mesh): where each part lives."""
+  store = lambda l: l.spec(spec.data_axes)
+  master = None
+  if any(meta.master):
+    master = [store(l) if m else None for l, m, t in
+              zip(meta.param_layouts, meta.master, meta.trainable) if t]
+  return TrainState(
+      step=P(), params=jax.tree.unflatten(treedef, [param_spec(spec, l)
+                                                    for l in meta.param_layouts]),
+      master=master, opt_state=jax.tree.unflatten(o_def, [store(l) for l in meta.opt_layouts]),
+      loss_scale=jax.tree.map(lambda _: P(), loss_scale),
+      model_state=jax.tree.map(lambda _: P(), model_state), rng=jax.tree.map(lambda _: P(), rng),
+      meta=meta)
+
+
+def host_resident(state_tree: TrainState) -> TrainState:
+  """The same tree with True where ``offload="optimizer"`` keeps a leaf in host memory."""
+  mark = lambda tree, v: jax.tree.map(lambda _: v, tree)
+  return state_tree.replace(
+      step=False, params=mark(state_tree.params, False), master=mark(state_tree.master, True),
+      opt_state=mark(state_tree.opt_state, True), loss_scale=mark(state_tree.loss_scale, False),
+      model_state=mark(state_tree.model_state, False), rng=mark(state_tree.rng, False))
+
+
+def state_shardings(spec: StepSpec, specs: TrainState) -> TrainState:
+  """NamedShardings for a TrainState of PartitionSpecs (memory kinds for offload)."""
+  if spec.offload is None:
+    return jax.tree.map(lambda p: sharding(spec, p), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+  host = host_resident(specs)
+  return jax.tree.map(lambda p, h: sharding(spec, p, "pinned_host" if h else None), specs, host,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def opt_treedef(optimizer, meta: StateMeta, treedef):
+  src = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(l.shape, jnp.float32)
+                                     for l in meta.param_layouts])
+  return jax.tree.structure(jax.eval_shape(
+      masked_optimizer(optimizer, treedef, meta.trainable).init, src))
+
+
+# ------------------------------------------------------------------- making it
+def init_state(spec: StepSpec, optimizer, meta: StateMeta, treedef, leaves, model_state, rng,
+               loss_scale) -> TrainState:
+  """The state for parameter ``leaves`` (traced inside the step's ``init``, in Auto mode)."""
+  pol, tr = spec.policy, meta.trainable
+  src = [x.astype(prec.optimizer_dtype(pol, x.dtype)) if t else x for x, t in zip(leaves, tr)]
+  opt_state = masked_optimizer(optimizer, treedef, tr).init(jax.tree.unflatten(treedef, src))
+  o_leaves, o_def = jax.tree.flatten(opt_state)
+  o_leaves = [spec.to_storage(x, l) for x, l in zip(o_leaves, meta.opt_layouts)]
+  params = [x.astype(prec.param_dtype(pol, x.dtype)) if t else x for x, t in zip(leaves, tr)]
+  params = [spec.to_storage(x, l) if spec.stage == 3 else spec.constrain(x, l.model_spec())
+            for x, l in zip(params, meta.param_layouts)]
+  master = None
+  if any(meta.master):
+    master = [spec.to_storage(x.astype(jnp.float32), l) if m else None
+              for x, l, m, t in zip(leaves, meta.param_layouts, meta.master, tr) if t]
+  return TrainState(step=jnp.zeros((), jnp.int32), params=jax.tree.unflatten(treedef, params),
+                    master=master, opt_state=jax.tree.unflatten(o_def, o_leaves),
+                    loss_scale=loss_scale, model_state=model_state, rng=rng, meta=meta)
+
+
+# ------------------------------------------------------------------ the check
+def _differences(mine: StateMeta, theirs: StateMeta, paths) -> list[str]:
+  out = []
+  names = ["ZeRO stage", "precision", "data axes (name, size)", "replica axes (name, size)",
+           "model axes (name, size)", "optimizer", "offload"]
+  for name, a, b in zip(names, mine.signature, theirs.signature):
+    if a != b:
+      out.append(f"{name}: the state's {b!r}, this step's {a!r}")
+  for what, a, b in (("trainable", mine.trainable, theirs.trainable),
+                     ("stacked", mine.stacked, theirs.stacked)):
+    if a != b:
+      leaves = [p for p, x, y in zip(paths, a, b) if x != y][:6]
+      out.append(f"{what}= differs for params{', params'.join(leaves)}")
+  if mine.param_layouts != theirs.param_layouts and not out:
+    leaves = [p for p, x, y in zip(paths, mine.param_layouts, theirs.param_layouts)
+              if x != y][:6]
+    out.append(f"parameter layouts (param_specs= or device count) differ for "
+               f"params{', params'.join(leaves)}")
+  if mine.opt_layouts != theirs.opt_layouts and not out:
+    out.append("the optimizer state's leaves differ (another optimizer or its options)")
+  if mine.module != theirs.module and not out:
+    out.append("the NNX module's structure differs")
+  return out
+
+
+def check_meta(expected: StateMeta, state_meta: StateMeta, paths) -> None:
+  """Raises ValueError naming what differs between a state's meta and the step's."""
+  diffs = _differences(expected, state_meta, paths)
+  if diffs:
+    raise ValueError(
+        "this TrainState was not made by this step, and running it would be silently wrong:\n  "
+        + "\n  ".join(diffs) + "\nMake the state with this step's init (step.init(params)), or "
+        "convert a trained one: save it with zj.CheckpointManager and restore it into this "
+        "step (restoring handles another device count or ZeRO stage; the optimizer, "
+        "precision and trainable leaves must match).")
+
+
+def logical_params(meta: StateMeta, params) -> Any:
+  """Shape structs of the logical parameters of a state (for re-deriving its meta)."""
+  leaves, treedef = jax.tree.flatten(params)
+  return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(l.shape, x.dtype)
+                                      for l, x in zip(meta.param_layouts, leaves)])

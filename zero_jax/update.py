@@ -1,0 +1,142 @@
+"""The update: the user's optimizer on logical, still-sharded views.
+
+The optimizer is never run on slices. Gradient blocks, optimizer state and
+master weights are viewed in their original (logical) shapes, still sharded
+over the data axes, and the user's optax transformation runs on those global
+views under XLA's SPMD partitioner. Elementwise math stays on each device's
+block; anything that needs a whole leaf or the whole tree (LAMB/LARS trust
+ratios, Adafactor's factored moments, ``clip_by_global_norm`` in a ``chain``,
+masks, labels, schedules) gets the exact cross-device reduction it needs from
+the compiler. So every ``GradientTransformation`` gives its single-device
+result by construction, while its state is stored 1/N per device.
+
+One pass over the gradient gives both its global norm and whether it is
+finite (the sum of squares is finite exactly when every element is, short of
+norms beyond float32's range). A step with non-finite gradients changes
+nothing but the loss scale and the skip counters: the update is a
+``lax.cond`` (a select would make XLA copy every donated state buffer).
+With ``offload="optimizer"`` the optimizer state and master copy are brought
+from pinned host memory for the update and written back after it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from zero_jax import collectives
+from zero_jax import layout as lay
+from zero_jax import loss_scale as ls
+from zero_jax import precision as prec
+from zero_jax.clipping import clip_with_norm
+from zero_jax.spec import StepSpec
+from zero_jax.state import TrainState, masked_optimizer
+
+
+def norm_and_finite(grads):
+  """(global L2 norm, every element finite) from one sum of squares."""
+  if not grads:
+    return jnp.float32(0), jnp.bool_(True)
+  sq = sum(jnp.sum(jnp.square(jnp.abs(g)).astype(jnp.float32)) for g in grads)
+  return jnp.sqrt(sq), jnp.isfinite(sq)
+
+
+def to_memory(spec: StepSpec, x, layout, kind):
+  """``x`` moved to memory ``kind`` in its storage sharding (offload only)."""
+  if spec.offload is None:
+    return x
+  return jax.device_put(x, NamedSharding(spec.auto_mesh, layout.spec(spec.data_axes),
+                                         memory_kind=kind))
+
+
+def gather_params(spec: StepSpec, layouts, blocks):
+  """Storage blocks (split over data and model axes) -> logical leaves split over model only."""
+  fn = jax.shard_map(
+      lambda bs: [collectives.all_gather(b, l, spec.data_axes) for b, l in zip(bs, layouts)],
+      mesh=spec.auto_mesh, in_specs=([l.spec(spec.data_axes) for l in layouts],),
+      out_specs=[l.model_spec() for l in layouts])
+  return fn(blocks)
+
+
+def _sources(spec: StepSpec, state: TrainState):
+  """Per trainable leaf, the value the optimizer updates (logical view, optimizer dtype)."""
+  meta, leaves = state.meta, jax.tree.leaves(state.params)
+  masters = iter(state.master or [])
+  out = []
+  for i in meta.train_idx:
+    l, x = meta.param_layouts[i], leaves[i]
+    m = next(masters) if state.master is not None else None
+    if meta.master[i]:
+      out.append(spec.to_logical(to_memory(spec, m, l, "device"), l))
+      continue
+    view = spec.to_logical(x, l) if spec.stage == 3 else spec.constrain(x, l.spec(spec.data_axes))
+    out.append(view.astype(prec.optimizer_dtype(spec.policy, x.dtype)))
+  return out
+
+
+def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss, aux):
+  """The new state and the metrics, from the reduced gradient blocks."""
+  meta = state.meta
+  treedef = jax.tree.structure(state.params)
+  leaves = jax.tree.leaves(state.params)
+  idx, t_layouts = meta.train_idx, [meta.param_layouts[i] for i in meta.train_idx]
+  if spec.stage == 1:
+    grads = [spec.constrain(g, l.spec(spec.data_axes)) for g, l in zip(grads, t_layouts)]
+  else:
+    grads = [spec.to_logical(g, l) for g, l in zip(grads, t_layouts)]
+  grads = ls.unscale_grads(state.loss_scale, grads)
+  grad_norm, finite = norm_and_finite(grads)
+  if spec.max_grad_norm is not None:
+    grads = clip_with_norm(grads, grad_norm, spec.max_grad_norm)
+
+  src = _sources(spec, state)
+  full_src, full_grads = list(leaves), list(leaves)
+  for j, i in enumerate(idx):
+    full_src[i], full_grads[i] = src[j], grads[j].astype(src[j].dtype)
+  for i, t in enumerate(meta.trainable):
+    if not t:
+      full_grads[i] = jnp.zeros(meta.param_layouts[i].shape, leaves[i].dtype)
+      if spec.stage == 3:
+        full_src[i] = lay.unpad(leaves[i], meta.param_layouts[i])
+  o_leaves, o_def = jax.tree.flatten(state.opt_state)
+  opt_state = jax.tree.unflatten(o_def, [
+      spec.to_logical(to_memory(spec, x, l, "device"), l) for x, l in zip(o_leaves, meta.opt_layouts)])
+  opt = masked_optimizer(optimizer, treedef, meta.trainable)
+
+  def apply(_):
+    updates, new_opt = opt.update(jax.tree.unflatten(treedef, full_grads), opt_state,
+                                  jax.tree.unflatten(treedef, full_src))
+    updates = jax.tree.leaves(updates)
+    new_src = [(s + updates[i]).astype(s.dtype) for s, i in zip(src, idx)]
+    return new_src, [x.astype(y.dtype) for x, y in zip(jax.tree.leaves(new_opt), o_leaves)]
+
+  new_src, new_o = jax.lax.cond(finite, apply,
+                                lambda _: (list(src), jax.tree.leaves(opt_state)), None)
+  new_o = [to_memory(spec, spec.to_storage(x, l), l, "pinned_host")
+           for x, l in zip(new_o, meta.opt_layouts)]
+  new_params = _new_params(spec, meta, leaves, new_src, t_layouts)
+  master = None
+  if state.master is not None:
+    master = [to_memory(spec, spec.to_storage(s, l), l, "pinned_host") if meta.master[i] else None
+              for s, i, l in zip(new_src, idx, t_layouts)]
+  new_scale = ls.adjust_loss_scale(state.loss_scale, finite)
+  new_state = state.replace(
+      step=state.step + 1, params=jax.tree.unflatten(treedef, new_params), master=master,
+      opt_state=jax.tree.unflatten(o_def, new_o), loss_scale=new_scale)
+  metrics = {"loss": loss, "grad_norm": grad_norm, "grads_finite": finite,
+             "loss_scale": state.loss_scale.scale, "skipped_steps": new_scale.skipped_steps}
+  if spec.has_aux:
+    metrics["aux"] = aux
+  return new_state, metrics
+
+
+def _new_params(spec: StepSpec, meta, leaves, new_src, t_layouts) -> list:
+  """The parameters after the update: stage 3 keeps blocks, stages 1-2 all-gather."""
+  blocks = [spec.to_storage(s.astype(leaves[i].dtype), l)
+            for s, i, l in zip(new_src, meta.train_idx, t_layouts)]
+  out = list(leaves)
+  full = blocks if spec.stage == 3 else gather_params(spec, t_layouts, blocks)
+  for i, x in zip(meta.train_idx, full):
+    out[i] = x
+  return out
