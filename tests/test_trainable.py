@@ -147,8 +147,9 @@ def test_grad_norm_and_clipping_count_trainable_leaves_only(mesh, batches):
 
 # ------------------------------------------------------------ communication
 def compiled(mesh, stage, trainable):
+  """Compiled collectives, one per leaf (bucket_bytes=0) so that leaves show by shape."""
   step = zj.make_sharded_train_step(loss_fn, optax.adam(1e-2), mesh=mesh, stage=stage,
-                                    trainable=trainable)
+                                    trainable=trainable, bucket_bytes=0)
   state = step.init(make_params())
   return collectives(step.lower(state, make_batches()[0]).compile().as_text())
 

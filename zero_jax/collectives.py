@@ -6,14 +6,33 @@ as this device's block of the storage view, summed over every device that
 computes gradients: reduce-scattered over the data axes, then all-reduced
 over the replica axes (only the 1/N block crosses them: hybrid sharding). A
 parameter block enters `all_gather` and the full logical leaf leaves.
+
+**Buckets.** One collective per leaf is slow for models with many small
+leaves (biases, norms): each has a fixed cost, and XLA combines plain
+all-reduces but not reduce-scatters. `plan_buckets` groups small leaves of
+one dtype, and `reduce_scatter_many` / `all_gather_many` move a group as one
+buffer: each leaf's padded storage view is laid out as one row per device
+(its split dimension first), the rows of the group are concatenated, and one
+reduce-scatter (all-gather) moves them. Each device still receives exactly its
+block of every leaf, so layouts, the optimizer's view and checkpoints are the
+same as without buckets. Large leaves stay alone, so the scheduler can overlap
+them with the backward pass. The bucketed gather is made of differentiable
+operations: its transpose (stage 3) is the bucketed reduce-scatter.
+
+Over axes of size 1 the collectives that can be skipped are (one device
+needs no reduce-scatter or gather).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 from zero_jax.layout import Layout, pad, unpad
+
+DEFAULT_BUCKET_BYTES = 4 * 2**20
 
 
 def varying_axes(x) -> frozenset:
@@ -29,6 +48,15 @@ def _axes(names) -> tuple[str, ...]:
   return (names,) if isinstance(names, str) else tuple(names)
 
 
+def axes_size(names) -> int:
+  """Devices along ``names`` (inside ``shard_map``)."""
+  return math.prod(jax.lax.axis_size(a) for a in _axes(names))
+
+
+def _wide(dtype):
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def reduce_scatter(x: jax.Array, layout: Layout, data_axes, *, replica_axes=(),
                    comm_dtype=None, out_dtype=None) -> jax.Array:
   """Sum of ``x`` over the data and replica axes, each device keeping its block.
@@ -40,13 +68,14 @@ def reduce_scatter(x: jax.Array, layout: Layout, data_axes, *, replica_axes=(),
   all-reduced over both.
   """
   data_axes, replica_axes = _axes(data_axes), _axes(replica_axes)
-  out_dtype = out_dtype or jnp.promote_types(x.dtype, jnp.float32)
+  out_dtype = out_dtype or _wide(x.dtype)
   wire = x.astype(comm_dtype or x.dtype)
   if layout.dim is None:
     out = jax.lax.psum(wire, data_axes + replica_axes)
   else:
-    out = jax.lax.psum_scatter(pad(wire, layout), data_axes, scatter_dimension=layout.dim,
-                               tiled=True)
+    out = pad(wire, layout)
+    if axes_size(data_axes) > 1:
+      out = jax.lax.psum_scatter(out, data_axes, scatter_dimension=layout.dim, tiled=True)
     if replica_axes:
       out = jax.lax.psum(out, replica_axes)
   return out.astype(out_dtype)
@@ -54,7 +83,7 @@ def reduce_scatter(x: jax.Array, layout: Layout, data_axes, *, replica_axes=(),
 
 def all_reduce(x: jax.Array, axes, *, comm_dtype=None, out_dtype=None) -> jax.Array:
   """Sum of ``x`` over ``axes`` (stage 1), in ``comm_dtype`` on the wire."""
-  out_dtype = out_dtype or jnp.promote_types(x.dtype, jnp.float32)
+  out_dtype = out_dtype or _wide(x.dtype)
   return jax.lax.psum(x.astype(comm_dtype or x.dtype), _axes(axes)).astype(out_dtype)
 
 
@@ -68,5 +97,92 @@ def all_gather(block: jax.Array, layout: Layout, data_axes, *,
   """
   if layout.dim is None:
     return block
+  if to == "varying" and axes_size(data_axes) == 1:
+    return unpad(block, layout)
   full = jax.lax.all_gather(block, _axes(data_axes), axis=layout.dim, tiled=True, to=to)
   return unpad(full, layout)
+
+
+# -------------------------------------------------------------------- buckets
+def plan_buckets(layouts, dtypes, *, bucket_bytes: int, alone=None) -> tuple[tuple[int, ...], ...]:
+  """Groups of leaf indices that move together (static; in leaf order).
+
+  A leaf split over the data axes only, whose padded storage is smaller than
+  ``bucket_bytes``, joins the open bucket of its dtype until that would pass
+  ``bucket_bytes``; every other leaf (large, replicated, split over model
+  axes, or marked in ``alone``: stacked layers) is a group of its own.
+  ``bucket_bytes=0`` puts every leaf alone.
+  """
+  groups, open_ = [], {}
+  alone = alone or [False] * len(layouts)
+  for i, (l, dt) in enumerate(zip(layouts, dtypes)):
+    size = math.prod(l.storage_shape) * jnp.dtype(dt).itemsize
+    if l.dim is None or l.has_model or size >= bucket_bytes or alone[i]:
+      groups.append([i])
+      continue
+    key = jnp.dtype(dt)
+    g = open_.get(key)
+    if g is None or g[1] + size > bucket_bytes:
+      g = open_[key] = [[i], size]
+      groups.append(g[0])
+    else:
+      g[0].append(i)
+      g[1] += size
+  return tuple(tuple(g) for g in groups)
+
+
+def _rows(x: jax.Array, layout: Layout, n: int) -> jax.Array:
+  """Padded storage view -> ``(n, block size)``: row ``d`` is device ``d``'s block."""
+  return jnp.moveaxis(pad(x, layout), layout.dim, 0).reshape(n, -1)
+
+
+def _block(row: jax.Array, layout: Layout, n: int) -> jax.Array:
+  """One device's row -> its storage block (split dimension back in place)."""
+  moved = [layout.padded // n] + [s for d, s in enumerate(layout.shape) if d != layout.dim]
+  return jnp.moveaxis(row.reshape(moved), 0, layout.dim)
+
+
+def _split(flat: jax.Array, sizes, axis: int) -> list:
+  offsets = [sum(sizes[:i]) for i in range(1, len(sizes))]
+  return jnp.split(flat, offsets, axis=axis)
+
+
+def reduce_scatter_many(xs, layouts, groups, data_axes, *, replica_axes=(),
+                        comm_dtype=None) -> list:
+  """`reduce_scatter` of every leaf of ``xs``, one collective per group of ``groups``."""
+  out = [None] * len(xs)
+  n = axes_size(data_axes)
+  for g in groups:
+    if len(g) == 1 or n == 1:
+      for i in g:
+        out[i] = reduce_scatter(xs[i], layouts[i], data_axes, replica_axes=replica_axes,
+                                comm_dtype=comm_dtype)
+      continue
+    wire = comm_dtype or xs[g[0]].dtype
+    rows = [_rows(xs[i].astype(wire), layouts[i], n) for i in g]
+    mine = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), _axes(data_axes),
+                                scatter_dimension=0, tiled=True)[0]
+    if replica_axes:
+      mine = jax.lax.psum(mine, _axes(replica_axes))
+    for i, piece in zip(g, _split(mine, [r.shape[1] for r in rows], 0)):
+      out[i] = _block(piece, layouts[i], n).astype(_wide(xs[i].dtype))
+  return out
+
+
+def all_gather_many(blocks, layouts, groups, data_axes, *, to: str = "invarying") -> list:
+  """`all_gather` of every block of ``blocks``, one collective per group of ``groups``."""
+  out = [None] * len(blocks)
+  n = axes_size(data_axes)
+  for g in groups:
+    if len(g) == 1 or n == 1:
+      for i in g:
+        out[i] = all_gather(blocks[i], layouts[i], data_axes, to=to)
+      continue
+    flat = [jnp.moveaxis(blocks[i], layouts[i].dim, 0).reshape(-1) for i in g]
+    rows = jax.lax.all_gather(jnp.concatenate(flat), _axes(data_axes), axis=0, tiled=False,
+                              to=to)
+    for i, piece in zip(g, _split(rows, [f.shape[0] for f in flat], 1)):
+      l = layouts[i]
+      moved = [l.padded] + [s for d, s in enumerate(l.shape) if d != l.dim]
+      out[i] = unpad(jnp.moveaxis(piece.reshape(moved), 0, l.dim), l)
+  return out

@@ -29,6 +29,8 @@ being the index along the batch axes in mesh order.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -37,15 +39,32 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from zero_jax import collectives
+from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
 from zero_jax.loss import call_loss
 from zero_jax.spec import StepSpec
-from zero_jax.stacked import ShardedParam
+from zero_jax.stacked import Reduction, ShardedParam
 
 _GATHERED = "zero_jax_gathered_param"
 
 
-def regather_policy(layouts):
+def _bucket_shapes(spec: StepSpec, meta) -> set:
+  """Shapes of the intermediate values of stage 3's bucketed gathers (see collectives)."""
+  shapes, n = set(), spec.n_data
+  for frozen in (False, True):
+    idx = [i for i, t in enumerate(meta.trainable) if t != frozen and not meta.stacked[i]]
+    for g in _gather_groups(spec, meta, idx):
+      if len(g) < 2:
+        continue
+      sizes = [math.prod(lay.local_storage_shape(meta.param_layouts[i], n)) for i in g]
+      shapes.add((n, sum(sizes)))
+      for i, s in zip(g, sizes):
+        l = meta.param_layouts[i]
+        shapes |= {(n, s), (l.padded,) + tuple(d for j, d in enumerate(l.shape) if j != l.dim)}
+  return shapes
+
+
+def regather_policy(layouts, extra_shapes=frozenset()):
   """Stage-3 remat policy: save activations, never a gathered parameter.
 
   A gathered leaf must be gathered again in the backward pass, so no value
@@ -56,7 +75,7 @@ def regather_policy(layouts):
   shaped like a gathered leaf (logical, padded or reversed shape); an
   activation that happens to have such a shape is recomputed (cheap).
   """
-  shapes = set()
+  shapes = set(extra_shapes)
   for l in layouts:
     if l.dim is not None:
       shapes |= {l.shape, l.storage_shape, l.shape[::-1]}
@@ -105,33 +124,92 @@ class Local(NamedTuple):
   model_state: Any
 
 
-def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train):
-  """The parameter tree ``loss_fn`` sees: stage 3 gathers (or wraps stacked leaves)."""
-  full = dict(frozen)
-  if spec.stage == 3:
-    def gathered(i, x, to):
-      layout = meta.param_layouts[i]
-      if meta.stacked[i]:
-        return ShardedParam(x, layout, spec.data_axes, paths[i])
-      return checkpoint_name(collectives.all_gather(x, layout, spec.data_axes, to=to), _GATHERED)
-    full = {i: gathered(i, x, "invarying") for i, x in frozen.items()}
-    train = {i: gathered(i, x, "varying") for i, x in train.items()}
-  full.update(train)
-  return jax.tree.unflatten(treedef, [full[i] for i in range(len(full))])
+def _gather_groups(spec: StepSpec, meta, idx) -> tuple:
+  """Buckets for the stage-3 gathers of leaves ``idx`` (stacked leaves are not gathered here)."""
+  layouts = [meta.param_layouts[i] for i in idx]
+  dtypes = [meta.param_dtypes[i] for i in idx]
+  return collectives.plan_buckets(layouts, dtypes, bucket_bytes=spec.bucket_bytes,
+                                  alone=[meta.stacked[i] for i in idx])
 
 
-def _reduce(spec: StepSpec, layout, g):
-  """A local gradient -> this device's reduced block (sum over the batch axes)."""
-  if spec.stage == 1:
-    return collectives.all_reduce(g, spec.batch_axes, comm_dtype=spec.comm_dtype)
-  if spec.stage == 2:
-    return collectives.reduce_scatter(g, layout, spec.data_axes, replica_axes=spec.replica_axes,
-                                      comm_dtype=spec.comm_dtype)
-  return g.astype(jnp.promote_types(g.dtype, jnp.float32))  # stage 3: reduced by autodiff
+def _gather(spec: StepSpec, meta, leaves: dict, to: str) -> dict:
+  """Stage 3: ``{i: block}`` -> ``{i: gathered leaf}``, bucketed, named for the remat policy."""
+  idx = sorted(leaves)
+  groups = _gather_groups(spec, meta, idx)
+  full = collectives.all_gather_many([leaves[i] for i in idx],
+                                     [meta.param_layouts[i] for i in idx], groups,
+                                     spec.data_axes, to=to)
+  return {i: checkpoint_name(x, _GATHERED) for i, x in zip(idx, full)}
+
+
+def scattered_in_loop(spec: StepSpec, meta) -> list[bool]:
+  """Per parameter leaf: a stage-2 stacked leaf whose gradient `zero_jax.gather`
+  reduce-scatters inside the loss's loop (see `zero_jax.stacked`)."""
+  return [spec.stage == 2 and t and s and l.dim is not None and not l.has_model
+          for t, s, l in zip(meta.trainable, meta.stacked, meta.param_layouts)]
+
+
+def _gather_all(spec: StepSpec, meta, blocks) -> list:
+  """Stage 3 with ``gather_once``: every block gathered (bucketed), identical on all devices."""
+  full = collectives.all_gather_many(
+      blocks, meta.param_layouts, _gather_groups(spec, meta, range(len(blocks))),
+      spec.data_axes, to="invarying")
+  return [checkpoint_name(x, _GATHERED) for x in full]
+
+
+def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
+  """The parameter tree ``loss_fn`` sees: stage 3 gathers (or wraps stacked leaves);
+  stage 2 wraps the stacked leaves whose gradient is reduced in the loop."""
+  if spec.stage != 3:
+    full = {**frozen, **train}
+    reduction = Reduction(spec.batch_axes, spec.replica_axes, spec.comm_dtype)
+    for i, yes in enumerate(scattered_in_loop(spec, meta)):
+      if yes:
+        full[i] = ShardedParam(train[i], meta.param_layouts[i], spec.data_axes, paths[i],
+                               full=leaves[i], reduction=reduction)
+    return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
+  full = {}
+  for part, to in ((frozen, "invarying"), (train, "varying")):
+    plain = {i: x for i, x in part.items() if not meta.stacked[i]}
+    full.update(_gather(spec, meta, plain, to))
+    full.update({i: ShardedParam(x, meta.param_layouts[i], spec.data_axes, paths[i])
+                 for i, x in part.items() if meta.stacked[i]})
+  return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
+
+
+def _zero_block(spec: StepSpec, layout, dtype):
+  """The differentiated stand-in of a stage-2 stacked leaf: its gradient is the reduced block."""
+  block = jnp.zeros(lay.local_storage_shape(layout, spec.n_data), jnp.promote_types(dtype,
+                                                                                  jnp.float32))
+  return jax.lax.pcast(block, spec.data_axes, to="varying")
 
 
 def _upcast(g):
   return g.astype(jnp.promote_types(g.dtype, jnp.float32))
+
+
+def reduce_some(spec: StepSpec, layouts, grads, which, stacked) -> list:
+  """Local gradients -> reduced blocks for the leaves marked in ``which`` (bucketed);
+  the others are only upcast. Stage 3's arrive reduced (the gather's transpose)."""
+  idx = [j for j, w in enumerate(which) if w]
+  out = [_upcast(g) for g in grads]
+  if spec.stage == 3 or not idx:
+    return out
+  if spec.stage == 1:
+    for j in idx:  # XLA combines these all-reduces itself; one device needs none
+      if spec.n_batch > 1 or layouts[j].dim is None:
+        out[j] = collectives.all_reduce(grads[j], spec.batch_axes, comm_dtype=spec.comm_dtype)
+    return out
+  sub = [layouts[j] for j in idx]
+  groups = collectives.plan_buckets(sub, [grads[j].dtype for j in idx],
+                                    bucket_bytes=spec.bucket_bytes,
+                                    alone=[stacked[j] for j in idx])
+  reduced = collectives.reduce_scatter_many([grads[j] for j in idx], sub, groups,
+                                            spec.data_axes, replica_axes=spec.replica_axes,
+                                            comm_dtype=spec.comm_dtype)
+  for j, g in zip(idx, reduced):
+    out[j] = g
+  return out
 
 
 def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, params, batch,
@@ -144,13 +222,17 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
   """
   k, axes = spec.grad_accum_steps, spec.batch_axes
   leaves = jax.tree.leaves(params)
+  if spec.stage == 3 and spec.gather_once:  # gather once; the rest is stage 2's path
+    leaves = _gather_all(spec, meta, leaves)
+    spec = dataclasses.replace(spec, stage=2)
   idx = meta.train_idx
   layouts = [meta.param_layouts[i] for i in idx]
+  stacks = [meta.stacked[i] for i in idx]
   frozen = {i: leaves[i] for i, t in enumerate(meta.trainable) if not t}
   sharded_acc = spec.accumulate == "sharded" or spec.stage == 3
 
   def objective(train_leaves, mb, ms, key):
-    p = _loss_params(spec, meta, treedef, paths, frozen, dict(zip(idx, train_leaves)))
+    p = _loss_params(spec, meta, treedef, paths, frozen, dict(zip(idx, train_leaves)), leaves)
     out = call_loss(loss_fn, p, mb, model_state=ms, rng=key, has_aux=spec.has_aux,
                     batch_axes=axes, mesh_axes=tuple(spec.mesh.axis_names))
     if out.weight is None:
@@ -160,12 +242,16 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
       denom = k * jnp.where(w > 0, w, 1.0)
     return ls.scale_loss(scale, out.value) / denom, (out, w)
 
-  if spec.stage == 3 and not any(meta.stacked):
-    objective = jax.checkpoint(objective, policy=regather_policy(meta.param_layouts))
+  if spec.stage == 3 and not any(meta.stacked):  # re-gather for the backward pass
+    objective = jax.checkpoint(objective, policy=regather_policy(
+        meta.param_layouts, _bucket_shapes(spec, meta)))
   grad_fn = jax.value_and_grad(objective, has_aux=True)
+  in_loop = scattered_in_loop(spec, meta)
   diff = [leaves[i] for i in idx]
   if spec.stage != 3:  # a local gradient, not one already summed over devices
-    diff = [jax.lax.pcast(x, axes, to="varying") for x in diff]
+    diff = [_zero_block(spec, meta.param_layouts[i], leaves[i].dtype) if in_loop[i] else
+            jax.lax.pcast(x, axes, to="varying") for i, x in zip(idx, diff)]
+  reduce_here = [r and not in_loop[i] for i, r in zip(idx, reduce_here)]
 
   weighted = []  # set when the first micro-batch is traced: does loss_fn weight?
 
@@ -178,8 +264,7 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
     if w is not None and k > 1:  # undo this micro-batch's normaliser; 1/W at the end
       g = [x * (k * w).astype(x.dtype) for x in g]
     reduce_now = sharded_acc or k == 1
-    g = [_reduce(spec, l, x) if reduce_now and r else _upcast(x)
-         for x, l, r in zip(g, layouts, reduce_here)]
+    g = reduce_some(spec, layouts, g, [reduce_now and r for r in reduce_here], stacks)
     aux = None if out.aux is None else jax.tree.map(lambda a: a.astype(jnp.float32), out.aux)
     return (g, out.value.astype(jnp.float32), jnp.float32(0) if w is None else w, aux,
             out.model_state)
@@ -200,7 +285,7 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
     if weighted[0]:  # weight = the global weight W of the whole step
       grads = [x / weight.astype(x.dtype) for x in grads]
     if not sharded_acc:
-      grads = [_reduce(spec, l, x) if r else x for x, l, r in zip(grads, layouts, reduce_here)]
+      grads = reduce_some(spec, layouts, grads, reduce_here, stacks)
   if weighted[0]:
     loss = jax.lax.psum(total, axes) / jnp.where(weight > 0, weight, 1.0)
   else:
@@ -231,7 +316,7 @@ def reduce_model_split(spec: StepSpec, layouts, stacked_grads):
     model axes (stage 2), or the logical leaf split over model axes (stage 1).
   """
   def body(gs):
-    return [_reduce(spec, l, g[0]) for g, l in zip(gs, layouts)]
+    return reduce_some(spec, layouts, [g[0] for g in gs], [True] * len(gs), [True] * len(gs))
   out_specs = [l.spec(spec.data_axes) if spec.stage == 2 else l.model_spec() for l in layouts]
   return jax.shard_map(body, mesh=spec.auto_mesh,
                        in_specs=([_stack_spec(spec, l) for l in layouts],),
@@ -253,7 +338,8 @@ def sharded_grads(spec: StepSpec, meta, treedef, paths, loss_fn, params, batch, 
                  for l in layouts]
   param_specs = jax.tree.unflatten(treedef, [
       l.data_spec(spec.data_axes) if spec.stage == 3 else P() for l in meta.param_layouts])
-  grad_specs = [P(axes) if later else (P() if spec.stage == 1 else l.data_spec(spec.data_axes))
+  invariant = spec.stage == 1 and spec.n_batch > 1  # stage 1 all-reduces (unless one device)
+  grad_specs = [P(axes) if later else (P() if invariant else l.data_spec(spec.data_axes))
                 for l, later in zip(layouts, split_later)]
   reduce_here = [not later for later in split_later]
 

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import layout as lay
+from zero_jax.collectives import DEFAULT_BUCKET_BYTES
 
 from zero_jax import loss_scale as ls
 from zero_jax.precision import Policy, get_policy
@@ -130,7 +131,8 @@ class StepSpec:
     replica_axes: the axes the batch is split over and the state replicated.
     model_axes: the user's axes (left to the compiler inside the step).
     stage, has_aux, max_grad_norm, grad_accum_steps, accumulate, comm_dtype,
-    donate, offload: the options of `make_sharded_train_step`.
+    donate, offload, bucket_bytes, gather_once: the options of
+    `make_sharded_train_step`.
     policy: the precision `Policy`.
   """
   mesh: Mesh
@@ -147,6 +149,8 @@ class StepSpec:
   comm_dtype: np.dtype | None
   donate: bool
   offload: str | None
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  gather_once: bool = False
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
@@ -227,7 +231,8 @@ def planning_spec(*, n_devices=None, mesh=None, axis_name="data", replica_axis=N
 
 
 def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_grad_norm,
-              grad_accum_steps, accumulate, comm_dtype, donate, offload) -> StepSpec:
+              grad_accum_steps, accumulate, comm_dtype, donate, offload,
+              bucket_bytes=DEFAULT_BUCKET_BYTES, gather_once=False) -> StepSpec:
   """Validates the options of `make_sharded_train_step` (see there)."""
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a concrete jax.sharding.Mesh (e.g. jax.make_mesh(("
@@ -257,20 +262,30 @@ def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_g
   if stage == 1 and accumulate == "sharded":
     raise ValueError("accumulate='sharded' reduce-scatters gradients, which is stage 2; "
                      "use stage=2, or accumulate='local' with stage=1.")
-  if stage == 3 and accumulate == "local":
+  if stage == 3 and accumulate == "local" and not gather_once:
     raise ValueError("stage=3 differentiates through the parameter all-gather, whose "
                      "transpose reduce-scatters every micro-batch; use accumulate='sharded' "
-                     "(the default for stage 3) or stage=2.")
+                     "(the default for stage 3), gather_once=True (parameters whole for the "
+                     "step) or stage=2.")
   if max_grad_norm is not None:
     if not isinstance(max_grad_norm, numbers.Real) or not max_grad_norm > 0:
       raise ValueError(f"max_grad_norm must be a positive number or None, got "
                        f"{max_grad_norm!r}.")
     max_grad_norm = float(max_grad_norm)
   _check_offload(offload, mesh)
+  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or \
+      bucket_bytes < 0:
+    raise ValueError(f"bucket_bytes must be a non-negative int (0: one collective per leaf), "
+                     f"got {bucket_bytes!r}.")
+  if gather_once and stage != 3:
+    raise ValueError(f"gather_once=True keeps stage 3's gathered parameters for the whole "
+                     f"step; at stage {stage} the parameters are whole already. Drop "
+                     f"gather_once, or use stage=3.")
   auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
   model = tuple(a for a in mesh.axis_names if a not in data + replica)
   return StepSpec(mesh=mesh, auto_mesh=auto, data_axes=data, replica_axes=replica,
                   model_axes=model, stage=stage, policy=policy, has_aux=bool(has_aux),
                   max_grad_norm=max_grad_norm, grad_accum_steps=k, accumulate=accumulate,
                   comm_dtype=_comm_dtype(comm_dtype, stage), donate=bool(donate),
-                  offload=offload)
+                  offload=offload, bucket_bytes=int(bucket_bytes),
+                  gather_once=bool(gather_once))

@@ -1,4 +1,4 @@
-"""Gathering stacked layers one at a time inside ``loss_fn`` (stage 3).
+"""Gathering stacked layers one at a time inside ``loss_fn`` (stages 2 and 3).
 
 At stage 3 the step all-gathers every parameter leaf before calling
 ``loss_fn``. For a deep model that means the whole model is resident at once,
@@ -15,49 +15,80 @@ Leaves marked ``stacked=`` in `make_sharded_train_step` are split along a
 dimension other than the stacking one and, at stage 3, reach ``loss_fn`` as a
 `ShardedParam`: the device's block, not yet gathered. ``loss_fn`` slices it
 like the array it stands for (``lax.scan`` over it, or index the first
-dimension) and calls `gather` on the slice where the layer uses it. At stages
-1-2, and outside the step (a single-device reference), the same leaves are
-plain arrays and `gather` returns them unchanged, so one ``loss_fn`` serves
-every stage.
+dimension) and calls `gather` on the slice where the layer uses it.
+
+At stage 2 the loop matters for the gradient: a backward ``lax.scan`` writes
+every layer's full gradient into one ``(L, ...)`` buffer before the step can
+reduce-scatter it, so the temp memory would not fall with N. There a stacked
+leaf reaches ``loss_fn`` as a `ShardedParam` holding the whole (replicated)
+slice too: `gather` returns it unchanged in the forward pass, and its
+transpose reduce-scatters that layer's gradient inside the backward loop, so
+the loop only ever accumulates the device's 1/N block (no recomputation, unlike
+stage 3). At stage 1, and outside the step (a single-device reference), the
+leaves are plain arrays and `gather` returns them unchanged, so one
+``loss_fn`` serves every stage.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
+from zero_jax.collectives import axes_size, reduce_scatter
 from zero_jax.layout import Layout, local_storage_shape, unpad
+
+
+class Reduction(NamedTuple):
+  """How stage 2 reduces a stacked leaf's gradient in the backward loop (static).
+
+  Attributes:
+    batch_axes: the axes the batch is split over (the gradient is local to them).
+    replica_axes: the axes the reduced block is all-reduced over.
+    comm_dtype: the dtype on the wire, or None.
+  """
+  batch_axes: tuple
+  replica_axes: tuple
+  comm_dtype: Any
 
 
 @jax.tree_util.register_pytree_node_class
 class ShardedParam:
   """A stage-3 stacked leaf (or a slice of it) that `gather` has not gathered yet.
 
-  A pytree with one child, the device's block, so ``lax.scan``, ``jax.tree.map``
-  and Flax's lifted transforms slice it along its leading (stacking) dimension
-  like the array it stands for.
+  A pytree whose children are the device's block (and at stage 2 the whole
+  value), so ``lax.scan``, ``jax.tree.map`` and Flax's lifted transforms slice
+  it along its leading (stacking) dimension like the array it stands for.
 
   Attributes:
     block: this device's block: the storage view's block of the whole stacked
-      leaf, or of a slice of it along leading dimensions.
+      leaf, or of a slice of it along leading dimensions. At stage 2 a block
+      of zeros, whose gradient is the reduced gradient of the slice.
     layout: the `Layout` of the whole stacked leaf (static).
-    axis_name: the mesh axis it is split over (static).
+    axis_name: the mesh axis (or tuple of axes) it is split over (static).
     path: the leaf's ``keystr`` path, for error messages (static).
+    full: stage 2: the whole value of the slice (replicated); None at stage 3.
+    reduction: stage 2: the `Reduction` of its gradient (static); None at stage 3.
   """
 
-  def __init__(self, block, layout: Layout, axis_name: str, path: str):
+  def __init__(self, block, layout: Layout, axis_name, path: str, full=None,
+               reduction: Reduction | None = None):
     self.block = block
     self.layout = layout
     self.axis_name = axis_name
     self.path = path
+    self.full = full
+    self.reduction = reduction
 
   def tree_flatten(self):
-    return (self.block,), (self.layout, self.axis_name, self.path)
+    return (self.block, self.full), (self.layout, self.axis_name, self.path, self.reduction)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(children[0], *aux)
+    layout, axis_name, path, reduction = aux
+    return cls(children[0], layout, axis_name, path, children[1], reduction)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -67,22 +98,47 @@ class ShardedParam:
 
   def __jax_array__(self):
     raise TypeError(
-        f"params{self.path} is a stacked leaf sharded at stage 3 and was used as an array "
-        f"without zero_jax.gather. Call zj.gather(...) on it where it is used, ideally on "
+        f"params{self.path} is a stacked leaf (stacked=) and was used as an array "
+        f"without zero_jax.gather (at stage 3 it is sharded; at stage 2 gather reduces its "
+        f"gradient inside the loop). Call zj.gather(...) on it where it is used, ideally on "
         f"one layer's slice inside the loop over layers (e.g. in the lax.scan body), or do "
         f"not mark it stacked=.")
 
   def __getitem__(self, index):
-    return ShardedParam(self.block[index], self.layout, self.axis_name, self.path)
+    full = None if self.full is None else self.full[index]
+    return ShardedParam(self.block[index], self.layout, self.axis_name, self.path, full,
+                        self.reduction)
 
   def __repr__(self):
     return f"ShardedParam(params{self.path}, shape={self.shape}, layout={self.layout})"
 
 
-def _gather_one(x: ShardedParam) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _scatter_on_backward(block, full, layout: Layout, data_axes, reduction: Reduction):
+  """``full`` (made local to the device); the transpose sends the gradient to ``block``,
+  reduce-scattered over the data axes (and all-reduced over the replica axes)."""
+  del block, layout, data_axes
+  return jax.lax.pcast(full, reduction.batch_axes, to="varying")
+
+
+def _scatter_fwd(block, full, layout, data_axes, reduction):
+  return _scatter_on_backward(block, full, layout, data_axes, reduction), jnp.zeros((), block.dtype)
+
+
+def _scatter_bwd(layout, data_axes, reduction, zero, ct):
+  g = reduce_scatter(ct, layout, data_axes, replica_axes=reduction.replica_axes,
+                     comm_dtype=reduction.comm_dtype, out_dtype=zero.dtype)
+  return g, jnp.zeros(ct.shape, ct.dtype)
+
+
+_scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+def _sliced_layout(x: ShardedParam) -> tuple[Layout, tuple, int]:
+  """The layout of the piece ``x`` holds, its block shape, and how many leading dims it lost."""
   layout = x.layout
   drop = len(layout.shape) - x.block.ndim  # leading dimensions indexed away
-  local = local_storage_shape(layout, jax.lax.axis_size(x.axis_name))
+  local = local_storage_shape(layout, axes_size(x.axis_name))
   shape = layout.shape[drop:]
   if drop == 0 and x.block.ndim:  # a range of layers, e.g. block[:-1]
     local = (x.block.shape[0],) + local[1:]
@@ -95,9 +151,19 @@ def _gather_one(x: ShardedParam) -> jax.Array:
         f"of its layers, or one layer (block shape {local[1:]}), e.g. in the body of a "
         f"lax.scan over the leaf. Index only the leading dimension before gathering, and the "
         f"other dimensions after.")
-  if layout.dim is None:
+  dim = None if layout.dim is None else layout.dim - drop
+  return Layout(shape, dim, layout.padded if dim is not None else 0), local, drop
+
+
+def _gather_one(x: ShardedParam) -> jax.Array:
+  sliced, _, _ = _sliced_layout(x)
+  if x.full is not None:  # stage 2: the value is here; reduce the gradient on the way back
+    if sliced.dim is None:
+      return x.full
+    return _scatter_on_backward(x.block, jax.lax.stop_gradient(x.full), sliced, x.axis_name,
+                                x.reduction)
+  if sliced.dim is None:
     return x.block
-  sliced = Layout(shape, layout.dim - drop, layout.padded)
   full = jax.lax.all_gather(x.block, x.axis_name, axis=sliced.dim, tiled=True, to="varying")
   return unpad(full, sliced)
 

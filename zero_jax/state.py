@@ -67,6 +67,7 @@ class StateMeta:
     opt_layouts: one `Layout` per optimizer-state leaf.
     stacked: one bool per parameter leaf (``stacked=``).
     master: one bool per parameter leaf: it has a float32 master copy.
+    param_dtypes: one dtype per parameter leaf, as it is stored and seen by the loss.
     signature: the `StepSignature` of the step that made the state.
     module: for a state made from an ``nnx.Module``, how to rebuild it
       (see `zero_jax.nnx`); None otherwise.
@@ -76,12 +77,13 @@ class StateMeta:
   opt_layouts: tuple
   stacked: tuple
   master: tuple
+  param_dtypes: tuple
   signature: StepSignature
   module: Any = None
 
   def _key(self):
     return (self.param_layouts, self.trainable, self.opt_layouts, self.stacked, self.master,
-            self.signature, self.module)
+            self.param_dtypes, self.signature, self.module)
 
   def __post_init__(self):  # jit hashes the meta on every call: compute it once
     object.__setattr__(self, "_hash", hash(self._key()))
@@ -169,8 +171,10 @@ def build_meta(spec: StepSpec, optimizer, params, *, trainable=None, stacked=Non
       for x, d, t in zip(leaves, dtypes, flags)])
   opt_abstract = jax.eval_shape(masked_optimizer(optimizer, treedef, flags).init, src)
   master = tuple(bool(t and prec.has_master(spec.policy, d)) for t, d in zip(flags, dtypes))
+  stored = tuple(prec.param_dtype(spec.policy, d) if t else jnp.dtype(d)
+                 for t, d in zip(flags, dtypes))
   meta = StateMeta(tuple(layouts), flags, _opt_layouts(opt_abstract, paths, layouts, spec.n_data),
-                   stacks, master, step_signature(spec, optimizer), module)
+                   stacks, master, stored, step_signature(spec, optimizer), module)
   return treedef, meta
 
 

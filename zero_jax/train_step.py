@@ -36,6 +36,7 @@ from zero_jax import grads as grads_lib
 from zero_jax import layout as lay
 from zero_jax import state as st
 from zero_jax import update as update_lib
+from zero_jax.collectives import DEFAULT_BUCKET_BYTES
 from zero_jax.spec import StepSpec, make_spec, parse_loss_scale
 from zero_jax.state import StateMeta, TrainState
 
@@ -375,6 +376,8 @@ def make_sharded_train_step(
     stacked=None,
     comm_dtype=None,
     offload: str | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    gather_once: bool = False,
     donate: bool = True,
 ) -> ShardedTrainStep:
   """Builds a ZeRO-sharded training step for ``loss_fn`` and ``optimizer``.
@@ -447,6 +450,18 @@ def make_sharded_train_step(
       (stages 1-2), e.g. ``jnp.bfloat16``; default the gradient's dtype.
     offload: ``None`` or ``"optimizer"``: keep the optimizer state and the
       master copy in pinned host memory between steps.
+    bucket_bytes: leaves whose padded storage is smaller than this are
+      reduce-scattered and all-gathered together, packed into buffers of at
+      most this many bytes per dtype (one collective per bucket, like
+      DeepSpeed's ``reduce_bucket_size``); larger leaves move alone so their
+      collectives can overlap the backward pass. 0: one collective per leaf.
+    gather_once: stage 3 only: all-gather the parameters once per step and
+      keep them whole through every micro-batch and the backward pass (like
+      FSDP's ``reshard_after_forward=False``), instead of gathering them for
+      each micro-batch's forward and again for its backward pass. Peak memory
+      is stage 2's during the step (the state at rest stays stage 3's); the
+      parameter all-gather traffic falls from 2k to 1 per step for
+      ``grad_accum_steps=k``.
     donate: donate the input state's buffers to the output (do not reuse a
       state after passing it to the step).
 
@@ -457,7 +472,8 @@ def make_sharded_train_step(
   spec = make_spec(mesh=mesh, axis_name=axis_name, replica_axis=replica_axis, stage=stage,
                    has_aux=has_aux, precision=precision, max_grad_norm=max_grad_norm,
                    grad_accum_steps=grad_accum_steps, accumulate=accumulate,
-                   comm_dtype=comm_dtype, donate=donate, offload=offload)
+                   comm_dtype=comm_dtype, donate=donate, offload=offload,
+                   bucket_bytes=bucket_bytes, gather_once=gather_once)
   return ShardedTrainStep(loss_fn, optimizer, spec,
                           loss_scale=parse_loss_scale(loss_scale, spec.policy),
                           trainable=trainable, stacked=stacked, param_specs=param_specs)

@@ -50,10 +50,19 @@ def to_memory(spec: StepSpec, x, layout, kind):
                                          memory_kind=kind))
 
 
-def gather_params(spec: StepSpec, layouts, blocks):
-  """Storage blocks (split over data and model axes) -> logical leaves split over model only."""
+def gather_params(spec: StepSpec, layouts, blocks, stacked):
+  """Storage blocks (split over data and model axes) -> logical leaves split over model only.
+
+  Bucketed (see `zero_jax.collectives`; stacked leaves alone); on one device the
+  blocks are the leaves.
+  """
+  if spec.n_data == 1:
+    return [spec.constrain(lay.unpad(b, l), l.model_spec()) for b, l in zip(blocks, layouts)]
+  groups = collectives.plan_buckets(layouts, [b.dtype for b in blocks],
+                                    bucket_bytes=spec.bucket_bytes, alone=stacked)
+
   fn = jax.shard_map(
-      lambda bs: [collectives.all_gather(b, l, spec.data_axes) for b, l in zip(bs, layouts)],
+      lambda bs: collectives.all_gather_many(bs, layouts, groups, spec.data_axes),
       mesh=spec.auto_mesh, in_specs=([l.spec(spec.data_axes) for l in layouts],),
       out_specs=[l.model_spec() for l in layouts])
   return fn(blocks)
@@ -136,7 +145,8 @@ def _new_params(spec: StepSpec, meta, leaves, new_src, t_layouts) -> list:
   blocks = [spec.to_storage(s.astype(leaves[i].dtype), l)
             for s, i, l in zip(new_src, meta.train_idx, t_layouts)]
   out = list(leaves)
-  full = blocks if spec.stage == 3 else gather_params(spec, t_layouts, blocks)
+  full = blocks if spec.stage == 3 else gather_params(
+      spec, t_layouts, blocks, [meta.stacked[i] for i in meta.train_idx])
   for i, x in zip(meta.train_idx, full):
     out[i] = x
   return out
