@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import pathlib
 import pickle
@@ -495,6 +496,121 @@ def test_metadata_describes_the_checkpoint(saved):
   assert meta["param_storage"] == "float16 + float32 master"
   kernel = {e["path"]: e for e in meta["groups"]["master"]}["['Dense_0']['kernel']"]
   assert kernel["shape"] == [5, 9] and kernel["stored"] == [8, 9]  # padded for 8 devices
+
+
+
+# ------------------------------------------------- misuse that must fail loudly
+def _flip_middle_byte(path: pathlib.Path):
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  path.write_bytes(bytes(data))
+
+
+def _largest_array_file(step_dir: pathlib.Path) -> pathlib.Path:
+  return max((p for p in (step_dir / "state").rglob("*") if p.is_file() and "d" in p.parts),
+             key=lambda p: p.stat().st_size)
+
+
+# How a step directory gets damaged, and the words that must name the damage.
+DAMAGE = {
+    "data_file_deleted": (lambda d: _largest_array_file(d).unlink(), "missing"),
+    "data_file_truncated": (lambda d: os.truncate(_largest_array_file(d), 10), "10 bytes"),
+    "data_file_corrupted": (lambda d: _flip_middle_byte(_largest_array_file(d)), "corrupted"),
+    "array_metadata_truncated": (lambda d: os.truncate(d / "state" / "_METADATA", 7),
+                                 "state/_METADATA"),
+    "description_corrupted": (lambda d: _flip_middle_byte(d / "zero_jax" / "metadata"),
+                              "zero_jax/metadata"),
+    "description_deleted": (lambda d: (d / "zero_jax" / "metadata").unlink(),
+                            "zero_jax/metadata"),
+    "state_item_removed": (lambda d: shutil.rmtree(d / "state"), "state/ is missing"),
+    "description_item_removed": (lambda d: shutil.rmtree(d / "zero_jax"),
+                                 "zero_jax/ is missing"),
+    "orbax_step_metadata_deleted": (lambda d: (d / "_CHECKPOINT_METADATA").unlink(),
+                                    "_CHECKPOINT_METADATA"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_steps(steps, tmp_path_factory):
+  """Checkpoints of steps 1 and 2 (adam, 4 devices), and the states saved."""
+  work = tmp_path_factory.mktemp("two_steps")
+  step = steps["adam4"]
+  state, saved = step.init(init_params()), {}
+  with zj.CheckpointManager(work, max_to_keep=None) as mngr:
+    for b in BATCHES[:2]:
+      state, _ = step(state, b)
+      saved[int(state.step)] = logical(step, state)
+      assert mngr.save(state)
+  return work, saved
+
+
+def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+  shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".zero_jax.lock"))
+  return dst
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_checkpoint_is_named_never_loaded_and_restore_falls_back(
+    damage, two_steps, steps, tmp_path):
+  src, saved = two_steps
+  work = _copy(src, tmp_path / "ckpt")
+  harm, words = DAMAGE[damage]
+  harm(work / "2")
+  step = steps["adam4"]
+  with zj.CheckpointManager(work) as mngr:
+    assert mngr.all_steps() == [1] and mngr.latest_step() == 1  # not listed as complete
+    with pytest.warns(zj.checkpoint.DamagedCheckpointWarning) as record:
+      state = mngr.restore(step, init_params())
+    message = " ".join(str(w.message) for w in record)
+    assert "step 2" in message and "damaged" in message and words in message, message
+    assert "restored step 1" in message, message
+    got = logical(step, state)
+    for k, v in saved[1].items():
+      np.testing.assert_array_equal(got[k], v, err_msg=k)
+    with pytest.raises(zj.checkpoint.DamagedCheckpointError) as e:  # asked for explicitly
+      mngr.restore(step, init_params(), step=2)
+    msg = str(e.value)
+    assert "step 2" in msg and words in msg and "steps [1]" in msg, msg
+    with pytest.raises(zj.checkpoint.DamagedCheckpointError, match="step 2"):
+      mngr.metadata(2)
+
+
+def test_read_error_in_an_unrecorded_checkpoint_is_damage_too(two_steps, steps, tmp_path):
+  # A checkpoint written before the record of files existed: only a failed read
+  # shows the damage; it must be named and skipped like any other.
+  src, saved = two_steps
+  work = _copy(src, tmp_path / "ckpt")
+  for s in ("1", "2"):
+    (work / s / "zero_jax.files.json").unlink()
+    meta = json.loads((work / s / "zero_jax" / "metadata").read_text())
+    del meta["files_record"]
+    (work / s / "zero_jax" / "metadata").write_text(json.dumps(meta))
+  _flip_middle_byte(work / "2" / "state" / "manifest.ocdbt")
+  with zj.CheckpointManager(work) as mngr:
+    assert mngr.all_steps() == [1, 2]  # the structure is complete
+    with pytest.warns(zj.checkpoint.DamagedCheckpointWarning,
+                      match=r"step 2 .* damaged \(reading its arrays failed: .*DATA_LOSS"):
+      state = mngr.restore(steps["adam4"], init_params())
+    assert int(state.step) == 1
+    with pytest.raises(zj.checkpoint.DamagedCheckpointError, match="step 2.*steps \\[1\\]"):
+      mngr.restore(steps["adam4"], init_params(), step=2)
+
+
+def test_save_replaces_a_damaged_checkpoint_of_its_step(two_steps, steps, tmp_path):
+  src, saved = two_steps
+  work = _copy(src, tmp_path / "ckpt")
+  os.truncate(_largest_array_file(work / "2"), 3)
+  step = steps["adam4"]
+  with zj.CheckpointManager(work, max_to_keep=None) as mngr:
+    with pytest.warns(zj.checkpoint.DamagedCheckpointWarning):
+      state = mngr.restore(step, init_params())
+    state, _ = step(state, BATCHES[1])
+    with pytest.warns(zj.checkpoint.DamagedCheckpointWarning, match="replacing the damaged"):
+      assert mngr.save(state)
+    assert mngr.all_steps() == [1, 2]
+    got = logical(step, mngr.restore(step, init_params()))
+  for k, v in saved[2].items():
+    np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ Orbax items:
 * ``zero_jax``: a small JSON document (see `describe`): for every leaf its
   path in its tree, logical shape, dtype and stored shape; which parameters
   train; how they are stored (dtype, master copy); the node types of the
-  optimizer state; the step and the number of devices that wrote it.
+  optimizer state; the step and the number of devices that wrote it;
+
+and ``zero_jax.files.json``, the record of the step's files and their sizes
+(see `zero_jax.checkpoint_integrity`).
 
 Restoring onto another N or stage is exact: padding is only ever zeros at the
 end of one dimension, and a leaf's logical content is at the start of every
@@ -26,11 +29,17 @@ change; the precision, the optimizer (its hyperparameters may change) and the
 trainable leaves may not. The loss-scale *values* are restored; whether the
 scale is dynamic is the new step's setting.
 
-Orbax writes a checkpoint into a temporary directory and renames it when every
-item of every process is written, so a crash in the middle of a save leaves no
-step directory (the previous checkpoints stay, and old ones are deleted only
-after the new one is complete). Restoring reads TensorStore arrays and JSON;
-it never unpickles anything.
+A checkpoint is complete or absent, and a damaged one is named, never loaded.
+Orbax writes a step into a temporary directory and renames it when every item
+of every process is written, so a crash in the middle of a save leaves no step
+directory (old checkpoints are deleted only after the new one is complete). A
+step directory whose files are not those its save wrote (an item or file
+deleted, a file truncated or overwritten, a read error) is damaged:
+``all_steps`` leaves it out, ``restore()`` takes the newest intact step with a
+`DamagedCheckpointWarning` naming the damaged one, and ``restore(step=...)``
+raises `DamagedCheckpointError`.
+
+Restoring reads TensorStore arrays and JSON; it never unpickles anything.
 
 In a training loop (see `CheckpointManager` for a complete example)::
 
@@ -41,23 +50,34 @@ In a training loop (see `CheckpointManager` for a complete example)::
       mngr.save(state)                       # returns while it writes
   mngr.wait_until_finished()
   # Later, in another process, on a mesh of another size or at another stage:
-  state = mngr.restore(step, params_like)    # the latest complete checkpoint
+  state = mngr.restore(step, params_like)    # the latest intact checkpoint
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import warnings
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from zero_jax import checkpoint_integrity as integrity
 from zero_jax.checkpoint_export import export_params  # noqa: F401  (re-exported)
 from zero_jax.checkpoint_format import (  # noqa: F401  (FORMAT, describe: re-exported)
     FORMAT, check_compatible, describe, from_items, to_items)
+from zero_jax.checkpoint_integrity import (  # noqa: F401  (re-exported)
+    DamagedCheckpointError, DamagedCheckpointWarning)
 from zero_jax.train_step import ShardedTrainStep, TrainState
 
 _STATE_ITEM, _META_ITEM = "state", "zero_jax"
+# What every complete save writes (the record, when there is one, lists the rest).
+_REQUIRED = ("_CHECKPOINT_METADATA", f"{_STATE_ITEM}/_METADATA", f"{_META_ITEM}/metadata")
+# A failed read of a damaged checkpoint: TensorStore raises ValueError, JSON
+# ValueError, Orbax KeyError (a missing item) or OSError.
+_READ_ERRORS = (OSError, ValueError, KeyError, EOFError)
 _CONCURRENT_GB = 96  # in-flight bytes per process while writing or reading (one shard must fit)
 
 
@@ -65,6 +85,19 @@ _CONCURRENT_GB = 96  # in-flight bytes per process while writing or reading (one
 def _abs_path(directory) -> epath.Path:
   s = os.fspath(directory)
   return epath.Path(s if "://" in s else os.path.abspath(s))
+
+
+def _first_line(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  return type(e).__name__ + (": " + lines[0][:400] if lines else "")
+
+
+def _all_agree(ok: bool) -> bool:
+  """Whether ``ok`` holds on every process of the job (a collective where there are several)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
 class CheckpointManager:
@@ -94,7 +127,7 @@ class CheckpointManager:
     >>> mesh1 = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     >>> step1 = zj.make_sharded_train_step(loss_fn, optax.adam(1e-2), mesh=mesh1, stage=3)
     >>> with zj.CheckpointManager(path) as mngr:
-    ...   state1 = mngr.restore(step1, params)   # the latest complete checkpoint
+    ...   state1 = mngr.restore(step1, params)   # the latest intact checkpoint
     >>> int(state1.step)
     1
 
@@ -111,10 +144,12 @@ class CheckpointManager:
     self.directory = _abs_path(directory)
     self.max_to_keep = max_to_keep
     self.async_save = async_save
+    self._unreadable: dict[int, str] = {}  # steps whose arrays failed to read, and how
     policy = None if max_to_keep is None else ocp.checkpoint_managers.LatestN(n=max_to_keep)
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policy, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True, create=True)
+        cleanup_tmp_directories=True, create=True,
+        temporary_path_class=integrity.recording_temporary_path_class(self.directory))
     # A byte limit (Orbax's StandardCheckpointHandler default) makes each array's
     # write stream to disk instead of buffering the whole state in one OCDBT
     # transaction until the commit: about 1/3 of the extra host memory.
@@ -125,46 +160,79 @@ class CheckpointManager:
         item_handlers={_STATE_ITEM: arrays, _META_ITEM: ocp.JsonCheckpointHandler()})
 
   # --------------------------------------------------------------- queries
+  def _step_dirs(self) -> list[int]:
+    """The steps that have a directory here, intact or not, ascending."""
+    try:
+      names = [p.name for p in self.directory.iterdir()]
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+    return sorted(int(n) for n in names
+                  if n.isascii() and n.isdigit() and (self.directory / n).is_dir())
+
+  def _problem(self, step: int) -> str | None:
+    """What is damaged in the checkpoint of ``step`` (see `checkpoint_integrity`), or None."""
+    return self._unreadable.get(step) or integrity.problem(
+        self.directory / str(step), required=_REQUIRED, description=f"{_META_ITEM}/metadata")
+
   def all_steps(self) -> list[int]:
-    """The steps of the complete checkpoints on disk, ascending (waits for a pending save)."""
+    """The steps of the complete, intact checkpoints on disk, ascending.
+
+    Waits for this manager's pending save. A step directory without every
+    item and file its save wrote, as it wrote them, is left out (``restore``
+    names what is wrong with it).
+    """
     self._mngr.wait_until_finished()
     self._mngr.reload()
-    return sorted(self._mngr.all_steps())
+    return [s for s in self._step_dirs() if self._problem(s) is None]
 
   def latest_step(self) -> int | None:
-    """The latest complete checkpoint's step, or None when there is none."""
+    """The latest complete, intact checkpoint's step, or None when there is none."""
     steps = self.all_steps()
     return steps[-1] if steps else None
 
   def metadata(self, step: int | None = None) -> dict:
-    """The JSON description (see `describe`) of a checkpoint (default: latest)."""
-    return self._read_meta(self._resolve(step))
+    """The JSON description (see `describe`) of a checkpoint (default: the latest intact one)."""
+    step = self._candidates(self.latest_step() if step is None else step)[0]
+    problem = self._problem(step)
+    meta, problem = (None, problem) if problem else self._meta_or_problem(step)
+    if problem:
+      raise self._damaged(step, problem)
+    return meta
 
-  def _read_meta(self, step: int) -> dict:
-    where = f"the checkpoint of step {step} in {self.directory}"
+  def _meta_or_problem(self, step: int) -> tuple[dict | None, str | None]:
+    """The zero_jax description of ``step``, or None and why it cannot be had."""
     try:
       out = self._mngr.restore(step, args=ocp.args.Composite(
           **{_META_ITEM: ocp.args.JsonRestore()}))
       meta = out[_META_ITEM]
-    except (FileNotFoundError, KeyError, ValueError) as e:
-      raise ValueError(f"{where} has no readable zero_jax description (item {_META_ITEM!r}): "
-                       f"it was not written by zero_jax.CheckpointManager ({e}).") from e
+    except _READ_ERRORS as e:
+      return None, (f"its zero_jax description (item {_META_ITEM!r}) is unreadable ("
+                    f"{_first_line(e)}); was it written by zero_jax.CheckpointManager?")
     if not isinstance(meta, dict) or "groups" not in meta:
-      raise ValueError(f"{where} has no zero_jax description (item {_META_ITEM!r}); it was "
-                       f"not written by zero_jax.CheckpointManager.")
-    return meta
+      return None, (f"its item {_META_ITEM!r} is not a zero_jax description; it was not "
+                    f"written by zero_jax.CheckpointManager")
+    return meta, None
 
-  def _resolve(self, step: int | None) -> int:
-    steps = self.all_steps()
+  def _candidates(self, step: int | None) -> list[int]:
+    """The steps to try, newest first."""
+    steps = self._step_dirs()
     if not steps:
       raise FileNotFoundError(f"no complete checkpoint in {self.directory}: nothing to "
                               f"restore. Check the path, or start from step.init(params).")
     if step is None:
-      return steps[-1]
+      return steps[::-1]
     if step not in steps:
       raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory}; "
-                              f"the steps there are {steps}.")
-    return int(step)
+                              f"the steps there are {self.all_steps()}.")
+    return [int(step)]
+
+  def _damaged(self, step: int, problem: str) -> DamagedCheckpointError:
+    intact = [s for s in self.all_steps() if s != step]
+    then = (f"The intact checkpoints there are steps {intact}: restore one with step=, or "
+            f"without step= for the newest intact one." if intact else
+            "There is no intact checkpoint there.")
+    return DamagedCheckpointError(f"the checkpoint of step {step} in {self.directory} is "
+                                  f"damaged: {problem}. {then}")
 
   # ------------------------------------------------------------------ save
   def save(self, state: TrainState, *, force: bool = False) -> bool:
@@ -177,36 +245,55 @@ class CheckpointManager:
     Args:
       state: a `TrainState` made by a `ShardedTrainStep`.
       force: save even if a checkpoint of this step exists (it is replaced).
+        A damaged checkpoint of this step is replaced in any case.
 
     Returns:
-      True if a checkpoint is being written, False if one of this step exists
-      already and ``force`` is False.
+      True if a checkpoint is being written, False if an intact one of this
+      step exists already and ``force`` is False.
     """
     if not isinstance(state, TrainState):
       raise TypeError(f"save needs the TrainState returned by step.init or step(...), got "
                       f"{type(state).__name__}.")
     step = int(state.step)
-    if step in self.all_steps():
-      if not force:
+    self._mngr.wait_until_finished()
+    if (self.directory / str(step)).exists():
+      problem = self._problem(step)
+      if problem is None and not force:
         return False
-      self._mngr.delete(step)
+      if problem is not None:
+        warnings.warn(f"replacing the damaged checkpoint of step {step} in {self.directory} "
+                      f"({problem}).", DamagedCheckpointWarning, stacklevel=2)
+      self._remove(step)
+    self._unreadable.pop(step, None)
     desc = describe(state)
-    desc["step"] = step
+    desc.update({"step": step, integrity.RECORD_KEY: integrity.RECORD})
     return bool(self._mngr.save(step, force=True, args=ocp.args.Composite(**{
         _STATE_ITEM: ocp.args.PyTreeSave(to_items(state)),
         _META_ITEM: ocp.args.JsonSave(desc)})))
+
+  def _remove(self, step: int) -> None:
+    """Deletes the checkpoint of ``step`` (every process calls it)."""
+    self._mngr.reload()
+    if step in self._mngr.all_steps():
+      self._mngr.delete(step)
+    elif jax.process_index() == 0:  # too damaged for Orbax to list it
+      shutil.rmtree(os.fspath(self.directory / str(step)), ignore_errors=True)
 
   # --------------------------------------------------------------- restore
   def restore(self, train_step: ShardedTrainStep, params_like, *, step: int | None = None,
               model_state=None, rng=None) -> TrainState:
     """Reads a checkpoint into the state ``train_step`` would make.
 
+    Without ``step``, the newest checkpoint that is intact: a damaged newer
+    one (files missing, truncated or altered, or unreadable) is skipped with a
+    `DamagedCheckpointWarning` that names it and what is wrong.
+
     Args:
       train_step: the `ShardedTrainStep` to continue with (any mesh size and
         stage; the precision, optimizer and trainable leaves of the saved run).
       params_like: the parameters (arrays or ``jax.ShapeDtypeStruct``s) in
         their original tree, shapes and dtypes, as given to ``init``.
-      step: which checkpoint; default the latest complete one.
+      step: which checkpoint; default the latest intact one.
       model_state: shaped like the ``model_state`` given to ``init`` for the
         saved run (arrays or shape structs), or None if it had none.
       rng: shaped like the saved run's ``rng``, or None.
@@ -215,21 +302,61 @@ class CheckpointManager:
       The `TrainState`, sharded for ``train_step``'s mesh and stage.
 
     Raises:
-      FileNotFoundError: no complete checkpoint (of that step) in the directory.
+      FileNotFoundError: no checkpoint (of that step) in the directory.
+      DamagedCheckpointError: the checkpoint of ``step`` is damaged, or, without
+        ``step``, every checkpoint is (the message names the damage and the
+        intact steps).
       ValueError: the checkpoint does not match ``train_step`` and
         ``params_like`` (the message names the leaves that differ).
     """
-    step = self._resolve(step)
     target = train_step.abstract_state(params_like, model_state=model_state, rng=rng)
-    where = f"the checkpoint of step {step} in {self.directory}"
-    check_compatible(self._read_meta(step), describe(target), where)
+    mine = describe(target)
+    self._mngr.wait_until_finished()
+    self._mngr.reload()
+    damaged = []
+    for s in self._candidates(step):
+      state, problem = self._restore_step(s, target, mine)
+      if problem is None:
+        for d, why in damaged:
+          warnings.warn(f"the checkpoint of step {d} in {self.directory} is damaged ({why}); "
+                        f"restored step {s}, the newest intact one.", DamagedCheckpointWarning,
+                        stacklevel=2)
+        return state
+      if step is not None:
+        raise self._damaged(s, problem)
+      damaged.append((s, problem))
+    raise DamagedCheckpointError(
+        f"no intact checkpoint in {self.directory}: " +
+        "; ".join(f"step {d} is damaged ({why})" for d, why in damaged) +
+        ". Restore from a copy of the directory, or start from step.init(params).")
+
+  def _restore_step(self, step: int, target: TrainState, mine: dict):
+    """``(state, None)``, or ``(None, what is damaged)``: the same on every process."""
+    state, (meta, problem) = None, (None, self._problem(step))
+    if problem is None:
+      meta, problem = self._meta_or_problem(step)
+    if problem is None:
+      where = f"the checkpoint of step {step} in {self.directory}"
+      check_compatible(meta, mine, where)
+      state, problem = self._read_arrays(step, target)
+    if not _all_agree(problem is None):
+      if problem is None:
+        self._unreadable[step] = problem = "another process of the job could not read it"
+      return None, problem
+    return state, None
+
+  def _read_arrays(self, step: int, target: TrainState):
     items = to_items(target)
     restore_args = jax.tree.map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
                                        dtype=s.dtype, strict=False), items)
-    out = self._mngr.restore(step, args=ocp.args.Composite(**{
-        _STATE_ITEM: ocp.args.PyTreeRestore(item=items, restore_args=restore_args)}))
-    return from_items(target, out[_STATE_ITEM])
+    try:
+      out = self._mngr.restore(step, args=ocp.args.Composite(**{
+          _STATE_ITEM: ocp.args.PyTreeRestore(item=items, restore_args=restore_args)}))
+    except _READ_ERRORS as e:
+      self._unreadable[step] = f"reading its arrays failed: {_first_line(e)}"
+      return None, self._unreadable[step]
+    return from_items(target, out[_STATE_ITEM]), None
 
   # ---------------------------------------------------------------- finish
   def wait_until_finished(self) -> None:
