@@ -22,6 +22,7 @@ import pathlib
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -611,6 +612,115 @@ def test_save_replaces_a_damaged_checkpoint_of_its_step(two_steps, steps, tmp_pa
     got = logical(step, mngr.restore(step, init_params()))
   for k, v in saved[2].items():
     np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+_SAVE_AND_EXIT = r"""
+import sys, jax, numpy as np, optax
+jax.config.update("jax_num_cpu_devices", 8)
+import zero_jax as zj
+mesh = jax.make_mesh((8,), ("data",))
+step = zj.make_sharded_train_step(lambda p, b: (p["w"] ** 2).sum(), optax.adam(0.1), mesh=mesh)
+state = step.init({"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
+mngr = zj.CheckpointManager(sys.argv[1])
+assert mngr.save(state)
+print("saved", flush=True)   # and exit, neither waiting nor closing
+"""
+
+
+def test_async_save_then_exit_without_waiting_leaves_a_restorable_checkpoint(tmp_path):
+  proc = subprocess.run([sys.executable, "-c", _SAVE_AND_EXIT, str(tmp_path)],
+                        env=_child_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and "saved" in proc.stdout, proc.stderr[-3000:]
+  mesh = mesh_of(2)
+  step = zj.make_sharded_train_step(lambda p, b: (p["w"] ** 2).sum(), optax.adam(0.1),
+                                    mesh=mesh)
+  with zj.CheckpointManager(tmp_path) as mngr:
+    assert mngr.all_steps() == [0]
+    state = mngr.restore(step, {"w": np.zeros((3, 4), np.float32)})
+  np.testing.assert_array_equal(np.asarray(step.get_params(state)["w"]),
+                                np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+_UNWRITABLE = r"""
+import sys, jax, numpy as np, optax
+jax.config.update("jax_num_cpu_devices", 8)
+import zero_jax as zj
+mesh = jax.make_mesh((8,), ("data",))
+step = zj.make_sharded_train_step(lambda p, b: (p["w"] ** 2).sum(), optax.sgd(0.1), mesh=mesh)
+state = step.init({"w": np.ones((3,), np.float32)})
+for directory in sys.argv[1:]:
+  try:
+    mngr = zj.CheckpointManager(directory)
+    saved = mngr.save(state)
+    mngr.wait_until_finished()
+    print(f"NOT REFUSED {directory}: save returned {saved}", flush=True)
+  except OSError as e:
+    print(f"refused: {e}", flush=True)
+"""
+
+
+def test_unwritable_directory_is_refused_at_once_naming_it_and_never_hangs(tmp_path):
+  # Root ignores permission bits, so: a path under a regular file, and /proc (a
+  # directory no one can create files in).
+  (tmp_path / "a_file").write_text("not a directory")
+  dirs = [str(tmp_path / "a_file" / "ckpt")] + (["/proc"] if os.path.isdir("/proc/self") else [])
+  t0 = time.monotonic()
+  proc = subprocess.run([sys.executable, "-c", _UNWRITABLE, *dirs], env=_child_env(),
+                        capture_output=True, text=True, timeout=90)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "NOT REFUSED" not in proc.stdout, proc.stdout
+  for d in dirs:
+    assert f"refused: [Errno" in proc.stdout and f"checkpoint directory {d} is not writable" in (
+        proc.stdout), proc.stdout
+  assert time.monotonic() - t0 < 60
+
+
+_HOLD_LOCK = r"""
+import sys, time
+from zero_jax.checkpoint_writer import DirectoryLock
+DirectoryLock(sys.argv[1]).acquire()
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+def test_one_writer_per_directory_named_in_the_refusal_and_a_dead_holder_is_stale(
+    steps, tmp_path):
+  step = steps["adam4"]
+  state, _ = step(step.init(init_params()), BATCHES[0])
+  first = zj.CheckpointManager(tmp_path, max_to_keep=1)
+  second = zj.CheckpointManager(tmp_path, max_to_keep=1)
+  assert first.save(state)
+  with pytest.raises(zj.checkpoint.DirectoryInUseError) as e:
+    second.save(state)
+  assert f"process {os.getpid()} on host {socket.gethostname()}" in str(e.value)
+  assert str(tmp_path) in str(e.value)
+  first.wait_until_finished()
+  assert int(second.restore(step, init_params()).step) == 1  # reading needs no lock
+  first.close()
+  state, _ = step(state, BATCHES[1])
+  assert second.save(state)  # the lock was released by close()
+  second.close()
+  assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["2"]
+
+  # Another process holds the lock: refused, naming it; killed: its lock is stale.
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path)], env=_child_env(),
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "holding"
+    state, _ = step(state, BATCHES[2])
+    with zj.CheckpointManager(tmp_path, max_to_keep=1) as third:
+      with pytest.raises(zj.checkpoint.DirectoryInUseError, match=f"process {holder.pid} "):
+        third.save(state)
+    holder.kill()
+    holder.wait(30)
+    with zj.CheckpointManager(tmp_path, max_to_keep=1) as fourth:
+      assert fourth.save(state)
+      assert fourth.all_steps() == [3]
+  finally:
+    if holder.poll() is None:
+      holder.kill()
+      holder.wait()
 
 
 if __name__ == "__main__":

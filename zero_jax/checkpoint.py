@@ -32,12 +32,14 @@ scale is dynamic is the new step's setting.
 A checkpoint is complete or absent, and a damaged one is named, never loaded.
 Orbax writes a step into a temporary directory and renames it when every item
 of every process is written, so a crash in the middle of a save leaves no step
-directory (old checkpoints are deleted only after the new one is complete). A
-step directory whose files are not those its save wrote (an item or file
-deleted, a file truncated or overwritten, a read error) is damaged:
-``all_steps`` leaves it out, ``restore()`` takes the newest intact step with a
-`DamagedCheckpointWarning` naming the damaged one, and ``restore(step=...)``
-raises `DamagedCheckpointError`.
+directory (old checkpoints are deleted only after the new one is complete; the
+next writer removes the leftover). A step directory whose files are not those
+its save wrote (an item or file deleted, a file truncated or overwritten, a
+read error) is damaged: ``all_steps`` leaves it out, ``restore()`` takes the
+newest intact step with a `DamagedCheckpointWarning` naming the damaged one,
+``restore(step=...)`` raises `DamagedCheckpointError`. One manager writes a
+directory at a time (`zero_jax.checkpoint_writer`); saves in flight finish
+before the interpreter exits.
 
 Restoring reads TensorStore arrays and JSON; it never unpickles anything.
 
@@ -48,7 +50,7 @@ In a training loop (see `CheckpointManager` for a complete example)::
     state, metrics = step(state, batch)
     if int(state.step) % 1000 == 0:
       mngr.save(state)                       # returns while it writes
-  mngr.wait_until_finished()
+  mngr.close()                               # waits for the last write
   # Later, in another process, on a mesh of another size or at another stage:
   state = mngr.restore(step, params_like)    # the latest intact checkpoint
 """
@@ -65,11 +67,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from zero_jax import checkpoint_integrity as integrity
+from zero_jax import checkpoint_writer as writer
 from zero_jax.checkpoint_export import export_params  # noqa: F401  (re-exported)
 from zero_jax.checkpoint_format import (  # noqa: F401  (FORMAT, describe: re-exported)
     FORMAT, check_compatible, describe, from_items, to_items)
 from zero_jax.checkpoint_integrity import (  # noqa: F401  (re-exported)
     DamagedCheckpointError, DamagedCheckpointWarning)
+from zero_jax.checkpoint_writer import DirectoryInUseError  # noqa: F401  (re-exported)
 from zero_jax.train_step import ShardedTrainStep, TrainState
 
 _STATE_ITEM, _META_ITEM = "state", "zero_jax"
@@ -87,9 +91,11 @@ def _abs_path(directory) -> epath.Path:
   return epath.Path(s if "://" in s else os.path.abspath(s))
 
 
-def _first_line(e: BaseException) -> str:
-  lines = str(e).strip().splitlines()
-  return type(e).__name__ + (": " + lines[0][:400] if lines else "")
+def _is_local(path: epath.Path) -> bool:
+  return "://" not in os.fspath(path)
+
+
+_first_line = writer.first_line
 
 
 def _all_agree(ok: bool) -> bool:
@@ -110,6 +116,14 @@ class CheckpointManager:
   number of devices and any stage, with the same precision, optimizer and
   trainable leaves; training then continues with the results it would have
   had without the interruption.
+
+  Writing is exclusive: the first ``save`` takes the directory's lock file
+  (on the primary process of a multi-process job), which a second manager's
+  ``save`` finds and refuses with `DirectoryInUseError` naming the holder;
+  ``close()``, the end of a ``with`` block or the end of the process releases
+  it. Reading (``restore``, ``all_steps``, ``metadata``) takes no lock, so an
+  evaluation job may restore from a directory a training job writes. A save
+  still in flight when the interpreter exits is finished first.
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp, optax, zero_jax as zj
@@ -135,6 +149,10 @@ class CheckpointManager:
     directory: where the step directories go (created if missing).
     max_to_keep: how many of the latest checkpoints to keep (None: all).
     async_save: write in a background thread.
+
+  Raises:
+    OSError: ``directory`` cannot be created, or it can be written to no more
+      than it can be read from (it holds no checkpoint and is not writable).
   """
 
   def __init__(self, directory, *, max_to_keep: int | None = 3, async_save: bool = True):
@@ -144,11 +162,21 @@ class CheckpointManager:
     self.directory = _abs_path(directory)
     self.max_to_keep = max_to_keep
     self.async_save = async_save
+    self._lock: writer.DirectoryLock | None = None
+    self._claimed = self._closed = False
     self._unreadable: dict[int, str] = {}  # steps whose arrays failed to read, and how
+    local = _is_local(self.directory)
+    if local:
+      self._check_directory()
     policy = None if max_to_keep is None else ocp.checkpoint_managers.LatestN(n=max_to_keep)
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=policy, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True, create=True,
+        preservation_policy=policy, enable_async_checkpointing=async_save, create=True,
+        # Leftovers of interrupted saves are removed by the writer (`_claim`), not
+        # by every manager: a reader must not delete a save in progress.
+        cleanup_tmp_directories=not local,
+        # Directories are made before save() returns, so that a failure raises
+        # there instead of stranding Orbax's threads that wait for them.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         temporary_path_class=integrity.recording_temporary_path_class(self.directory))
     # A byte limit (Orbax's StandardCheckpointHandler default) makes each array's
     # write stream to disk instead of buffering the whole state in one OCDBT
@@ -158,6 +186,14 @@ class CheckpointManager:
     self._mngr = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={_STATE_ITEM: arrays, _META_ITEM: ocp.JsonCheckpointHandler()})
+
+  def _check_directory(self) -> None:
+    """Creates the directory; refuses one that can be neither written nor read from."""
+    path = os.fspath(self.directory)
+    writer.make_directory(path)
+    error = writer.writable_problem(path)
+    if error is not None and not self._step_dirs():
+      raise error
 
   # --------------------------------------------------------------- queries
   def _step_dirs(self) -> list[int]:
@@ -239,8 +275,8 @@ class CheckpointManager:
     """Writes ``state`` as the checkpoint of step ``int(state.step)``.
 
     Returns once the arrays are off the devices; the write finishes in the
-    background when ``async_save`` (see `wait_until_finished`). Call it on
-    every process.
+    background when ``async_save`` (see `wait_until_finished`; at the latest
+    it finishes when the interpreter exits). Call it on every process.
 
     Args:
       state: a `TrainState` made by a `ShardedTrainStep`.
@@ -250,11 +286,16 @@ class CheckpointManager:
     Returns:
       True if a checkpoint is being written, False if an intact one of this
       step exists already and ``force`` is False.
+
+    Raises:
+      OSError: the directory cannot be written (before anything is written).
+      DirectoryInUseError: another manager is writing the directory.
     """
     if not isinstance(state, TrainState):
       raise TypeError(f"save needs the TrainState returned by step.init or step(...), got "
                       f"{type(state).__name__}.")
     step = int(state.step)
+    self._claim()
     self._mngr.wait_until_finished()
     if (self.directory / str(step)).exists():
       problem = self._problem(step)
@@ -270,6 +311,27 @@ class CheckpointManager:
     return bool(self._mngr.save(step, force=True, args=ocp.args.Composite(**{
         _STATE_ITEM: ocp.args.PyTreeSave(to_items(state)),
         _META_ITEM: ocp.args.JsonSave(desc)})))
+
+  def _claim(self) -> None:
+    """Before the first save: the directory is writable, ours (locked) and cleaned up."""
+    if self._claimed:
+      return
+    if _is_local(self.directory):
+      path = os.fspath(self.directory)
+      writer.check_writable(path)
+      if jax.process_index() == 0:
+        self._lock = writer.DirectoryLock(path)
+        self._lock.acquire()
+        self._remove_interrupted_saves()
+    writer.finish_at_exit(self)
+    self._claimed = True
+
+  def _remove_interrupted_saves(self) -> None:
+    """Deletes the temporary directories that saves cut short by a crash left."""
+    suffix = ocp.path.step.TMP_DIR_SUFFIX
+    for p in self.directory.iterdir():
+      if suffix in p.name and p.name.split(".", 1)[0].isdigit():
+        shutil.rmtree(os.fspath(p), ignore_errors=True)
 
   def _remove(self, step: int) -> None:
     """Deletes the checkpoint of ``step`` (every process calls it)."""
@@ -364,8 +426,16 @@ class CheckpointManager:
     self._mngr.wait_until_finished()
 
   def close(self) -> None:
-    """Waits for pending writes and releases Orbax's resources."""
-    self._mngr.close()
+    """Waits for pending writes, releases Orbax's resources and the directory's lock."""
+    if self._closed:
+      return
+    self._closed = True
+    writer.forget_at_exit(self)
+    try:
+      self._mngr.close()
+    finally:
+      if self._lock is not None:
+        self._lock.release()
 
   def __enter__(self) -> "CheckpointManager":
     return self
