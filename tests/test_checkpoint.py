@@ -37,6 +37,7 @@ import pytest
 from jax.sharding import Mesh
 
 import zero_jax as zj
+from zero_jax.signature import optimizer_signature
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 24  # divisible by every mesh size used: 1, 2, 3, 4, 8
@@ -541,7 +542,7 @@ def two_steps(steps, tmp_path_factory):
     for b in BATCHES[:2]:
       state, _ = step(state, b)
       saved[int(state.step)] = logical(step, state)
-      assert mngr.save(state)
+      assert mngr.save(state, optimizer=OPTIMIZERS["adam"]())
   return work, saved
 
 
@@ -584,7 +585,7 @@ def test_read_error_in_an_unrecorded_checkpoint_is_damage_too(two_steps, steps, 
   for s in ("1", "2"):
     (work / s / "zero_jax.files.json").unlink()
     meta = json.loads((work / s / "zero_jax" / "metadata").read_text())
-    del meta["files_record"]
+    del meta["files_record"], meta["optimizer"]
     (work / s / "zero_jax" / "metadata").write_text(json.dumps(meta))
   _flip_middle_byte(work / "2" / "state" / "manifest.ocdbt")
   with zj.CheckpointManager(work) as mngr:
@@ -607,7 +608,7 @@ def test_save_replaces_a_damaged_checkpoint_of_its_step(two_steps, steps, tmp_pa
       state = mngr.restore(step, init_params())
     state, _ = step(state, BATCHES[1])
     with pytest.warns(zj.checkpoint.DamagedCheckpointWarning, match="replacing the damaged"):
-      assert mngr.save(state)
+      assert mngr.save(state, optimizer=OPTIMIZERS["adam"]())
     assert mngr.all_steps() == [1, 2]
     got = logical(step, mngr.restore(step, init_params()))
   for k, v in saved[2].items():
@@ -721,6 +722,31 @@ def test_one_writer_per_directory_named_in_the_refusal_and_a_dead_holder_is_stal
     if holder.poll() is None:
       holder.kill()
       holder.wait()
+
+
+@pytest.mark.parametrize("other", ["nadam", "yogi", "radam"])
+def test_restore_refuses_another_update_rule_with_the_same_state_types(
+    other, two_steps):
+  work, _ = two_steps
+  params = init_params()
+  make = lambda opt: zj.make_sharded_train_step(loss_fn, opt, mesh=mesh_of(4))
+  with zj.CheckpointManager(work) as mngr:
+    with pytest.raises(ValueError, match="different optimizer") as e:
+      mngr.restore(make(getattr(optax, other)(LR)), params)
+    saved_sig = optimizer_signature(optax.adam(LR))
+    other_sig = optimizer_signature(getattr(optax, other)(LR))
+    assert saved_sig in str(e.value) and other_sig in str(e.value), str(e.value)
+    # Hyperparameters may change.
+    assert int(mngr.restore(make(optax.adam(LR / 10)), params).step) == 2
+
+
+def test_checkpoint_without_optimizer_signature_restores_with_a_warning(steps, tmp_path):
+  step = steps["adam4"]
+  state, _ = step(step.init(init_params()), BATCHES[0])
+  with zj.CheckpointManager(tmp_path) as mngr:
+    assert mngr.save(state)  # neither optimizer= nor a signature in the state's meta
+    with pytest.warns(UserWarning, match="does not record its optimizer's update rule"):
+      assert int(mngr.restore(step, init_params()).step) == 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ Orbax items:
 * ``zero_jax``: a small JSON document (see `describe`): for every leaf its
   path in its tree, logical shape, dtype and stored shape; which parameters
   train; how they are stored (dtype, master copy); the node types of the
-  optimizer state; the step and the number of devices that wrote it;
+  optimizer state and the optimizer's update rule
+  (`zero_jax.signature.optimizer_signature`); the step and the number of
+  devices that wrote it;
 
 and ``zero_jax.files.json``, the record of the step's files and their sizes
 (see `zero_jax.checkpoint_integrity`).
@@ -25,7 +27,8 @@ zeros or drops the trailing padding, per dimension). The JSON is checked first,
 so a checkpoint whose trees, shapes, precision or optimizer differ from the
 step's is refused with the names of the leaves that differ, instead of being
 silently padded or truncated. The number of devices and the ZeRO stage may
-change; the precision, the optimizer (its hyperparameters may change) and the
+change; the precision, the optimizer (its hyperparameters may change, its
+update rule may not: adam, nadam, radam and yogi share one state type) and the
 trainable leaves may not. The loss-scale *values* are restored; whether the
 scale is dynamic is the new step's setting.
 
@@ -74,6 +77,7 @@ from zero_jax.checkpoint_format import (  # noqa: F401  (FORMAT, describe: re-ex
 from zero_jax.checkpoint_integrity import (  # noqa: F401  (re-exported)
     DamagedCheckpointError, DamagedCheckpointWarning)
 from zero_jax.checkpoint_writer import DirectoryInUseError  # noqa: F401  (re-exported)
+from zero_jax.signature import optimizer_signature
 from zero_jax.train_step import ShardedTrainStep, TrainState
 
 _STATE_ITEM, _META_ITEM = "state", "zero_jax"
@@ -86,6 +90,11 @@ _CONCURRENT_GB = 96  # in-flight bytes per process while writing or reading (one
 
 
 # ------------------------------------------------------------------- manager
+def _step_optimizer(train_step: ShardedTrainStep):
+  """The optax optimizer of a step (the one place that knows where a step keeps it)."""
+  return getattr(train_step, "optimizer")
+
+
 def _abs_path(directory) -> epath.Path:
   s = os.fspath(directory)
   return epath.Path(s if "://" in s else os.path.abspath(s))
@@ -271,7 +280,7 @@ class CheckpointManager:
                                   f"damaged: {problem}. {then}")
 
   # ------------------------------------------------------------------ save
-  def save(self, state: TrainState, *, force: bool = False) -> bool:
+  def save(self, state: TrainState, *, force: bool = False, optimizer=None) -> bool:
     """Writes ``state`` as the checkpoint of step ``int(state.step)``.
 
     Returns once the arrays are off the devices; the write finishes in the
@@ -282,6 +291,10 @@ class CheckpointManager:
       state: a `TrainState` made by a `ShardedTrainStep`.
       force: save even if a checkpoint of this step exists (it is replaced).
         A damaged checkpoint of this step is replaced in any case.
+      optimizer: the optax optimizer ``state`` was trained with. Its update
+        rule (`zero_jax.signature.optimizer_signature`) is recorded, and
+        `restore` refuses a step whose optimizer has another one. Default: the
+        signature the state's meta carries, if any.
 
     Returns:
       True if a checkpoint is being written, False if an intact one of this
@@ -308,6 +321,8 @@ class CheckpointManager:
     self._unreadable.pop(step, None)
     desc = describe(state)
     desc.update({"step": step, integrity.RECORD_KEY: integrity.RECORD})
+    if optimizer is not None:
+      desc["optimizer"] = optimizer_signature(optimizer)
     return bool(self._mngr.save(step, force=True, args=ocp.args.Composite(**{
         _STATE_ITEM: ocp.args.PyTreeSave(to_items(state)),
         _META_ITEM: ocp.args.JsonSave(desc)})))
@@ -373,6 +388,7 @@ class CheckpointManager:
     """
     target = train_step.abstract_state(params_like, model_state=model_state, rng=rng)
     mine = describe(target)
+    mine["optimizer"] = optimizer_signature(_step_optimizer(train_step))
     self._mngr.wait_until_finished()
     self._mngr.reload()
     damaged = []
@@ -400,6 +416,10 @@ class CheckpointManager:
     if problem is None:
       where = f"the checkpoint of step {step} in {self.directory}"
       check_compatible(meta, mine, where)
+      if not meta.get("optimizer"):
+        warnings.warn(f"{where} does not record its optimizer's update rule (it was written "
+                      f"by an older zero_jax, or saved without optimizer=): restoring it into "
+                      f"a step with {mine['optimizer']} unchecked.", stacklevel=3)
       state, problem = self._read_arrays(step, target)
     if not _all_agree(problem is None):
       if problem is None:

@@ -77,6 +77,11 @@ def _num_devices(state: TrainState) -> int | None:
   return None
 
 
+def _optimizer_signature_of_state(state: TrainState) -> str | None:
+  """The signature of the optimizer ``state`` was made by, if its meta records one."""
+  return getattr(getattr(state.meta, "signature", None), "optimizer", None)
+
+
 def describe(state: TrainState) -> dict:
   """The JSON description of ``state`` stored next to its arrays.
 
@@ -85,9 +90,10 @@ def describe(state: TrainState) -> dict:
   Returns:
     A dict with ``format``, ``num_devices`` (informative), ``trainable``,
     ``param_storage`` (parameter dtypes and whether there is a master copy),
-    ``opt_signature`` (the optimizer state's node types) and ``groups``: for
-    each group, one entry per leaf with its ``path``, logical ``shape``,
-    ``dtype`` and ``stored`` (storage) shape.
+    ``opt_signature`` (the optimizer state's node types), ``optimizer`` (the
+    update rule, `optimizer_signature`, or None where the state does not
+    record it) and ``groups``: for each group, one entry per leaf with its
+    ``path``, logical ``shape``, ``dtype`` and ``stored`` (storage) shape.
   """
   meta = state.meta
   p_paths = _paths(state.params)
@@ -114,6 +120,7 @@ def describe(state: TrainState) -> dict:
       "trainable": [bool(t) for t in meta.trainable],
       "param_storage": _storage_kind(state),
       "opt_signature": _tree_signature(jax.tree.structure(state.opt_state)),
+      "optimizer": _optimizer_signature_of_state(state),
       "groups": groups,
   }
 
@@ -205,6 +212,13 @@ def check_compatible(saved: dict, mine: dict, where: str) -> None:
         f"{saved['opt_signature']}, this step's optimizer makes {mine['opt_signature']}. Build "
         f"the step with the optimizer the checkpoint was trained with (hyperparameters such as "
         f"the learning rate may change).")
+  if saved.get("optimizer") and mine.get("optimizer") and saved["optimizer"] != mine["optimizer"]:
+    raise ValueError(
+        f"{where} was written with a different optimizer: its update rule is "
+        f"{saved['optimizer']}, this step's optimizer is {mine['optimizer']} (their states "
+        f"have the same types, as adam, nadam, radam and yogi do, but they update "
+        f"differently). Build the step with the optimizer the checkpoint was trained with "
+        f"(hyperparameters such as the learning rate may change).")
   diffs = []
   for g in GROUPS:
     diffs += _leaf_differences(g, sg[g], mg[g])
