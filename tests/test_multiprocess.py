@@ -241,6 +241,18 @@ def test_survivor_exits_naming_a_peer_that_raised(tmp_path):
   assert elapsed < EXIT_BOUND_S, (elapsed, text[-3000:])
 
 
+def test_survivor_whose_collective_fails_after_a_peer_raised_names_that_peer(tmp_path):
+  # The peer raises and leaves at once: the survivor's next collective fails
+  # (connection reset) long before any timeout. Its exception hook sees that the
+  # peer had failed first and reports that peer, with the lost-peer exit code.
+  code, elapsed, text = _run_until_failure(tmp_path, ["1", "now"])
+  assert code == zj.LOST_PEER_EXIT_CODE, text[-3000:]
+  assert "zero_jax: lost peer process 1 of 2" in text, text[-3000:]
+  assert "failed with RuntimeError: mp_worker: injected failure" in text, text[-3000:]
+  assert "stopped with an error that followed" in text, text[-3000:]
+  assert elapsed < EXIT_BOUND_S, (elapsed, text[-3000:])
+
+
 # ----------------------------------------------------------------- helpers, one process
 def test_metrics_to_host_gives_python_values():
   m = zj.metrics_to_host({"loss": jax.numpy.float32(1.5), "ok": jax.numpy.bool_(True),
