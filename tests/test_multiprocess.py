@@ -253,6 +253,36 @@ def test_survivor_whose_collective_fails_after_a_peer_raised_names_that_peer(tmp
   assert elapsed < EXIT_BOUND_S, (elapsed, text[-3000:])
 
 
+GLOO_READ_TIMEOUT_S = 30.0  # gloo's TCP read timeout in jaxlib 0.10 (not configurable)
+
+
+def test_with_default_timeouts_a_peer_that_raises_stops_the_job_naming_it(tmp_path, capfd):
+  # Default settings throughout: peer_timeout_seconds=60 (poll interval 5 s).
+  # A survivor blocked in a collective with the failed peer would be ended by
+  # gloo's read timeout (exit 1, a gloo traceback, no zero_jax line) if the
+  # watchdog waited longer than that; it waits FAILED_PEER_GRACE_S after seeing
+  # the failure, which it sees within one interval, and stops within another.
+  assert zd.ENV_PEER_TIMEOUT not in os.environ
+  interval = 5.0
+  assert zd.FAILED_PEER_GRACE_S + 2 * interval < GLOO_READ_TIMEOUT_S
+  logs = tmp_path / "logs"
+  t0 = time.monotonic()
+  rc = zj.launch_local([sys.executable, WORKER, "forever", str(tmp_path), "1"],
+                       num_processes=2, devices_per_process=4, log_dir=str(logs), timeout=120)
+  elapsed = time.monotonic() - t0
+  err = capfd.readouterr().err
+  survivor = (logs / "process_0.log").read_text()
+  assert "zero_jax: lost peer process 1 of 2" in survivor, survivor[-3000:]
+  assert "failed with RuntimeError: mp_worker: injected failure" in survivor, survivor[-3000:]
+  assert "Read timeout" not in survivor, survivor[-3000:]  # the watchdog spoke first
+  assert "process 0 exited with code 3" in err, err
+  # launch_local reports the process that raised (it ends after the survivor).
+  assert rc == 1, err
+  assert "process 1 failed first (exited with code 1)" in err, err
+  assert elapsed < 60, elapsed
+  print(f"default timeouts: the job stopped {elapsed:.1f} s after its start")
+
+
 # ----------------------------------------------------------------- helpers, one process
 def test_metrics_to_host_gives_python_values():
   m = zj.metrics_to_host({"loss": jax.numpy.float32(1.5), "ok": jax.numpy.bool_(True),

@@ -586,7 +586,37 @@ def _describe(code: int) -> str:
       return f"was killed by {signal.Signals(-code).name}"
     except ValueError:
       return f"was killed by signal {-code}"
+  if code == LOST_PEER_EXIT_CODE:
+    return f"exited with code {code} (it stopped because it lost a peer)"
   return f"exited with code {code}"
+
+
+def _root_cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
+  """The failure the others followed: the first (in the order they ended) that is
+  not a stop for a lost peer (`LOST_PEER_EXIT_CODE`), else the first."""
+  return next((f for f in failures if f[1] != LOST_PEER_EXIT_CODE), failures[0])
+
+
+def _wait_for(procs, grace_seconds: float, timeout: float | None) -> list[tuple[int, int]]:
+  """Waits as `launch_local` says; ``(process id, code)`` in the order they ended."""
+  start, failed_at, ended = time.monotonic(), None, []
+  while len(ended) < len(procs):
+    now = time.monotonic()
+    for i, p in enumerate(procs):
+      if p.poll() is not None and all(i != j for j, _ in ended):
+        ended.append((i, p.returncode))
+        if p.returncode != 0 and failed_at is None:
+          failed_at = now
+          print(f"zero_jax.launch_local: process {i} {_describe(p.returncode)}; the others "
+                f"have {grace_seconds:g} s to stop.", file=sys.stderr, flush=True)
+    late = failed_at is not None and now - failed_at > grace_seconds
+    if len(ended) < len(procs) and (late or (timeout is not None and now - start > timeout)):
+      print(f"zero_jax.launch_local: terminating processes "
+            f"{[i for i, p in enumerate(procs) if p.poll() is None]}.", file=sys.stderr,
+            flush=True)
+      break
+    time.sleep(0.1)
+  return ended
 
 
 def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_process: int = 4,
@@ -596,7 +626,10 @@ def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_pro
 
   Waits for all processes. When one fails, the others get ``grace_seconds``
   to stop on their own (their watchdogs report the lost peer) and are then
-  terminated. Prints which processes failed.
+  terminated. Prints the process that failed first, the root cause, and how
+  every process ended: a process that raised exits only after its peers have
+  stopped (with `LOST_PEER_EXIT_CODE`), so the order in which they end does
+  not tell which one failed first, but the exit codes do.
 
   Example:
     import sys, zero_jax as zj
@@ -613,29 +646,15 @@ def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_pro
       ``env``, ``log_dir``, ``Popen`` options).
 
   Returns:
-    0 if every process succeeded, else the first failure's exit status
-    (128 + signal number for a signal).
+    0 if every process succeeded, else the exit status of the process that
+    failed first (128 + signal number for a signal): the first to end with a
+    status other than `LOST_PEER_EXIT_CODE`, if any.
   """
   procs = start_local_processes(argv, num_processes=num_processes,
                                 devices_per_process=devices_per_process, **kwargs)
-  start = time.monotonic()
-  first_failure: tuple[int, int] | None = None  # (process id, code)
-  failed_at = None
+  ended = []
   try:
-    while any(p.poll() is None for p in procs):
-      now = time.monotonic()
-      for i, p in enumerate(procs):
-        if first_failure is None and p.returncode not in (None, 0):
-          first_failure, failed_at = (i, p.returncode), now
-          print(f"zero_jax.launch_local: process {i} {_describe(p.returncode)}; the others "
-                f"have {grace_seconds:g} s to stop.", file=sys.stderr, flush=True)
-      late = failed_at is not None and now - failed_at > grace_seconds
-      if late or (timeout is not None and now - start > timeout):
-        print(f"zero_jax.launch_local: terminating processes "
-              f"{[i for i, p in enumerate(procs) if p.poll() is None]}.", file=sys.stderr,
-              flush=True)
-        break
-      time.sleep(0.1)
+    ended = _wait_for(procs, grace_seconds, timeout)
   finally:
     for p in procs:
       if p.poll() is None:
@@ -646,12 +665,14 @@ def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_pro
       except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
-  codes = [p.returncode for p in procs]
-  if first_failure is None and any(codes):
-    first_failure = next((i, c) for i, c in enumerate(codes) if c)
-  if first_failure is None:
+  failures = [(i, c) for i, c in ended if c != 0]
+  terminated = [(i, p.returncode) for i, p in enumerate(procs) if all(i != j for j, _ in ended)]
+  if not failures and not terminated:
     return 0
-  summary = ", ".join(f"process {i} {_describe(c)}" for i, c in enumerate(codes))
-  print(f"zero_jax.launch_local: failed: {summary}.", file=sys.stderr, flush=True)
-  code = first_failure[1]
+  first, code = _root_cause(failures or terminated)
+  summary = ", ".join(f"process {i} {_describe(p.returncode)}" +
+                      (" (terminated by launch_local)" if (i, p.returncode) in terminated else "")
+                      for i, p in enumerate(procs))
+  print(f"zero_jax.launch_local: process {first} failed first ({_describe(code)}); all: "
+        f"{summary}.", file=sys.stderr, flush=True)
   return 128 - code if code < 0 else code
