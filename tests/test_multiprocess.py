@@ -308,6 +308,19 @@ def test_make_global_batch_names_the_leaf_with_a_bad_size(mesh8):
     zj.process_batch_slice(12, mesh8)
 
 
+def test_launch_local_reports_the_process_that_failed_first_not_a_lost_peer_stop(capfd):
+  # Process 0 stops at once for a lost peer (code 3); process 1, which failed
+  # first but waited for its peers, exits later with code 1: the root cause.
+  script = ("import os, sys, time\n"
+            "if os.environ['ZERO_JAX_PROCESS_ID'] == '0': sys.exit(3)\n"
+            "time.sleep(1.0); sys.exit(1)\n")
+  rc = zj.launch_local([sys.executable, "-c", script], num_processes=2, grace_seconds=10)
+  err = capfd.readouterr().err
+  assert rc == 1, err
+  assert "process 1 failed first (exited with code 1)" in err, err
+  assert "process 0 exited with code 3 (it stopped because it lost a peer)" in err, err
+
+
 def test_launch_local_reports_the_failed_process(tmp_path, capfd):
   script = "import os, sys; sys.exit(5 if os.environ['ZERO_JAX_PROCESS_ID'] == '1' else 0)"
   rc = zj.launch_local([sys.executable, "-c", script], num_processes=2, grace_seconds=5)
