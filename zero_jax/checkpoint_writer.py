@@ -13,7 +13,9 @@ The lock is an exclusive ``flock`` on that file, which names its holder
 (pid, host, start time, command) for the error message of the next writer.
 The kernel drops the ``flock`` when the holder's process ends, however it
 ends (``SIGKILL`` included), so a lock left by a dead process is stale and is
-taken over without anyone deleting files. On a file system without ``flock``
+taken over without anyone deleting files (a child forked without ``exec``
+shares the descriptor, and so holds the lock while it outlives its parent).
+The file's content only names the holder. On a file system without ``flock``
 the file's content alone decides: a holder on this host whose pid is no
 longer running is stale; one on another host cannot be checked and is
 reported (delete the file if that process is gone).
