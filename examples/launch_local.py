@@ -10,9 +10,10 @@ address, process id and device count in ``ZERO_JAX_*`` variables). On a
 cluster, start the same script with your scheduler instead (``srun python
 train.py`` on SLURM): ``zj.initialize_distributed()`` detects the job there.
 
-If a process dies, the others print which one was lost and exit with
-``zj.LOST_PEER_EXIT_CODE`` instead of hanging; the launcher then reports every
-process's exit status and returns non-zero.
+If a process dies or raises, the others print a ``zero_jax:`` line naming it
+and exit with ``zj.LOST_PEER_EXIT_CODE`` (3) instead of hanging; the launcher
+then names the process that failed first, reports how every process ended,
+and returns the first one's exit status.
 """
 
 import argparse

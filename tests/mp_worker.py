@@ -4,8 +4,10 @@ Importable without side effects: the test process imports the model, the
 variants and the batches from here to compute its one-process reference.
 
   python tests/mp_worker.py parity OUT_DIR [CKPT_DIR]   # the variants, 5 steps each
-  python tests/mp_worker.py forever OUT_DIR [P]         # trains until killed;
+  python tests/mp_worker.py forever OUT_DIR [P [now]]   # trains until killed;
                                                         # process P raises at step 3
+                                                        # ("now": and leaves at once,
+                                                        # without waiting for its peers)
 
 Each process is configured by the ZERO_JAX_* variables of
 zero_jax.distributed.start_local_processes.
@@ -135,7 +137,17 @@ def _checkpoints(step, state, out_dir, ckpt_in, results):
     mngr.wait_until_finished()
 
 
-def _forever(out_dir, raise_in):
+def _raise_and_leave_at_once(message):
+  """An uncaught exception whose process exits as soon as its hook has run."""
+  try:
+    raise RuntimeError(message)
+  except RuntimeError:
+    sys.excepthook(*sys.exc_info())  # the watchdog's hook announces the failure
+    sys.stderr.flush()
+    os._exit(1)  # pylint: disable=protected-access
+
+
+def _forever(out_dir, raise_in, leave_at_once=False):
   import jax  # pylint: disable=g-import-not-at-top
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -148,7 +160,10 @@ def _forever(out_dir, raise_in):
     m = zj.metrics_to_host(metrics)
     print(f"process {jax.process_index()} step {t} loss {m['loss']:.5f}", flush=True)
     if t == 3 and jax.process_index() == raise_in:
-      raise RuntimeError(f"mp_worker: injected failure in process {raise_in}")
+      message = f"mp_worker: injected failure in process {raise_in}"
+      if leave_at_once:
+        _raise_and_leave_at_once(message)
+      raise RuntimeError(message)
     time.sleep(0.02)
   del out_dir
 
@@ -160,7 +175,7 @@ def main(argv):
   if mode == "parity":
     _parity(out_dir, argv[3] if len(argv) > 3 else None)
   elif mode == "forever":
-    _forever(out_dir, int(argv[3]) if len(argv) > 3 else None)
+    _forever(out_dir, int(argv[3]) if len(argv) > 3 else None, argv[4:] == ["now"])
   else:
     raise ValueError(f"unknown mode {mode!r}")
 

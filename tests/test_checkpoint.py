@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import pathlib
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +37,7 @@ import pytest
 from jax.sharding import Mesh
 
 import zero_jax as zj
+from zero_jax.signature import optimizer_signature
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 24  # divisible by every mesh size used: 1, 2, 3, 4, 8
@@ -495,6 +498,255 @@ def test_metadata_describes_the_checkpoint(saved):
   assert meta["param_storage"] == "float16 + float32 master"
   kernel = {e["path"]: e for e in meta["groups"]["master"]}["['Dense_0']['kernel']"]
   assert kernel["shape"] == [5, 9] and kernel["stored"] == [8, 9]  # padded for 8 devices
+
+
+
+# ------------------------------------------------- misuse that must fail loudly
+def _flip_middle_byte(path: pathlib.Path):
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  path.write_bytes(bytes(data))
+
+
+def _largest_array_file(step_dir: pathlib.Path) -> pathlib.Path:
+  return max((p for p in (step_dir / "state").rglob("*") if p.is_file() and "d" in p.parts),
+             key=lambda p: p.stat().st_size)
+
+
+# How a step directory gets damaged, and the words that must name the damage.
+DAMAGE = {
+    "data_file_deleted": (lambda d: _largest_array_file(d).unlink(), "missing"),
+    "data_file_truncated": (lambda d: os.truncate(_largest_array_file(d), 10), "10 bytes"),
+    "data_file_corrupted": (lambda d: _flip_middle_byte(_largest_array_file(d)), "corrupted"),
+    "array_metadata_truncated": (lambda d: os.truncate(d / "state" / "_METADATA", 7),
+                                 "state/_METADATA"),
+    "description_corrupted": (lambda d: _flip_middle_byte(d / "zero_jax" / "metadata"),
+                              "zero_jax/metadata"),
+    "description_deleted": (lambda d: (d / "zero_jax" / "metadata").unlink(),
+                            "zero_jax/metadata"),
+    "state_item_removed": (lambda d: shutil.rmtree(d / "state"), "state/ is missing"),
+    "description_item_removed": (lambda d: shutil.rmtree(d / "zero_jax"),
+                                 "zero_jax/ is missing"),
+    "orbax_step_metadata_deleted": (lambda d: (d / "_CHECKPOINT_METADATA").unlink(),
+                                    "_CHECKPOINT_METADATA"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_steps(steps, tmp_path_factory):
+  """Checkpoints of steps 1 and 2 (adam, 4 devices), and the states saved."""
+  work = tmp_path_factory.mktemp("two_steps")
+  step = steps["adam4"]
+  state, saved = step.init(init_params()), {}
+  with zj.CheckpointManager(work, max_to_keep=None) as mngr:
+    for b in BATCHES[:2]:
+      state, _ = step(state, b)
+      saved[int(state.step)] = logical(step, state)
+      assert mngr.save(state, optimizer=OPTIMIZERS["adam"]())
+  return work, saved
+
+
+def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+  shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".zero_jax.lock"))
+  return dst
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_checkpoint_is_named_never_loaded_and_restore_falls_back(
+    damage, two_steps, steps, tmp_path):
+  src, saved = two_steps
+  work = _copy(src, tmp_path / "ckpt")
+  harm, words = DAMAGE[damage]
+  harm(work / "2")
+  step = steps["adam4"]
+  with zj.CheckpointManager(work) as mngr:
+    assert mngr.all_steps() == [1] and mngr.latest_step() == 1  # not listed as complete
+    with pytest.warns(zj.checkpoint.DamagedCheckpointWarning) as record:
+      state = mngr.restore(step, init_params())
+    message = " ".join(str(w.message) for w in record)
+    assert "step 2" in message and "damaged" in message and words in message, message
+    assert "restored step 1" in message, message
+    got = logical(step, state)
+    for k, v in saved[1].items():
+      np.testing.assert_array_equal(got[k], v, err_msg=k)
+    with pytest.raises(zj.checkpoint.DamagedCheckpointError) as e:  # asked for explicitly
+      mngr.restore(step, init_params(), step=2)
+    msg = str(e.value)
+    assert "step 2" in msg and words in msg and "steps [1]" in msg, msg
+    with pytest.raises(zj.checkpoint.DamagedCheckpointError, match="step 2"):
+      mngr.metadata(2)
+
+
+def test_read_error_in_an_unrecorded_checkpoint_is_damage_too(two_steps, steps, tmp_path):
+  # A checkpoint written before the record of files existed: only a failed read
+  # shows the damage; it must be named and skipped like any other.
+  src, saved = two_steps
+  work = _copy(src, tmp_path / "ckpt")
+  for s in ("1", "2"):
+    (work / s / "zero_jax.files.json").unlink()
+    meta = json.loads((work / s / "zero_jax" / "metadata").read_text())
+    del meta["files_record"], meta["optimizer"]
+    (work / s / "zero_jax" / "metadata").write_text(json.dumps(meta))
+  _flip_middle_byte(work / "2" / "state" / "manifest.ocdbt")
+  with zj.CheckpointManager(work) as mngr:
+    assert mngr.all_steps() == [1, 2]  # the structure is complete
+    with pytest.warns(zj.checkpoint.DamagedCheckpointWarning,
+                      match=r"step 2 .* damaged \(reading its arrays failed: .*DATA_LOSS"):
+      state = mngr.restore(steps["adam4"], init_params())
+    assert int(state.step) == 1
+    with pytest.raises(zj.checkpoint.DamagedCheckpointError, match="step 2.*steps \\[1\\]"):
+      mngr.restore(steps["adam4"], init_params(), step=2)
+
+
+def test_save_replaces_a_damaged_checkpoint_of_its_step(two_steps, steps, tmp_path):
+  src, saved = two_steps
+  work = _copy(src, tmp_path / "ckpt")
+  os.truncate(_largest_array_file(work / "2"), 3)
+  step = steps["adam4"]
+  with zj.CheckpointManager(work, max_to_keep=None) as mngr:
+    with pytest.warns(zj.checkpoint.DamagedCheckpointWarning):
+      state = mngr.restore(step, init_params())
+    state, _ = step(state, BATCHES[1])
+    with pytest.warns(zj.checkpoint.DamagedCheckpointWarning, match="replacing the damaged"):
+      assert mngr.save(state, optimizer=OPTIMIZERS["adam"]())
+    assert mngr.all_steps() == [1, 2]
+    got = logical(step, mngr.restore(step, init_params()))
+  for k, v in saved[2].items():
+    np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+_SAVE_AND_EXIT = r"""
+import sys, jax, numpy as np, optax
+jax.config.update("jax_num_cpu_devices", 8)
+import zero_jax as zj
+mesh = jax.make_mesh((8,), ("data",))
+step = zj.make_sharded_train_step(lambda p, b: (p["w"] ** 2).sum(), optax.adam(0.1), mesh=mesh)
+state = step.init({"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
+mngr = zj.CheckpointManager(sys.argv[1])
+assert mngr.save(state)
+print("saved", flush=True)   # and exit, neither waiting nor closing
+"""
+
+
+def test_async_save_then_exit_without_waiting_leaves_a_restorable_checkpoint(tmp_path):
+  proc = subprocess.run([sys.executable, "-c", _SAVE_AND_EXIT, str(tmp_path)],
+                        env=_child_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and "saved" in proc.stdout, proc.stderr[-3000:]
+  mesh = mesh_of(2)
+  step = zj.make_sharded_train_step(lambda p, b: (p["w"] ** 2).sum(), optax.adam(0.1),
+                                    mesh=mesh)
+  with zj.CheckpointManager(tmp_path) as mngr:
+    assert mngr.all_steps() == [0]
+    state = mngr.restore(step, {"w": np.zeros((3, 4), np.float32)})
+  np.testing.assert_array_equal(np.asarray(step.get_params(state)["w"]),
+                                np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+_UNWRITABLE = r"""
+import sys, jax, numpy as np, optax
+jax.config.update("jax_num_cpu_devices", 8)
+import zero_jax as zj
+mesh = jax.make_mesh((8,), ("data",))
+step = zj.make_sharded_train_step(lambda p, b: (p["w"] ** 2).sum(), optax.sgd(0.1), mesh=mesh)
+state = step.init({"w": np.ones((3,), np.float32)})
+for directory in sys.argv[1:]:
+  try:
+    mngr = zj.CheckpointManager(directory)
+    saved = mngr.save(state)
+    mngr.wait_until_finished()
+    print(f"NOT REFUSED {directory}: save returned {saved}", flush=True)
+  except OSError as e:
+    print(f"refused: {e}", flush=True)
+"""
+
+
+def test_unwritable_directory_is_refused_at_once_naming_it_and_never_hangs(tmp_path):
+  # Root ignores permission bits, so: a path under a regular file, and /proc (a
+  # directory no one can create files in).
+  (tmp_path / "a_file").write_text("not a directory")
+  dirs = [str(tmp_path / "a_file" / "ckpt")] + (["/proc"] if os.path.isdir("/proc/self") else [])
+  t0 = time.monotonic()
+  proc = subprocess.run([sys.executable, "-c", _UNWRITABLE, *dirs], env=_child_env(),
+                        capture_output=True, text=True, timeout=90)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "NOT REFUSED" not in proc.stdout, proc.stdout
+  for d in dirs:
+    assert f"refused: [Errno" in proc.stdout and f"checkpoint directory {d} is not writable" in (
+        proc.stdout), proc.stdout
+  assert time.monotonic() - t0 < 60
+
+
+_HOLD_LOCK = r"""
+import sys, time
+from zero_jax.checkpoint_writer import DirectoryLock
+DirectoryLock(sys.argv[1]).acquire()
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+def test_one_writer_per_directory_named_in_the_refusal_and_a_dead_holder_is_stale(
+    steps, tmp_path):
+  step = steps["adam4"]
+  state, _ = step(step.init(init_params()), BATCHES[0])
+  first = zj.CheckpointManager(tmp_path, max_to_keep=1)
+  second = zj.CheckpointManager(tmp_path, max_to_keep=1)
+  assert first.save(state)
+  with pytest.raises(zj.checkpoint.DirectoryInUseError) as e:
+    second.save(state)
+  assert f"process {os.getpid()} on host {socket.gethostname()}" in str(e.value)
+  assert str(tmp_path) in str(e.value)
+  first.wait_until_finished()
+  assert int(second.restore(step, init_params()).step) == 1  # reading needs no lock
+  first.close()
+  state, _ = step(state, BATCHES[1])
+  assert second.save(state)  # the lock was released by close()
+  second.close()
+  assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["2"]
+
+  # Another process holds the lock: refused, naming it; killed: its lock is stale.
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path)], env=_child_env(),
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "holding"
+    state, _ = step(state, BATCHES[2])
+    with zj.CheckpointManager(tmp_path, max_to_keep=1) as third:
+      with pytest.raises(zj.checkpoint.DirectoryInUseError, match=f"process {holder.pid} "):
+        third.save(state)
+    holder.kill()
+    holder.wait(30)
+    with zj.CheckpointManager(tmp_path, max_to_keep=1) as fourth:
+      assert fourth.save(state)
+      assert fourth.all_steps() == [3]
+  finally:
+    if holder.poll() is None:
+      holder.kill()
+      holder.wait()
+
+
+@pytest.mark.parametrize("other", ["nadam", "yogi", "radam"])
+def test_restore_refuses_another_update_rule_with_the_same_state_types(
+    other, two_steps):
+  work, _ = two_steps
+  params = init_params()
+  make = lambda opt: zj.make_sharded_train_step(loss_fn, opt, mesh=mesh_of(4))
+  with zj.CheckpointManager(work) as mngr:
+    with pytest.raises(ValueError, match="different optimizer") as e:
+      mngr.restore(make(getattr(optax, other)(LR)), params)
+    saved_sig = optimizer_signature(optax.adam(LR))
+    other_sig = optimizer_signature(getattr(optax, other)(LR))
+    assert saved_sig in str(e.value) and other_sig in str(e.value), str(e.value)
+    # Hyperparameters may change.
+    assert int(mngr.restore(make(optax.adam(LR / 10)), params).step) == 2
+
+
+def test_checkpoint_without_optimizer_signature_restores_with_a_warning(steps, tmp_path):
+  step = steps["adam4"]
+  state, _ = step(step.init(init_params()), BATCHES[0])
+  with zj.CheckpointManager(tmp_path) as mngr:
+    assert mngr.save(state)  # neither optimizer= nor a signature in the state's meta
+    with pytest.warns(UserWarning, match="does not record its optimizer's update rule"):
+      assert int(mngr.restore(step, init_params()).step) == 1
 
 
 if __name__ == "__main__":

@@ -242,6 +242,48 @@ def test_survivor_exits_naming_a_peer_that_raised(tmp_path):
   assert elapsed < EXIT_BOUND_S, (elapsed, text[-3000:])
 
 
+def test_survivor_whose_collective_fails_after_a_peer_raised_names_that_peer(tmp_path):
+  # The peer raises and leaves at once: the survivor's next collective fails
+  # (connection reset) long before any timeout. Its exception hook sees that the
+  # peer had failed first and reports that peer, with the lost-peer exit code.
+  code, elapsed, text = _run_until_failure(tmp_path, ["1", "now"])
+  assert code == zj.LOST_PEER_EXIT_CODE, text[-3000:]
+  assert "zero_jax: lost peer process 1 of 2" in text, text[-3000:]
+  assert "failed with RuntimeError: mp_worker: injected failure" in text, text[-3000:]
+  assert "stopped with an error that followed" in text, text[-3000:]
+  assert elapsed < EXIT_BOUND_S, (elapsed, text[-3000:])
+
+
+GLOO_READ_TIMEOUT_S = 30.0  # gloo's TCP read timeout in jaxlib 0.10 (not configurable)
+
+
+def test_with_default_timeouts_a_peer_that_raises_stops_the_job_naming_it(tmp_path, capfd):
+  # Default settings throughout: peer_timeout_seconds=60 (poll interval 5 s).
+  # A survivor blocked in a collective with the failed peer would be ended by
+  # gloo's read timeout (exit 1, a gloo traceback, no zero_jax line) if the
+  # watchdog waited longer than that; it waits FAILED_PEER_GRACE_S after seeing
+  # the failure, which it sees within one interval, and stops within another.
+  assert zd.ENV_PEER_TIMEOUT not in os.environ
+  interval = 5.0
+  assert zd.FAILED_PEER_GRACE_S + 2 * interval < GLOO_READ_TIMEOUT_S
+  logs = tmp_path / "logs"
+  t0 = time.monotonic()
+  rc = zj.launch_local([sys.executable, WORKER, "forever", str(tmp_path), "1"],
+                       num_processes=2, devices_per_process=4, log_dir=str(logs), timeout=120)
+  elapsed = time.monotonic() - t0
+  err = capfd.readouterr().err
+  survivor = (logs / "process_0.log").read_text()
+  assert "zero_jax: lost peer process 1 of 2" in survivor, survivor[-3000:]
+  assert "failed with RuntimeError: mp_worker: injected failure" in survivor, survivor[-3000:]
+  assert "Read timeout" not in survivor, survivor[-3000:]  # the watchdog spoke first
+  assert "process 0 exited with code 3" in err, err
+  # launch_local reports the process that raised (it ends after the survivor).
+  assert rc == 1, err
+  assert "process 1 failed first (exited with code 1)" in err, err
+  assert elapsed < 60, elapsed
+  print(f"default timeouts: the job stopped {elapsed:.1f} s after its start")
+
+
 # ----------------------------------------------------------------- helpers, one process
 def test_metrics_to_host_gives_python_values():
   m = zj.metrics_to_host({"loss": jax.numpy.float32(1.5), "ok": jax.numpy.bool_(True),
@@ -265,6 +307,19 @@ def test_make_global_batch_names_the_leaf_with_a_bad_size(mesh8):
     zj.make_global_batch({"x": np.zeros((8, 2)), "y": np.zeros((5, 2))}, mesh8)
   with pytest.raises(ValueError, match="divisible by the 8 devices"):
     zj.process_batch_slice(12, mesh8)
+
+
+def test_launch_local_reports_the_process_that_failed_first_not_a_lost_peer_stop(capfd):
+  # Process 0 stops at once for a lost peer (code 3); process 1, which failed
+  # first but waited for its peers, exits later with code 1: the root cause.
+  script = ("import os, sys, time\n"
+            "if os.environ['ZERO_JAX_PROCESS_ID'] == '0': sys.exit(3)\n"
+            "time.sleep(1.0); sys.exit(1)\n")
+  rc = zj.launch_local([sys.executable, "-c", script], num_processes=2, grace_seconds=10)
+  err = capfd.readouterr().err
+  assert rc == 1, err
+  assert "process 1 failed first (exited with code 1)" in err, err
+  assert "process 0 exited with code 3 (it stopped because it lost a peer)" in err, err
 
 
 def test_launch_local_reports_the_failed_process(tmp_path, capfd):

@@ -21,11 +21,16 @@ unchanged on a mesh that spans processes; what changes is the host side:
   watchdog started by `initialize_distributed` publishes a heartbeat through
   the JAX coordination service and watches the others' heartbeats; when a
   peer stops (killed, out of memory, machine lost) or fails with an uncaught
-  exception, every survivor prints which process was lost and exits with
-  `LOST_PEER_EXIT_CODE` within ``peer_timeout_seconds`` (plus one poll
-  interval), instead of hanging. If process 0, which hosts the coordination
-  service, dies, JAX itself terminates the others at once (SIGABRT) with
-  "Failed to send RPC to coordination service. Either the leader task was
+  exception, every survivor prints a ``zero_jax:`` line naming that process
+  and exits with `LOST_PEER_EXIT_CODE` within ``peer_timeout_seconds`` (plus
+  one poll interval), instead of hanging; the process that raised exits with
+  code 1 once its peers have stopped. A peer that raised is reported sooner,
+  after `FAILED_PEER_GRACE_S`: before gloo's own 30 s read timeout would end a
+  survivor blocked in a collective with it (exit 1, no zero_jax line); and a
+  survivor whose collective fails first all the same still names the peer that
+  failed before it. If process 0, which hosts the coordination service, dies,
+  JAX itself terminates the others at once (SIGABRT) with "Failed to send RPC
+  to coordination service. Either the leader task was
   preempted/died/restarted unexpectedly ...".
 
 Trying it on one machine: `launch_local` (or ``python examples/launch_local.py
@@ -64,6 +69,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 LOST_PEER_EXIT_CODE = 3
 """Exit status of a process that stops because a peer process was lost."""
+FAILED_PEER_GRACE_S = 10.0
+"""How long survivors wait, after a peer announced an uncaught exception, for a
+lost peer (the likelier cause) to show up before they stop. Below gloo's 30 s
+read timeout, so that a survivor blocked in a collective with the failed peer
+is stopped by the watchdog (naming the peer, `LOST_PEER_EXIT_CODE`) first."""
 
 # Environment variables set by `launch_local` and read by `initialize_distributed`.
 ENV_COORDINATOR = "ZERO_JAX_COORDINATOR_ADDRESS"
@@ -107,11 +117,12 @@ def initialize_distributed(coordinator_address: str | None = None,
       ``jax_num_cpu_devices`` option); ignored by GPU and TPU backends.
     cpu_collectives: cross-process collectives on CPU: ``"gloo"`` or ``"mpi"``.
     peer_timeout_seconds: a peer whose heartbeat is silent this long is lost
-      and this process exits with `LOST_PEER_EXIT_CODE`; ``None`` disables the
-      watchdog (JAX's own heartbeat still ends the job after
-      ``heartbeat_timeout_seconds``). Choose it above the longest pause of a
-      healthy process's Python threads (not of its computation: the heartbeat
-      runs in a thread).
+      and this process exits with `LOST_PEER_EXIT_CODE` (a peer that raised is
+      reported after ``min(peer_timeout_seconds, FAILED_PEER_GRACE_S)``);
+      ``None`` disables the watchdog (JAX's own heartbeat still ends the job
+      after ``heartbeat_timeout_seconds``). Choose it above the longest pause
+      of a healthy process's Python threads (not of its computation: the
+      heartbeat runs in a thread).
     **jax_kwargs: passed to ``jax.distributed.initialize`` (for example
       ``initialization_timeout``, ``local_device_ids``,
       ``heartbeat_timeout_seconds``; the latter defaults to
@@ -320,12 +331,19 @@ class _PeerWatchdog:
   A daemon thread sets ``zero_jax/watchdog/hb/<i>`` to an increasing counter
   every ``interval`` seconds and reads all peers' keys. A peer whose counter
   has not changed for ``timeout`` seconds (measured on this host's clock),
-  and that has not announced a normal exit, is lost. A peer that announced a
-  failure (an uncaught exception) is reported after ``timeout`` seconds,
-  unless a lost peer is found meanwhile (which is then the likelier cause).
-  Either way the process prints the verdict and leaves with
-  `LOST_PEER_EXIT_CODE` through ``os._exit``, since a thread blocked in a
-  collective cannot be interrupted.
+  and that has not announced its exit, is lost. A peer that announced a
+  failure (an uncaught exception) is reported after `FAILED_PEER_GRACE_S`
+  (or ``timeout``, if shorter), unless a lost peer is found meanwhile (which
+  is then the likelier cause). Either way the process prints the verdict,
+  announces that it stops, and leaves with `LOST_PEER_EXIT_CODE` through
+  ``os._exit``, since a thread blocked in a collective cannot be interrupted.
+
+  The order of the timeouts matters: a survivor blocked in a collective with a
+  failed peer also gets an error from the collective itself (gloo gives up
+  reading after 30 s, XLA's CPU collectives do not let us change that); the
+  grace is shorter, so that the watchdog speaks first. Should the survivor's
+  own error come first all the same, its exception hook sees that a peer had
+  already failed, and reports that peer and exits the same way.
   """
 
   def __init__(self, client, process_id: int, num_processes: int, timeout: float):
@@ -334,13 +352,16 @@ class _PeerWatchdog:
     self.n = num_processes
     self.timeout = timeout
     self.interval = min(max(timeout / 10, 0.2), 5.0)
+    self.grace = min(timeout, FAILED_PEER_GRACE_S)
     self.peers = [i for i in range(num_processes) if i != process_id]
     self.failure: str | None = None  # this process's uncaught exception, if any
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="zero_jax-peer-watchdog",
                                     daemon=True)
     self._info: dict[int, str] = {}
-    self._status: dict[int, str] = {}
+    self._status: dict[int, str] = {}  # peer -> "ok", "error: ..." or "stopped: ..."
+    self._leaving = threading.Lock()
+    self._left = False
 
   def start(self):
     self.client.key_value_set(f"{_KV_PREFIX}info/{self.me}",
@@ -356,16 +377,70 @@ class _PeerWatchdog:
     return f"process {i} of {self.n}" + (f" ({info})" if info else "")
 
   def _die(self, code: int, message: str):
+    with self._leaving:  # one verdict: the thread's or the exception hook's, not both
+      first, self._left = not self._left, True
+    if not first:
+      time.sleep(3600)  # the other one is exiting the process
+    self._publish("exit", "stopped: " + message[:300])  # so that a failed peer stops waiting
     try:
       sys.stdout.flush()
     except Exception:  # pylint: disable=broad-except
       pass
     os.write(2, (f"\nzero_jax: {message}\n").encode())
+    if self.me == 0:
+      self._let_failed_peers_leave()
     os._exit(code)  # pylint: disable=protected-access
 
+  def _let_failed_peers_leave(self, wait: float = 2.0):
+    """Process 0 hosts the coordination service, whose end aborts every other
+    process (SIGABRT): give the peers that failed a moment to exit with their
+    own status first (they leave as soon as they see that this one stops)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+      self._read_statuses()
+      try:
+        gone = {int(k.rpartition("/")[2]) for k, _ in
+                self.client.key_value_dir_get(f"{_KV_PREFIX}gone/")}
+      except Exception:  # pylint: disable=broad-except
+        return
+      if set(self._failed()) <= gone:
+        return
+      time.sleep(0.1)
+
+  def _failed(self) -> list[int]:
+    """Peers that announced an uncaught exception."""
+    return [i for i in self.peers if self._status.get(i, "").startswith("error: ")]
+
+  def _failures(self, failed: list[int]) -> str:
+    return "; ".join(f"{self._name(i)} failed with {self._status[i][7:]}" for i in failed)
+
+  def _read_statuses(self) -> None:
+    """Reads the peers' announcements now (the thread reads them every interval)."""
+    try:
+      for key, value in self.client.key_value_dir_get(_KV_PREFIX):
+        what, _, idx = key[len(_KV_PREFIX):].rpartition("/")
+        if what == "info":
+          self._info[int(idx)] = value
+        elif what == "exit" and int(idx) != self.me:
+          self._status[int(idx)] = value
+    except Exception:  # pylint: disable=broad-except
+      pass  # the coordinator is gone; the thread reports that
+
   def _excepthook(self, kind, value, tb):
-    self.failure = "".join(traceback.format_exception_only(kind, value)).strip()
-    self._publish("exit", "error: " + self.failure[:500])
+    if self._left:  # the watchdog is stopping the process: this error follows from that
+      self._die(LOST_PEER_EXIT_CODE, "")
+    own = "".join(traceback.format_exception_only(kind, value)).strip()
+    self._read_statuses()
+    failed = self._failed()
+    if failed:  # a peer failed first: this error (a collective's, likely) follows from it
+      self._previous_hook(kind, value, tb)
+      first = own.splitlines()[0][:300] if own else kind.__name__
+      self._die(LOST_PEER_EXIT_CODE,
+                f"lost peer {self._failures(failed)}. Process {self.me} stopped with an error "
+                f"that followed ({first}) and exits with code {LOST_PEER_EXIT_CODE}; restart "
+                f"the job (from the last checkpoint).")
+    self.failure = own
+    self._publish("exit", "error: " + own[:500])
     self._previous_hook(kind, value, tb)
 
   def _publish(self, what: str, value: str):
@@ -381,12 +456,17 @@ class _PeerWatchdog:
       return
     # This process failed. Peers blocked in a collective with it may never reach
     # JAX's shutdown barrier, so wait (the thread may find a lost peer and exit)
-    # until every peer is also leaving, or give up after the timeout.
+    # until every peer is also leaving, or give up after the timeout; then leave
+    # with the status of an uncaught exception, without that barrier.
     deadline = time.monotonic() + self.timeout + 2 * self.interval
     while time.monotonic() < deadline:
+      self._read_statuses()
       if all(i in self._status for i in self.peers):
-        return
-      time.sleep(self.interval / 2)
+        self._publish("gone", "1")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # pylint: disable=protected-access
+      time.sleep(0.2)
     self._die(1, f"process {self.me} of {self.n} failed ({self.failure}); its peers did not "
                  f"stop within {self.timeout:g} s, so it exits without waiting for them.")
 
@@ -425,22 +505,26 @@ class _PeerWatchdog:
         return
       lost = [i for i in self.peers
               if i not in self._status and now - seen[i][1] > self.timeout]
-      failed = [i for i in self.peers if self._status.get(i, "ok") != "ok"]
+      failed = self._failed()
       if lost:
         names = ", ".join(f"{self._name(i)}: no heartbeat for {now - seen[i][1]:.1f} s"
                           for i in lost)
-        also = "".join(f"; {self._name(i)} failed with {self._status[i][7:]}" for i in failed)
+        also = f"; {self._failures(failed)}" if failed else ""
         self._die(LOST_PEER_EXIT_CODE,
                   f"lost peer {names} (peer_timeout_seconds={self.timeout:g}){also}. Process "
                   f"{self.me} exits with code {LOST_PEER_EXIT_CODE} instead of waiting for it "
                   f"in a collective; restart the job (from the last checkpoint).")
       if failed and failed_since is None:
         failed_since = now
-      if failed and now - failed_since > self.timeout:
-        names = "; ".join(f"{self._name(i)} failed with {self._status[i][7:]}" for i in failed)
+      if failed and now - failed_since > self.grace:
+        silent = [f"{self._name(i)} (no heartbeat for {now - seen[i][1]:.1f} s)"
+                  for i in self.peers if i not in self._status
+                  and now - seen[i][1] > 3 * self.interval]
+        also = f"; silent meanwhile: {', '.join(silent)}" if silent else ""
         self._die(LOST_PEER_EXIT_CODE,
-                  f"lost peer {names}. Process {self.me} exits with code "
-                  f"{LOST_PEER_EXIT_CODE} instead of waiting for it in a collective.")
+                  f"lost peer {self._failures(failed)}{also}. Process {self.me} exits with "
+                  f"code {LOST_PEER_EXIT_CODE} instead of waiting for it in a collective; "
+                  f"restart the job (from the last checkpoint).")
 
 
 # ------------------------------------------------------------------ local launcher
@@ -502,7 +586,37 @@ def _describe(code: int) -> str:
       return f"was killed by {signal.Signals(-code).name}"
     except ValueError:
       return f"was killed by signal {-code}"
+  if code == LOST_PEER_EXIT_CODE:
+    return f"exited with code {code} (it stopped because it lost a peer)"
   return f"exited with code {code}"
+
+
+def _root_cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
+  """The failure the others followed: the first (in the order they ended) that is
+  not a stop for a lost peer (`LOST_PEER_EXIT_CODE`), else the first."""
+  return next((f for f in failures if f[1] != LOST_PEER_EXIT_CODE), failures[0])
+
+
+def _wait_for(procs, grace_seconds: float, timeout: float | None) -> list[tuple[int, int]]:
+  """Waits as `launch_local` says; ``(process id, code)`` in the order they ended."""
+  start, failed_at, ended = time.monotonic(), None, []
+  while len(ended) < len(procs):
+    now = time.monotonic()
+    for i, p in enumerate(procs):
+      if p.poll() is not None and all(i != j for j, _ in ended):
+        ended.append((i, p.returncode))
+        if p.returncode != 0 and failed_at is None:
+          failed_at = now
+          print(f"zero_jax.launch_local: process {i} {_describe(p.returncode)}; the others "
+                f"have {grace_seconds:g} s to stop.", file=sys.stderr, flush=True)
+    late = failed_at is not None and now - failed_at > grace_seconds
+    if len(ended) < len(procs) and (late or (timeout is not None and now - start > timeout)):
+      print(f"zero_jax.launch_local: terminating processes "
+            f"{[i for i, p in enumerate(procs) if p.poll() is None]}.", file=sys.stderr,
+            flush=True)
+      break
+    time.sleep(0.1)
+  return ended
 
 
 def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_process: int = 4,
@@ -512,7 +626,10 @@ def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_pro
 
   Waits for all processes. When one fails, the others get ``grace_seconds``
   to stop on their own (their watchdogs report the lost peer) and are then
-  terminated. Prints which processes failed.
+  terminated. Prints the process that failed first, the root cause, and how
+  every process ended: a process that raised exits only after its peers have
+  stopped (with `LOST_PEER_EXIT_CODE`), so the order in which they end does
+  not tell which one failed first, but the exit codes do.
 
   Example:
     import sys, zero_jax as zj
@@ -529,29 +646,15 @@ def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_pro
       ``env``, ``log_dir``, ``Popen`` options).
 
   Returns:
-    0 if every process succeeded, else the first failure's exit status
-    (128 + signal number for a signal).
+    0 if every process succeeded, else the exit status of the process that
+    failed first (128 + signal number for a signal): the first to end with a
+    status other than `LOST_PEER_EXIT_CODE`, if any.
   """
   procs = start_local_processes(argv, num_processes=num_processes,
                                 devices_per_process=devices_per_process, **kwargs)
-  start = time.monotonic()
-  first_failure: tuple[int, int] | None = None  # (process id, code)
-  failed_at = None
+  ended = []
   try:
-    while any(p.poll() is None for p in procs):
-      now = time.monotonic()
-      for i, p in enumerate(procs):
-        if first_failure is None and p.returncode not in (None, 0):
-          first_failure, failed_at = (i, p.returncode), now
-          print(f"zero_jax.launch_local: process {i} {_describe(p.returncode)}; the others "
-                f"have {grace_seconds:g} s to stop.", file=sys.stderr, flush=True)
-      late = failed_at is not None and now - failed_at > grace_seconds
-      if late or (timeout is not None and now - start > timeout):
-        print(f"zero_jax.launch_local: terminating processes "
-              f"{[i for i, p in enumerate(procs) if p.poll() is None]}.", file=sys.stderr,
-              flush=True)
-        break
-      time.sleep(0.1)
+    ended = _wait_for(procs, grace_seconds, timeout)
   finally:
     for p in procs:
       if p.poll() is None:
@@ -562,12 +665,14 @@ def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_pro
       except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
-  codes = [p.returncode for p in procs]
-  if first_failure is None and any(codes):
-    first_failure = next((i, c) for i, c in enumerate(codes) if c)
-  if first_failure is None:
+  failures = [(i, c) for i, c in ended if c != 0]
+  terminated = [(i, p.returncode) for i, p in enumerate(procs) if all(i != j for j, _ in ended)]
+  if not failures and not terminated:
     return 0
-  summary = ", ".join(f"process {i} {_describe(c)}" for i, c in enumerate(codes))
-  print(f"zero_jax.launch_local: failed: {summary}.", file=sys.stderr, flush=True)
-  code = first_failure[1]
+  first, code = _root_cause(failures or terminated)
+  summary = ", ".join(f"process {i} {_describe(p.returncode)}" +
+                      (" (terminated by launch_local)" if (i, p.returncode) in terminated else "")
+                      for i, p in enumerate(procs))
+  print(f"zero_jax.launch_local: process {first} failed first ({_describe(code)}); all: "
+        f"{summary}.", file=sys.stderr, flush=True)
   return 128 - code if code < 0 else code

@@ -1,0 +1,225 @@
+"""Whether a checkpoint on disk is the one that was written: a record of its files.
+
+`CheckpointManager` saves through Orbax, which writes a step into a temporary
+directory and commits it with a rename. Just before that commit, the primary
+process writes ``zero_jax.files.json`` into the step directory (see
+`recording_temporary_path_class`): every file of the step with its size, and a
+SHA-256 of each file up to `HASHED_BYTES` (the descriptions, Orbax's metadata,
+the OCDBT manifests and B-tree nodes, small arrays). The rename publishes the
+record together with the files, so every complete step written by this
+version has one; the step's zero_jax JSON names it (``files_record``), so a
+deleted record is noticed too.
+
+`problem` checks a step directory against its record: the files every save
+writes are there, every recorded file has its recorded size, and every small
+one its recorded hash (each process hashes a file once while its size and
+modification time stay the same, so listing steps again costs one ``stat``
+per file); and Orbax's step metadata parses. This finds deleted items and
+files, truncated or extended files, and overwritten descriptions and metadata.
+
+Large array files are checked by size only, so that neither a save nor a
+listing reads the whole checkpoint back; their content is covered by the
+checksums TensorStore keeps and verifies while reading (OCDBT manifests and
+B-tree nodes, zarr shard indices): a read error during a restore is damage
+too (the manager reports it and goes on to an older step). Checkpoints
+written before the record existed get the structural check only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from typing import Sequence
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+RECORD = "zero_jax.files.json"
+"""The record of a step's files, at the top of the step directory."""
+RECORD_KEY = "files_record"
+"""The entry of the zero_jax JSON that names the record (absent before records existed)."""
+HASHED_BYTES = 1 << 20
+"""Files up to this size are hashed; larger ones (array data) are checked by size."""
+_FORMAT = "zero_jax.files/1"
+_ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
+# Written by Orbax's commit after the record (so not in it), or the record itself.
+_UNRECORDED = (_ORBAX_STEP_METADATA, "commit_success.txt", RECORD)
+_MAX_NAMED = 4
+_hashed: dict[str, tuple] = {}  # path -> (stat key, digest) of a file hashed before
+
+
+class DamagedCheckpointError(ValueError, OSError):
+  """A checkpoint's files are not those its save wrote (missing, truncated, altered).
+
+  A ``ValueError`` (its content is invalid) and an ``OSError`` (what is on
+  disk is wrong), so that handlers written for either catch it.
+  """
+
+
+class DamagedCheckpointWarning(UserWarning):
+  """A restore skipped a damaged checkpoint and took an older, intact one."""
+
+
+# ------------------------------------------------------------------- writing
+def _digest(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _files_digest(files: dict) -> str:
+  return _digest(json.dumps(files, sort_keys=True).encode())
+
+
+def _walk(step_dir: epath.Path):
+  """``(relative name, path)`` of every file under ``step_dir``."""
+  for parent, _, names in step_dir.walk():
+    for name in names:
+      path = parent / name
+      yield path.relative_to(step_dir).as_posix(), path
+
+
+def write_record(step_dir: epath.Path) -> None:
+  """Writes ``step_dir/zero_jax.files.json`` for the files now in ``step_dir``."""
+  files = {}
+  for rel, path in _walk(step_dir):
+    if rel in _UNRECORDED:
+      continue
+    size = path.stat().length
+    files[rel] = [size, _digest(path.read_bytes()) if size <= HASHED_BYTES else None]
+  record = {"format": _FORMAT, "files": files, "digest": _files_digest(files)}
+  (step_dir / RECORD).write_text(json.dumps(record, sort_keys=True))
+
+
+def recording_temporary_path_class(directory: epath.Path) -> type:
+  """Orbax's temporary-path class for ``directory``, writing the record before the commit.
+
+  Orbax finalizes each item's directory and then the step's, on the primary
+  process, after every process has written its arrays. At the step's
+  finalize (the one whose final path is directly under ``directory``) the
+  record is written into the still-temporary directory, then Orbax commits.
+  """
+  base = ocp.path.atomicity_defaults.get_default_temporary_path_class(directory)
+
+  class RecordingTemporaryPath(base):  # pylint: disable=missing-class-docstring
+    async def finalize(self, *args, **kwargs):
+      if self.get_final().parent == directory:
+        await asyncio.to_thread(write_record, self.get())
+      return await super().finalize(*args, **kwargs)
+
+  return RecordingTemporaryPath
+
+
+# ------------------------------------------------------------------- checking
+def _read_record(step_dir: epath.Path) -> tuple[dict | None, str | None]:
+  """The recorded files, or None and what is wrong with the record."""
+  try:
+    record = json.loads((step_dir / RECORD).read_text())
+    files = record["files"]
+    if record.get("format") != _FORMAT or record.get("digest") != _files_digest(files):
+      return None, f"its record of files, {RECORD}, is altered"
+    return files, None
+  except FileNotFoundError:
+    return None, f"its record of files, {RECORD}, is missing"
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    return None, f"its record of files, {RECORD}, is unreadable ({e})"
+
+
+def _stat(path: epath.Path) -> tuple[int, tuple]:
+  """``(size, key)``: the key changes whenever the file is written (also when its
+  modification time is set back: the change time cannot be)."""
+  p = os.fspath(path)
+  if "://" in p:
+    st = path.stat()
+    return st.length, (st.length, st.mtime)
+  st = os.stat(p)
+  return st.st_size, (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def _hash(path: epath.Path, key: tuple) -> str:
+  known = _hashed.get(os.fspath(path))
+  if known is None or known[0] != key:
+    known = (key, _digest(path.read_bytes()))
+    _hashed[os.fspath(path)] = known
+  return known[1]
+
+
+def _file_problem(path: epath.Path, size: int, digest: str | None) -> str | None:
+  try:
+    actual, key = _stat(path)
+  except FileNotFoundError:
+    return "missing"
+  if actual != size:
+    return f"{actual} bytes, the save wrote {size} (truncated or overwritten)"
+  if digest is not None and _hash(path, key) != digest:
+    return "its content differs from what the save wrote (corrupted)"
+  return None
+
+
+def _named(problems: list[str]) -> str:
+  shown = "; ".join(problems[:_MAX_NAMED])
+  more = len(problems) - _MAX_NAMED
+  return shown + (f"; and {more} more file(s)" if more > 0 else "")
+
+
+def _missing_items(step_dir: epath.Path, names: Sequence[str]) -> list[str]:
+  """The top-level items (``state/``, ...) of ``names`` whose directory is gone."""
+  tops = sorted({n.split("/", 1)[0] for n in names if "/" in n})
+  return [t for t in tops if not (step_dir / t).exists()]
+
+
+def _orbax_metadata_problem(step_dir: epath.Path) -> str | None:
+  try:
+    json.loads((step_dir / _ORBAX_STEP_METADATA).read_text())
+  except FileNotFoundError:
+    return f"Orbax's step metadata {_ORBAX_STEP_METADATA} is missing"
+  except (OSError, ValueError) as e:
+    return f"Orbax's step metadata {_ORBAX_STEP_METADATA} is unreadable ({e})"
+  return None
+
+
+def _legacy_problem(step_dir: epath.Path, description: str, record_problem: str) -> str | None:
+  """For a step without a record: None if its save wrote none (an older version)."""
+  try:
+    meta = json.loads((step_dir / description).read_text())
+  except (OSError, ValueError) as e:
+    return f"{description} is unreadable ({e})"
+  return record_problem if isinstance(meta, dict) and meta.get(RECORD_KEY) else None
+
+
+def problem(step_dir: epath.Path, *, required: Sequence[str], description: str) -> str | None:
+  """What is wrong with the checkpoint in ``step_dir``, or None if it is intact.
+
+  Args:
+    step_dir: one step's directory.
+    required: files every complete save writes, relative to ``step_dir``.
+    description: the zero_jax JSON (relative to ``step_dir``); its
+      ``files_record`` entry says that the save wrote a record.
+
+  Returns:
+    None, or a phrase naming the damage, e.g. ``"the item directory state/ is
+    missing"``.
+  """
+  files, record_problem = _read_record(step_dir)
+  if files is None and (step_dir / RECORD).exists():
+    return record_problem
+  names = list(required) + list(files or {})
+  gone = _missing_items(step_dir, names)
+  if gone:
+    listed = ", ".join(g + "/" for g in gone)
+    return (f"the item directories {listed} are missing" if len(gone) > 1 else
+            f"the item directory {listed} is missing")
+  missing = [n for n in required if not (step_dir / n).exists()]
+  if missing:
+    return "missing " + ", ".join(missing)
+  if files is None:
+    return _legacy_problem(step_dir, description, record_problem) or (
+        _orbax_metadata_problem(step_dir))
+  bad = []
+  for name, (size, digest) in files.items():
+    why = _file_problem(step_dir / name, size, digest)
+    if why:
+      bad.append(f"{name}: {why}")
+  if bad:
+    return _named(bad)
+  return _orbax_metadata_problem(step_dir)

@@ -1,0 +1,238 @@
+"""The one writer of a checkpoint directory: writable, locked, finished at exit.
+
+Any number of `CheckpointManager`s may *read* a directory (an evaluation job
+restoring the latest checkpoint of a running training job, say), but only one
+may *write* it: two writers would each delete the other's checkpoints to keep
+their own ``max_to_keep``, and each would clean up the other's save in
+progress as a leftover of a crash. So a manager's first ``save`` checks that
+the directory can be written (`check_writable`) and takes the lock file
+``<directory>/.zero_jax.lock`` (`DirectoryLock`), which it keeps until
+``close()`` or the end of the process.
+
+The lock is an exclusive ``flock`` on that file, which names its holder
+(pid, host, start time, command) for the error message of the next writer.
+The kernel drops the ``flock`` when the holder's process ends, however it
+ends (``SIGKILL`` included), so a lock left by a dead process is stale and is
+taken over without anyone deleting files (a child forked without ``exec``
+shares the descriptor, and so holds the lock while it outlives its parent).
+The file's content only names the holder. On a file system without ``flock``
+the file's content alone decides: a holder on this host whose pid is no
+longer running is stale; one on another host cannot be checked and is
+reported (delete the file if that process is gone).
+
+A manager that saved has its pending saves finished when the interpreter
+exits (`finish_at_exit`), unless it was closed before.
+
+In a multi-process job every process constructs a manager on the same
+directory and calls ``save``; only the primary process (``jax.process_index()
+== 0``) takes the lock, for the whole job. Object stores (``gs://...``) have no
+file locks: there, nothing stops a second writer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import errno
+import json
+import os
+import socket
+import sys
+import threading
+import uuid
+
+try:
+  import fcntl
+except ImportError:  # not POSIX
+  fcntl = None
+
+LOCK_NAME = ".zero_jax.lock"
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class DirectoryInUseError(RuntimeError):
+  """Another `CheckpointManager` (process or object) is writing the directory."""
+
+
+def _unwritable(directory: str, e: OSError) -> OSError:
+  """``e`` (keeping its class, e.g. PermissionError) with a message naming ``directory``."""
+  return type(e)(e.errno, f"the checkpoint directory {directory} is not writable: "
+                          f"{e.strerror or e} ({e.filename or directory}). Choose a directory "
+                          f"this process can create files and directories in.")
+
+
+def make_directory(directory: str) -> None:
+  """Creates ``directory`` (and its parents); raises an OSError naming it if it cannot."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    raise _unwritable(directory, e) from e
+  if not os.path.isdir(directory):
+    raise NotADirectoryError(errno.ENOTDIR, f"the checkpoint directory {directory} is not a "
+                                            f"directory. Choose another path.")
+
+
+def writable_problem(directory: str) -> OSError | None:
+  """None if a directory and a file can be created in ``directory``, else the error.
+
+  Creating them is the only test that holds for root too (``os.access`` and
+  permission bits do not: root ignores them, but not a read-only mount).
+  """
+  probe = os.path.join(directory, f".zero_jax-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+  try:
+    os.mkdir(probe)
+    try:
+      with open(os.path.join(probe, "f"), "wb") as f:
+        f.write(b"0")
+      os.remove(os.path.join(probe, "f"))
+    finally:
+      os.rmdir(probe)
+  except OSError as e:
+    return _unwritable(directory, e)
+  return None
+
+
+def check_writable(directory: str) -> None:
+  """Raises an OSError naming ``directory`` unless files can be created in it."""
+  error = writable_problem(directory)
+  if error is not None:
+    raise error
+
+
+# ------------------------------------------------------------------- the lock
+def _me() -> dict:
+  return {"pid": os.getpid(), "host": socket.gethostname(),
+          "since": datetime.datetime.now().isoformat(timespec="seconds"),
+          "command": " ".join(sys.argv)[:200]}
+
+
+def _running(pid) -> bool:
+  """Whether a process with this pid runs on this host."""
+  try:
+    os.kill(int(pid), 0)
+  except ProcessLookupError:
+    return False
+  except (OSError, TypeError, ValueError):
+    return True  # exists (owned by another user), or unknown: assume it runs
+  return True
+
+
+class DirectoryLock:
+  """The write lock of one checkpoint directory (see the module docstring)."""
+
+  def __init__(self, directory: str):
+    self.directory = directory
+    self.path = os.path.join(directory, LOCK_NAME)
+    self._fd: int | None = None
+
+  def _read_holder(self, fd: int) -> dict | None:
+    try:
+      os.lseek(fd, 0, os.SEEK_SET)
+      holder = json.loads(os.read(fd, 4096).decode() or "null")
+      return holder if isinstance(holder, dict) else None
+    except (OSError, ValueError):
+      return None
+
+  def _in_use(self, holder: dict | None) -> DirectoryInUseError:
+    if holder is None:
+      who = "another process"
+    else:
+      same = holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+      who = (f"process {holder.get('pid')} on host {holder.get('host')} (since "
+             f"{holder.get('since')}: {holder.get('command')})" +
+             (", that is this process: another CheckpointManager object" if same else ""))
+    return DirectoryInUseError(
+        f"the checkpoint directory {self.directory} is being written by {who}, which holds "
+        f"{self.path}. Two managers saving into one directory would delete each other's "
+        f"checkpoints (max_to_keep) and saves in progress. Close the other manager first "
+        f"(mngr.close(), or leave its `with` block), or save into another directory. "
+        f"Reading (restore, all_steps) needs no lock.")
+
+  def acquire(self) -> None:
+    """Takes the lock; raises DirectoryInUseError naming the holder, or OSError."""
+    if self._fd is not None:
+      return
+    try:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise _unwritable(self.directory, e) from e
+    try:
+      self._lock(fd)
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, json.dumps(_me()).encode(), 0)
+    except BaseException:
+      os.close(fd)
+      raise
+    self._fd = fd
+
+  def _lock(self, fd: int) -> None:
+    if fcntl is not None:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+      except BlockingIOError:
+        raise self._in_use(self._read_holder(fd)) from None
+      except OSError as e:
+        if e.errno not in _NO_FLOCK:
+          raise
+    holder = self._read_holder(fd)  # no flock here: the recorded holder decides
+    if holder is None:
+      return
+    pid = holder.get("pid")
+    if holder.get("host") == socket.gethostname() and pid != os.getpid() and not _running(pid):
+      return  # stale: its process is gone
+    raise self._in_use(holder)
+
+  def release(self) -> None:
+    """Gives the lock up (also done by the kernel when the process ends)."""
+    if self._fd is None:
+      return
+    fd, self._fd = self._fd, None
+    try:
+      os.ftruncate(fd, 0)  # no holder named: a later writer without flock may take it
+    except OSError:
+      pass
+    os.close(fd)  # closing the descriptor releases the flock
+
+
+# ---------------------------------------------------------------- at exit
+_pending: dict[int, object] = {}  # managers that saved and are not closed yet
+_hook_registered = False
+
+
+def first_line(e: BaseException) -> str:
+  """``"KindOfError: its first line"``, for messages that quote an error."""
+  lines = str(e).strip().splitlines()
+  return type(e).__name__ + (": " + lines[0][:400] if lines else "")
+
+
+def _finish_all() -> None:
+  """Closes every pending manager; a save that fails ends the process with code 1."""
+  for mngr in list(_pending.values()):
+    try:
+      mngr.close()
+    except Exception as e:  # pylint: disable=broad-except
+      sys.stdout.flush()
+      os.write(2, (f"\nzero_jax: a checkpoint save into {mngr.directory} failed while the "
+                   f"process was exiting: {first_line(e)}\n").encode())
+      os._exit(1)  # pylint: disable=protected-access
+
+
+def finish_at_exit(mngr) -> None:
+  """Has ``mngr.close()`` (which waits for its saves) run when the interpreter exits.
+
+  Python shuts ``concurrent.futures``' thread pools down, which Orbax's
+  background write runs on, before it calls ``atexit`` functions; so the hook
+  is one of ``threading``'s exit functions, which run before that, in the main
+  thread (in reverse order of registration: after the pools' hook).
+  """
+  global _hook_registered
+  if not _hook_registered:
+    getattr(threading, "_register_atexit", atexit.register)(_finish_all)
+    _hook_registered = True
+  _pending[id(mngr)] = mngr
+
+
+def forget_at_exit(mngr) -> None:
+  """Undoes `finish_at_exit` (``mngr`` was closed)."""
+  _pending.pop(id(mngr), None)
