@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import zero_jax as zj  # noqa: E402,F401
+from zero_jax import hlo as hlo_lib  # noqa: E402
 
 AXIS = "data"
 MIB = 2.0**20
@@ -213,23 +214,13 @@ def memory(compiled) -> dict:
           "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
 
 
-_DT_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
-             "pred": 1, "s64": 8, "u64": 8}
-_COLL = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-reduce|reduce-scatter|all-gather|all-to-all|"
-                   r"collective-permute)(?:-start)?\(")
-_SHAPE = re.compile(r"(f64|f32|s32|u32|bf16|f16|s8|u8|pred|s64|u64)\[([\d,]*)\]")
-
-
 def collectives(hlo_text: str) -> dict:
   """``{(kind, dtypes): (count, result bytes)}`` of the collectives in an HLO module's text."""
   out: dict = {}
-  for m in _COLL.finditer(hlo_text):
-    shapes = _SHAPE.findall(m.group(1))
-    nbytes = sum(_DT_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                 for dt, dims in shapes)
-    key = (m.group(2), "+".join(sorted({dt for dt, _ in shapes})))
-    c, b = out.get(key, (0, 0))
-    out[key] = (c + 1, b + nbytes)
+  for c in hlo_lib.collectives(hlo_text):
+    dtypes = "+".join(sorted(set(re.findall(r"([a-z]+\d*)\[", c.shape_text))))
+    n, b = out.get((c.op, dtypes), (0, 0))
+    out[(c.op, dtypes)] = (n + 1, b + c.nbytes)
   return out
 
 
@@ -344,6 +335,15 @@ CONDITION_TEXT = {
     "retain": "glibc malloc keeping freed memory (`MALLOC_MMAP_THRESHOLD_=MALLOC_TRIM_THRESHOLD_=2**32`)",
     "default": "glibc malloc defaults (temp buffers mmapped and page-faulted every step)",
 }
+
+
+def header(title: str, script: str, results: dict, seconds: float, what: str) -> list[str]:
+  """The first lines of a section: its title, the command and machine, then ``what``."""
+  from _report import machine  # pylint: disable=g-import-not-at-top
+  return [f"## {title}", "",
+          f"Measured by `python benchmarks/{script}` on {machine()} ({seconds / 60:.1f} min; "
+          f"load {load_text(results)}). {what} No GPU was available to this work: CPU "
+          f"figures only.", ""]
 
 
 def load_text(results: dict) -> str:

@@ -6,12 +6,13 @@ HLO text that tells which of them run inside a ``while`` loop (the
 ``lax.scan`` over micro-batches).
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from zero_jax import hlo as hlo_lib
+from zero_jax.hlo import replica_groups, shapes_in  # noqa: F401 (re-exported)
 
 N = 8
 RTOL = 1e-5
@@ -92,129 +93,20 @@ def assert_stage3_equals_stage2_equals_reference(run3, run2, loss_fn, optimizer,
 
 
 # ------------------------------------------------------------------ HLO text
-_OP = re.compile(r"=\s*(.+?)\s+(all-reduce|reduce-scatter|all-gather|all-to-all|"
-                 r"collective-permute)(?:-start)?\(")
-_HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_CALLED = re.compile(r"(?:body|condition|to_apply|calls)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-
-
-def _computations(hlo):
-  comps, cur = {}, None
-  for line in hlo.splitlines():
-    m = _HEAD.match(line)
-    if m and not line.startswith(" "):
-      cur = m.group(1)
-      comps[cur] = []
-    elif cur is not None:
-      if line.strip() == "}":
-        cur = None
-      else:
-        comps[cur].append(line)
-  return comps
-
-
 def collectives(hlo):
-  """``[(op, result_shape_text, in_loop)]`` for each collective in compiled HLO text.
-
-  ``in_loop`` is True for collectives in a ``while`` body or condition, or in
-  any computation those call.
-  """
-  comps = _computations(hlo)
-  todo = []
-  for lines in comps.values():
-    for line in lines:
-      if " while(" in line:
-        todo += re.findall(r"(?:body|condition)=%?([\w.\-]+)", line)
-  in_loop = set()
-  while todo:
-    c = todo.pop()
-    if c in in_loop or c not in comps:
-      continue
-    in_loop.add(c)
-    for line in comps[c]:
-      todo += _CALLED.findall(line)
-      for group in _BRANCHES.findall(line):
-        todo += [x.strip().lstrip("%") for x in group.split(",")]
-  out = []
-  for name, lines in comps.items():
-    for line in lines:
-      m = _OP.search(line)
-      if m:
-        out.append((m.group(2), m.group(1), name in in_loop))
-  return out
+  """``[(op, result_shape_text, in_loop)]`` for each collective in compiled HLO text."""
+  return [(c.op, c.shape_text, c.in_loop) for c in hlo_lib.collectives(hlo)]
 
 
-def shapes_in(shape_text):
-  """Every array shape in an HLO result type, e.g. '(f32[2,3]{1,0}, f32[])' -> [(2, 3), ()]."""
-  return [tuple(int(d) for d in dims.split(",") if d)
-          for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", shape_text)]
+def collective_groups(hlo):
+  """``[(op, result_shape_text, groups)]`` for every collective in compiled HLO text."""
+  return [(c.op, c.shape_text, c.groups) for c in hlo_lib.collectives(hlo)]
 
 
 def gradient_collectives(colls):
   """Reduce-scatters and all-reduces that carry an array of more than one element."""
   return [c for c in colls if c[0] in ("reduce-scatter", "all-reduce")
           and any(np.prod(s) > 1 for s in shapes_in(c[1]))]
-
-
-_GROUPS_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-
-
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\],\s*device_ids=\(\[([\d,]+)\]"
-                          r"(?:T\(([\d,]+)\))?\)\s*\{([^}]*)\}")
-
-
-def _mesh_groups(m):
-  """Groups of the mesh form: ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}``."""
-  axes = [(n.strip().strip("'"), int(v)) for n, v in
-          (a.split("=") for a in m.group(1).split(","))]
-  dims = [int(d) for d in m.group(2).split(",")]
-  ids = np.arange(int(np.prod(dims))).reshape(dims)
-  if m.group(3):
-    ids = ids.transpose([int(d) for d in m.group(3).split(",")])
-  ids = ids.reshape([v for _, v in axes])
-  reduced = {a.strip().strip("'") for a in m.group(4).split(",")}
-  order = [i for i, (n, _) in enumerate(axes) if n not in reduced] + \
-          [i for i, (n, _) in enumerate(axes) if n in reduced]
-  size = int(np.prod([v for n, v in axes if n in reduced]))
-  return [tuple(int(d) for d in g) for g in ids.transpose(order).reshape(-1, size)]
-
-
-def replica_groups(line):
-  """The device groups of one HLO collective, as a list of tuples of device ids.
-
-  Reads the forms XLA prints: ``{{0,1},{2,3}}``, the iota form ``[2,4]<=[8]`` /
-  ``[4,2]<=[2,4]T(1,0)`` (iota over the second shape, transposed, reshaped to
-  the first), and the mesh form ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0))
-  {'a'}`` (devices on a mesh, grouped along the named axes).
-  """
-  m = _GROUPS_MESH.search(line)
-  if m:
-    return _mesh_groups(m)
-  m = _GROUPS_EXPLICIT.search(line)
-  if m:
-    return [tuple(int(d) for d in g.split(",") if d)
-            for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-  m = _GROUPS_IOTA.search(line)
-  if m:
-    shape = [int(d) for d in m.group(1).split(",")]
-    dims = [int(d) for d in m.group(2).split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m.group(3):
-      ids = ids.transpose([int(d) for d in m.group(3).split(",")])
-    return [tuple(int(d) for d in g) for g in ids.reshape(shape[0], -1)]
-  return None
-
-
-def collective_groups(hlo):
-  """``[(op, result_shape_text, groups)]`` for every collective in compiled HLO text."""
-  out = []
-  for line in hlo.splitlines():
-    m = _OP.search(line)
-    if m:
-      out.append((m.group(2), m.group(1), replica_groups(line)))
-  return out
 
 
 def shard_bytes(tree, device):
