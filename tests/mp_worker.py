@@ -4,13 +4,14 @@ Importable without side effects: the test process imports the model, the
 variants and the batches from here to compute its one-process reference.
 
   python tests/mp_worker.py parity OUT_DIR [CKPT_DIR]   # the variants, 5 steps each
+  python tests/mp_worker.py rows OUT_DIR                # process 1 feeds half the rows
   python tests/mp_worker.py forever OUT_DIR [P [now]]   # trains until killed;
                                                         # process P raises at step 3
                                                         # ("now": and leaves at once,
                                                         # without waiting for its peers)
 
 Each process is configured by the ZERO_JAX_* variables of
-zero_jax.distributed.start_local_processes.
+zero_jax.launch.start_local_processes.
 """
 
 import json
@@ -35,6 +36,10 @@ VARIANTS = {
     "fp16_stage2_adam": dict(stage=2, opt="adam", precision="fp16", comm_dtype="float32"),
     # rng= (a typed key) and model_state= placed on a mesh that spans processes.
     "stage2_adam_rng_state": dict(stage=2, opt="adam", extras=True),
+    # Hybrid sharding: a ("replica", "data") = (2, 4) mesh, the replica axis across the
+    # two processes (ZeRO within a process, data parallelism between them).
+    "hybrid_stage2_adam": dict(stage=2, opt="adam", hybrid=True),
+    "hybrid_stage3_sgd": dict(stage=3, opt="sgd", hybrid=True),
 }
 
 
@@ -78,29 +83,48 @@ def optimizer(name):
           "sgd": optax.sgd(0.1)}[name]
 
 
-def make_step(variant, mesh):
+def make_step(variant):
+  """The variant's step on all devices: a 1-D "data" mesh, or (2, n/2) for hybrid ones."""
+  import jax  # pylint: disable=g-import-not-at-top
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
   v = dict(VARIANTS[variant])
   fn = loss_fn_extras if v.pop("extras", False) else loss_fn
+  if v.pop("hybrid", False):
+    mesh = jax.make_mesh((2, jax.device_count() // 2), ("replica", "data"))
+    v["replica_axis"] = "replica"
+  else:
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
   return zj.make_sharded_train_step(fn, optimizer(v.pop("opt")), mesh=mesh, **v)
+
+
+def collective_groups(step, state, batch):
+  """[(op, groups)] of the compiled step, groups as mesh positions -> process indices."""
+  from zero_jax import hlo  # pylint: disable=g-import-not-at-top
+  owner = [d.process_index for d in step.mesh.devices.flat]
+  text = step.lower(state, batch).compile().as_text()
+  return [(c.op, [[owner[i] for i in g] for g in c.groups or []])
+          for c in hlo.collectives(text) if c.nbytes > 8]
 
 
 def _parity(out_dir, ckpt_in):
   import jax  # pylint: disable=g-import-not-at-top
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
   me = jax.process_index()
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  rows = zj.process_batch_slice(GLOBAL_BATCH, mesh)
-  results, report = {}, {"process": me, "rows": [rows.start, rows.stop],
-                         "num_devices": jax.device_count(),
-                         "local_devices": jax.local_device_count(), "metrics": {}}
+  results, report = {}, {"process": me, "num_devices": jax.device_count(),
+                         "local_devices": jax.local_device_count(), "metrics": {},
+                         "groups": {}}
   for variant in VARIANTS:
-    step = make_step(variant, mesh)
+    step = make_step(variant)
+    rows = zj.process_batch_slice(GLOBAL_BATCH, step)
+    report.setdefault("rows", [rows.start, rows.stop])
     state = step.init(init_params(), **init_kwargs(variant))
     history = []
     for t in range(STEPS):
       local = jax.tree.map(lambda x: x[rows], global_batch(t))
-      state, metrics = step(state, zj.make_global_batch(local, mesh))
+      batch = zj.make_global_batch(local, step)
+      if t == 0 and VARIANTS[variant].get("hybrid"):
+        report["groups"][variant] = collective_groups(step, state, batch)
+      state, metrics = step(state, batch)
       history.append(zj.metrics_to_host(metrics))
       zj.print_main(f"{variant} step {t}: loss {history[-1]['loss']:.6f}")
     for k, x in step.get_params(state).items():
@@ -128,8 +152,8 @@ def _checkpoints(step, state, out_dir, ckpt_in, results):
   results["restored/step"] = np.asarray(restored.step)
   # One more step from the restored state: the optimizer state came back too.
   state_r, _ = step(restored, zj.make_global_batch(
-      {k: v[zj.process_batch_slice(GLOBAL_BATCH, step.mesh)] for k, v in
-       global_batch(STEPS).items()}, step.mesh))
+      {k: v[zj.process_batch_slice(GLOBAL_BATCH, step)] for k, v in
+       global_batch(STEPS).items()}, step))
   for k, x in step.get_params(state_r).items():
     results[f"restored_plus_one/{k}"] = np.asarray(x)
   with CheckpointManager(os.path.join(out_dir, "ckpt_mp")) as mngr:
@@ -150,13 +174,12 @@ def _raise_and_leave_at_once(message):
 def _forever(out_dir, raise_in, leave_at_once=False):
   import jax  # pylint: disable=g-import-not-at-top
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  rows = zj.process_batch_slice(GLOBAL_BATCH, mesh)
-  step = make_step("stage2_sgd_clip", mesh)
+  step = make_step("stage2_sgd_clip")
+  rows = zj.process_batch_slice(GLOBAL_BATCH, step)
   state = step.init(init_params())
   local = jax.tree.map(lambda x: x[rows], global_batch(0))
   for t in range(100000):
-    state, metrics = step(state, zj.make_global_batch(local, mesh))
+    state, metrics = step(state, zj.make_global_batch(local, step))
     m = zj.metrics_to_host(metrics)
     print(f"process {jax.process_index()} step {t} loss {m['loss']:.5f}", flush=True)
     if t == 3 and jax.process_index() == raise_in:
@@ -168,12 +191,30 @@ def _forever(out_dir, raise_in, leave_at_once=False):
   del out_dir
 
 
+def _uneven_rows(out_dir):
+  """Process 1 feeds half as many rows as process 0: each must fail naming the rows."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  step = make_step("stage2_sgd_clip")
+  rows = zj.process_batch_slice(GLOBAL_BATCH, step)
+  local = jax.tree.map(lambda x: x[rows], global_batch(0))
+  if jax.process_index() == 1:
+    local = jax.tree.map(lambda x: x[:len(x) // 2], local)
+  try:
+    zj.make_global_batch(local, step)
+  except ValueError as e:
+    with open(os.path.join(out_dir, f"rows_{jax.process_index()}.txt"), "w") as f:
+      f.write(str(e))
+
+
 def main(argv):
   mode, out_dir = argv[1], argv[2]
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
   zj.initialize_distributed()
   if mode == "parity":
     _parity(out_dir, argv[3] if len(argv) > 3 else None)
+  elif mode == "rows":
+    _uneven_rows(out_dir)
   elif mode == "forever":
     _forever(out_dir, int(argv[3]) if len(argv) > 3 else None, argv[4:] == ["now"])
   else:

@@ -217,3 +217,55 @@ def test_error_param_specs_naming_the_data_axis():
                                     param_specs={**MEGATRON_SPECS, "w1": P("data", "model")})
   with pytest.raises(ValueError, match=r"params\['w1'\].*names 'data'.*model axes"):
     step.init(megatron_params())
+
+
+# ------------------------------------------------------- checkpoints, memory
+MESHES = {  # name: (mesh shape, axis names, step options)
+    "flat8": ((8,), ("data",), {}),
+    "hybrid2x4": ((2, 4), ("replica", "data"), {"replica_axis": "replica"}),
+    "data4_model2": ((4, 2), ("data", "model"), {"param_specs": MEGATRON_SPECS}),
+}
+
+
+def megatron_step(name, stage=2):
+  shape, axes, kw = MESHES[name]
+  return zj.make_sharded_train_step(megatron_loss, optax.adam(1e-2),
+                                    mesh=jax.make_mesh(shape, axes), stage=stage, **kw)
+
+
+@pytest.mark.parametrize("saved,restored", [("flat8", "hybrid2x4"), ("flat8", "data4_model2"),
+                                            ("data4_model2", "flat8"), ("hybrid2x4", "flat8")])
+def test_checkpoint_restores_across_mesh_shapes_and_continues_like_an_unbroken_run(
+    saved, restored, tmp_path):
+  bs = batches(4, fin=6)
+  step_a = megatron_step(saved)
+  state = step_a.init(megatron_params())
+  for b in bs[:2]:
+    state, _ = step_a(state, b)
+  with zj.CheckpointManager(tmp_path) as mngr:
+    mngr.save(state)
+  step_b = megatron_step(restored, stage=3 if restored == "hybrid2x4" else 2)
+  with zj.CheckpointManager(tmp_path) as mngr:
+    state_b = mngr.restore(step_b, megatron_params())
+  for b in bs[2:]:
+    state_b, _ = step_b(state_b, b)
+  ref, _, _ = reference_run(megatron_loss, optax.adam(1e-2), megatron_params(), bs)
+  assert_tree_close(step_b.get_params(state_b), ref[-1], what=f"{saved} -> {restored} ")
+
+
+@pytest.mark.parametrize("name", ["hybrid2x4", "data4_model2"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_memory_report_on_hybrid_and_model_meshes_equals_the_real_shards(name, stage):
+  shape, axes, kw = MESHES[name]
+  step = megatron_step(name, stage)
+  state = step.init(megatron_params())
+  report = zj.memory_report(megatron_params(), optax.adam(1e-2), mesh=step.mesh,
+                            axis_name="data", stages=(stage,), **kw)[stage]
+  dev = jax.devices()[0]
+  assert report.optimizer_state == shard_bytes(state.opt_state, dev)
+  assert report.params == shard_bytes(state.params, dev)
+  # Planning for a size this machine does not have: an abstract mesh.
+  big = jax.sharding.AbstractMesh((16, 8) if name == "hybrid2x4" else (64, 8), axes)
+  planned = zj.memory_report(megatron_params(), optax.adam(1e-2), mesh=big, axis_name="data",
+                             stages=(stage,), **kw)[stage]
+  assert planned.optimizer_state < report.optimizer_state

@@ -78,14 +78,17 @@ def test_state_from_an_identically_built_step_is_accepted(mesh):
 
 
 # ------------------------------------------------------ 2. a donated state reused
-def test_reusing_a_donated_state_raises_before_dispatch_and_explains_donation(mesh):
+def test_reusing_a_donated_state_raises_before_dispatch_and_explains_donation(mesh, tmp_path):
   step = make(mesh, stage=3)
   state = step.init(init_params())
   new, _ = step(state, batch())
-  for use in (lambda: step(state, batch()), lambda: step.get_params(state)):
+  mngr = zj.CheckpointManager(tmp_path)
+  for use in (lambda: step(state, batch()), lambda: step.get_params(state),
+              lambda: mngr.save(state)):
     with pytest.raises(RuntimeError, match=r"already passed to the step.*donate=False"):
       use()
   step(new, batch())  # the returned state is fine
+  mngr.close()
 
 
 # ----------------------------------------------------------------- 3. batches

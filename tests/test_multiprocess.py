@@ -20,6 +20,7 @@ import pytest
 import mp_worker as W
 import zero_jax as zj
 from zero_jax import distributed as zd
+from zero_jax import launch as zl
 
 try:  # zero_jax.checkpoint is written alongside; the checkpoint tests need it
   from zero_jax.checkpoint import CheckpointManager
@@ -56,7 +57,7 @@ def one_process(mesh8, tmp_path_factory):
   ckpt = str(tmp_path_factory.mktemp("ckpt_1p")) if CheckpointManager else None
   out = {}
   for variant in W.VARIANTS:
-    step = W.make_step(variant, mesh8)
+    step = W.make_step(variant)
     state = step.init(W.init_params(), **W.init_kwargs(variant))
     losses = []
     for t in range(W.STEPS):
@@ -151,6 +152,28 @@ def test_every_process_gets_the_same_params_and_python_metrics(two_processes):
 
 # ----------------------------------------------------------------- checkpoints
 @needs_checkpoint
+@pytest.mark.parametrize("variant", [v for v, o in W.VARIANTS.items() if o.get("hybrid")])
+def test_hybrid_reduce_scatters_and_all_gathers_stay_within_a_process(variant, two_processes):
+  """replica_axis across the processes: only the all-reduce of each block crosses them."""
+  for rep in two_processes["reports"]:
+    groups = rep["groups"][variant]
+    for op, gs in groups:
+      spans = any(len(set(g)) > 1 for g in gs)
+      if op in ("reduce-scatter", "all-gather"):
+        assert not spans, (op, gs)
+    assert any(op == "all-reduce" and any(len(set(g)) > 1 for g in gs) for op, gs in groups)
+    assert any(op in ("reduce-scatter", "all-gather") for op, _ in groups)
+
+
+def test_a_process_feeding_other_rows_than_its_peers_is_an_error_on_every_process(tmp_path):
+  rc = zj.launch_local([sys.executable, WORKER, "rows", str(tmp_path)], num_processes=2,
+                       devices_per_process=4, timeout=120, log_dir=str(tmp_path / "logs"))
+  assert rc == 0, (tmp_path / "logs" / "process_0.log").read_text()[-3000:]
+  for i in range(2):
+    msg = (tmp_path / f"rows_{i}.txt").read_text()
+    assert "process 0: 2, process 1: 1" in msg and "process_batch_slice" in msg, msg
+
+
 def test_checkpoint_from_one_process_restores_in_two(one_process, two_processes):
   ref = one_process["stage2_sgd_clip"]["params"]
   for r in two_processes["results"]:
@@ -162,7 +185,7 @@ def test_checkpoint_from_one_process_restores_in_two(one_process, two_processes)
 
 @needs_checkpoint
 def test_checkpoint_from_two_processes_restores_in_one(mesh8, one_process, two_processes):
-  step = W.make_step("stage2_sgd_clip", mesh8)
+  step = W.make_step("stage2_sgd_clip")
   with CheckpointManager(two_processes["dir"] / "ckpt_mp") as mngr:
     restored = mngr.restore(step, W.init_params())
   assert int(restored.step) == W.STEPS
@@ -193,7 +216,7 @@ def _run_until_failure(tmp_path, extra_args, victim=None):
   """Starts 2 'forever' workers; kills ``victim`` once both passed step 3."""
   logs = tmp_path / "logs"
   survivor_id = 0 if victim is None else 1 - victim
-  procs = zd.start_local_processes([sys.executable, WORKER, "forever", str(tmp_path)] +
+  procs = zl.start_local_processes([sys.executable, WORKER, "forever", str(tmp_path)] +
                                    extra_args, num_processes=2, devices_per_process=4,
                                    peer_timeout_seconds=PEER_TIMEOUT, log_dir=str(logs))
   try:

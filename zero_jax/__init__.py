@@ -3,8 +3,9 @@
 from zero_jax.checkpoint import CheckpointManager, export_params
 from zero_jax.clipping import clip_by_global_norm, global_norm
 from zero_jax.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
-                                  is_main_process, launch_local, make_global_batch,
-                                  metrics_to_host, print_main, process_batch_slice)
+                                  is_main_process, metrics_to_host, print_main)
+from zero_jax.global_batch import make_global_batch, process_batch_slice
+from zero_jax.launch import launch_local
 from zero_jax.layout import Layout, leaf_layout
 from zero_jax.loss_scale import (LossScaleState, adjust_loss_scale, all_finite,
                                  dynamic_loss_scale, no_loss_scale, scale_loss,

@@ -78,6 +78,7 @@ from zero_jax.checkpoint_integrity import (  # noqa: F401  (re-exported)
     DamagedCheckpointError, DamagedCheckpointWarning)
 from zero_jax.checkpoint_writer import DirectoryInUseError  # noqa: F401  (re-exported)
 from zero_jax.signature import optimizer_signature
+from zero_jax.state import check_alive
 from zero_jax.train_step import ShardedTrainStep, TrainState
 
 _STATE_ITEM, _META_ITEM = "state", "zero_jax"
@@ -307,6 +308,7 @@ class CheckpointManager:
     if not isinstance(state, TrainState):
       raise TypeError(f"save needs the TrainState returned by step.init or step(...), got "
                       f"{type(state).__name__}.")
+    check_alive(state, "CheckpointManager.save")
     step = int(state.step)
     self._claim()
     self._mngr.wait_until_finished()

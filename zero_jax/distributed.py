@@ -9,8 +9,8 @@ unchanged on a mesh that spans processes; what changes is the host side:
   variables set by `launch_local`), selects gloo collectives on CPU and starts
   a peer watchdog (below).
 * **The batch.** Each process loads only its rows of the global batch
-  (`process_batch_slice` says which) and `make_global_batch` assembles them
-  into one global ``jax.Array`` with ``jax.make_array_from_process_local_data``.
+  (`zero_jax.global_batch`: `process_batch_slice` says which rows, and
+  `make_global_batch` assembles them into one global ``jax.Array``).
 * **Parameters.** ``step.init(params)`` must get the *same* params on every
   process (initialise them from the same seed); it places them without
   communication.
@@ -33,7 +33,7 @@ unchanged on a mesh that spans processes; what changes is the host side:
   to coordination service. Either the leader task was
   preempted/died/restarted unexpectedly ...".
 
-Trying it on one machine: `launch_local` (or ``python examples/launch_local.py
+Trying it on one machine: `zero_jax.launch.launch_local` (or ``python examples/launch_local.py
 -n 2 -d 4 your_script.py``) starts ``n`` local processes with a few CPU
 devices each, wired together over gloo.
 
@@ -54,18 +54,15 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 LOST_PEER_EXIT_CODE = 3
 """Exit status of a process that stops because a peer process was lost."""
@@ -221,107 +218,6 @@ def metrics_to_host(metrics) -> Any:
     x = np.asarray(x)
     return x.item() if x.ndim == 0 else x
   return jax.tree.map(to_host, metrics)
-
-
-# ------------------------------------------------------------------ the batch
-def _batch_sharding(mesh, axis_name) -> NamedSharding:
-  if not isinstance(mesh, Mesh):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(("
-                    f"jax.device_count(),), ('data',)) or step.mesh); got "
-                    f"{type(mesh).__name__}.")
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are "
-                     f"{tuple(mesh.axis_names)}; pass the step's axis_name.")
-  return NamedSharding(mesh, P(axis_name))
-
-
-def _local_rows(sharding: NamedSharding, global_rows: int) -> list[tuple[int, int]]:
-  """Sorted, merged [start, stop) row ranges this process's devices hold."""
-  spans = set()
-  for index in sharding.addressable_devices_indices_map((global_rows,)).values():
-    s = index[0]
-    spans.add((s.start or 0, global_rows if s.stop is None else s.stop))
-  merged = []
-  for start, stop in sorted(spans):
-    if merged and start <= merged[-1][1]:
-      merged[-1] = (merged[-1][0], max(stop, merged[-1][1]))
-    else:
-      merged.append((start, stop))
-  return merged
-
-
-def process_batch_slice(global_batch_size: int, mesh: Mesh, *, axis_name: str = "data") -> slice:
-  """The rows of the global batch that this process loads.
-
-  ``make_global_batch`` expects each process to pass exactly these rows of
-  the global batch, in order. For ``jax.make_mesh`` meshes, process ``i`` of
-  ``p`` gets the ``i``-th of ``p`` equal blocks.
-
-  Example:
-    rows = zj.process_batch_slice(64, mesh)    # 2 processes: slice(0, 32) or slice(32, 64)
-    local = {"x": x_global[rows], "y": y_global[rows]}
-
-  Args:
-    global_batch_size: the leading dimension of the global batch; a multiple
-      of the size of the mesh axis ``axis_name``.
-    mesh: the step's mesh.
-    axis_name: the mesh axis the batch is split over.
-
-  Returns:
-    A ``slice`` into the global batch's leading dimension.
-  """
-  sharding = _batch_sharding(mesh, axis_name)
-  n = mesh.shape[axis_name]
-  if global_batch_size % n:
-    raise ValueError(f"global_batch_size={global_batch_size} must be divisible by the "
-                     f"{n} devices on mesh axis {axis_name!r}.")
-  spans = _local_rows(sharding, global_batch_size)
-  if len(spans) != 1:
-    raise ValueError(f"process {jax.process_index()} holds the non-contiguous rows {spans} of "
-                     f"the global batch on this mesh; order the mesh's devices by process "
-                     f"(jax.make_mesh does) or build the global batch with "
-                     f"jax.make_array_from_callback.")
-  return slice(*spans[0])
-
-
-def make_global_batch(local_batch, mesh: Mesh, *, axis_name: str = "data"):
-  """Assembles each process's rows into the global batch the step expects.
-
-  Every process calls it with its own rows (see `process_batch_slice`): the
-  leaves' leading dimension is the per-process batch, the result's is the
-  global batch (the sum over processes), split over ``axis_name``. No data
-  moves between processes. With one process it just places the batch.
-
-  Example:
-    rows = zj.process_batch_slice(64, mesh)
-    batch = zj.make_global_batch({"x": x[rows], "y": y[rows]}, mesh)
-    state, metrics = step(state, batch)
-
-  Args:
-    local_batch: a pytree of host arrays (numpy), this process's rows.
-    mesh: the step's mesh (``step.mesh`` or the mesh given to the step).
-    axis_name: the mesh axis the batch is split over.
-
-  Returns:
-    The same pytree of global ``jax.Array``s, sharded over ``axis_name``.
-  """
-  sharding = _batch_sharding(mesh, axis_name)
-  n = mesh.shape[axis_name]
-  probe = _local_rows(sharding, n)  # with one row per shard: this process's shard count
-  local_shards = sum(stop - start for start, stop in probe)
-
-  def make(path, x):
-    shape = np.shape(x)
-    if len(shape) == 0 or shape[0] % local_shards:
-      what = "a scalar" if not shape else f"leading dimension {shape[0]}"
-      raise ValueError(f"local_batch{jax.tree_util.keystr(path)} has {what} (shape {shape}), "
-                       f"but this process feeds {local_shards} of the {n} shards of mesh axis "
-                       f"{axis_name!r}, so each leaf's leading dimension (this process's rows "
-                       f"of the global batch) must be a multiple of {local_shards}; use a "
-                       f"global batch size that is a multiple of {n} and pass the rows "
-                       f"process_batch_slice(global_batch_size, mesh) gives.")
-    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-  return jax.tree_util.tree_map_with_path(make, local_batch)
 
 
 # ------------------------------------------------------------------ the watchdog
@@ -525,154 +421,3 @@ class _PeerWatchdog:
                   f"lost peer {self._failures(failed)}{also}. Process {self.me} exits with "
                   f"code {LOST_PEER_EXIT_CODE} instead of waiting for it in a collective; "
                   f"restart the job (from the last checkpoint).")
-
-
-# ------------------------------------------------------------------ local launcher
-def free_port() -> int:
-  """A TCP port on localhost that the OS reports free (bind to port 0)."""
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def start_local_processes(argv: Sequence[str], *, num_processes: int = 2,
-                          devices_per_process: int = 4, peer_timeout_seconds: float | None = None,
-                          env: dict | None = None, log_dir: str | None = None,
-                          **popen_kwargs) -> list[subprocess.Popen]:
-  """Starts ``num_processes`` copies of ``argv`` wired into one CPU JAX job.
-
-  Each child gets the ``ZERO_JAX_*`` variables that `initialize_distributed`
-  reads (coordinator on a free localhost port, its process id, its CPU device
-  count) and ``JAX_PLATFORMS=cpu``. The caller waits for them; `launch_local`
-  does that with a watchdog.
-
-  Args:
-    argv: the command, e.g. ``[sys.executable, "train.py", "--steps", "10"]``.
-    num_processes: how many processes.
-    devices_per_process: CPU devices each one exposes.
-    peer_timeout_seconds: overrides the children's watchdog timeout.
-    env: extra environment variables for every child.
-    log_dir: if given, process ``i`` writes its stdout and stderr to
-      ``log_dir/process_<i>.log``.
-    **popen_kwargs: passed to ``subprocess.Popen`` (e.g. ``stdout=``).
-
-  Returns:
-    The ``subprocess.Popen`` objects, in process-id order.
-  """
-  port = free_port()
-  procs = []
-  for i in range(num_processes):
-    child_env = dict(os.environ)
-    child_env.update(env or {})
-    child_env.update({
-        ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(num_processes),
-        ENV_PROCESS_ID: str(i), ENV_LOCAL_DEVICES: str(devices_per_process),
-        "JAX_PLATFORMS": "cpu"})
-    if peer_timeout_seconds is not None:
-      child_env[ENV_PEER_TIMEOUT] = str(peer_timeout_seconds)
-    if log_dir is None:
-      procs.append(subprocess.Popen(list(argv), env=child_env, **popen_kwargs))
-      continue
-    os.makedirs(log_dir, exist_ok=True)
-    with open(os.path.join(log_dir, f"process_{i}.log"), "wb") as log:
-      procs.append(subprocess.Popen(list(argv), env=child_env, stdout=log,
-                                    stderr=subprocess.STDOUT, **popen_kwargs))
-  return procs
-
-
-def _describe(code: int) -> str:
-  if code < 0:
-    try:
-      return f"was killed by {signal.Signals(-code).name}"
-    except ValueError:
-      return f"was killed by signal {-code}"
-  if code == LOST_PEER_EXIT_CODE:
-    return f"exited with code {code} (it stopped because it lost a peer)"
-  return f"exited with code {code}"
-
-
-def _root_cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
-  """The failure the others followed: the first (in the order they ended) that is
-  not a stop for a lost peer (`LOST_PEER_EXIT_CODE`), else the first."""
-  return next((f for f in failures if f[1] != LOST_PEER_EXIT_CODE), failures[0])
-
-
-def _wait_for(procs, grace_seconds: float, timeout: float | None) -> list[tuple[int, int]]:
-  """Waits as `launch_local` says; ``(process id, code)`` in the order they ended."""
-  start, failed_at, ended = time.monotonic(), None, []
-  while len(ended) < len(procs):
-    now = time.monotonic()
-    for i, p in enumerate(procs):
-      if p.poll() is not None and all(i != j for j, _ in ended):
-        ended.append((i, p.returncode))
-        if p.returncode != 0 and failed_at is None:
-          failed_at = now
-          print(f"zero_jax.launch_local: process {i} {_describe(p.returncode)}; the others "
-                f"have {grace_seconds:g} s to stop.", file=sys.stderr, flush=True)
-    late = failed_at is not None and now - failed_at > grace_seconds
-    if len(ended) < len(procs) and (late or (timeout is not None and now - start > timeout)):
-      print(f"zero_jax.launch_local: terminating processes "
-            f"{[i for i, p in enumerate(procs) if p.poll() is None]}.", file=sys.stderr,
-            flush=True)
-      break
-    time.sleep(0.1)
-  return ended
-
-
-def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_process: int = 4,
-                 grace_seconds: float = 90.0, timeout: float | None = None,
-                 **kwargs) -> int:
-  """Runs ``argv`` as a ``num_processes``-process CPU job on this machine.
-
-  Waits for all processes. When one fails, the others get ``grace_seconds``
-  to stop on their own (their watchdogs report the lost peer) and are then
-  terminated. Prints the process that failed first, the root cause, and how
-  every process ended: a process that raised exits only after its peers have
-  stopped (with `LOST_PEER_EXIT_CODE`), so the order in which they end does
-  not tell which one failed first, but the exit codes do.
-
-  Example:
-    import sys, zero_jax as zj
-    zj.launch_local([sys.executable, "train.py"], num_processes=2,
-                    devices_per_process=4)
-
-  Args:
-    argv: the command every process runs; it calls `initialize_distributed`.
-    num_processes: how many processes.
-    devices_per_process: CPU devices each one exposes.
-    grace_seconds: how long survivors may take to stop after a failure.
-    timeout: terminate everything after this many seconds (None: no limit).
-    **kwargs: passed to `start_local_processes` (``peer_timeout_seconds``,
-      ``env``, ``log_dir``, ``Popen`` options).
-
-  Returns:
-    0 if every process succeeded, else the exit status of the process that
-    failed first (128 + signal number for a signal): the first to end with a
-    status other than `LOST_PEER_EXIT_CODE`, if any.
-  """
-  procs = start_local_processes(argv, num_processes=num_processes,
-                                devices_per_process=devices_per_process, **kwargs)
-  ended = []
-  try:
-    ended = _wait_for(procs, grace_seconds, timeout)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.terminate()
-    for p in procs:
-      try:
-        p.wait(5)
-      except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-  failures = [(i, c) for i, c in ended if c != 0]
-  terminated = [(i, p.returncode) for i, p in enumerate(procs) if all(i != j for j, _ in ended)]
-  if not failures and not terminated:
-    return 0
-  first, code = _root_cause(failures or terminated)
-  summary = ", ".join(f"process {i} {_describe(p.returncode)}" +
-                      (" (terminated by launch_local)" if (i, p.returncode) in terminated else "")
-                      for i, p in enumerate(procs))
-  print(f"zero_jax.launch_local: process {first} failed first ({_describe(code)}); all: "
-        f"{summary}.", file=sys.stderr, flush=True)
-  return 128 - code if code < 0 else code

@@ -254,6 +254,19 @@ def init_state(spec: StepSpec, optimizer, meta: StateMeta, treedef, leaves, mode
 
 
 # ------------------------------------------------------------------ the check
+def check_alive(state, what: str) -> None:
+  """Raises if ``state`` was donated to a step already (its buffers are gone)."""
+  step = getattr(state, "step", None)
+  if isinstance(step, jax.Array) and step.is_deleted():
+    raise RuntimeError(
+        f"this TrainState was already passed to the step, which donated its buffers to the "
+        f"new state (donate=True, the default, so the step needs no second copy of the "
+        f"state); it cannot be used again by {what}. Use the state the step returned "
+        f"(state, metrics = step(state, batch)), or build the step with donate=False to "
+        f"keep old states alive (at the cost of a second copy in memory).")
+
+
+
 def _differences(mine: StateMeta, theirs: StateMeta, paths) -> list[str]:
   out = []
   names = ["ZeRO stage", "precision", "data axes (name, size)", "replica axes (name, size)",

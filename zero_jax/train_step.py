@@ -244,13 +244,7 @@ class ShardedTrainStep:
     if not isinstance(state, TrainState):
       raise TypeError(f"state must be the TrainState returned by step.init(params), got "
                       f"{type(state).__name__}.")
-    if isinstance(state.step, jax.Array) and state.step.is_deleted():
-      raise RuntimeError(
-          f"this TrainState was already passed to the step, which donated its buffers to the "
-          f"new state (donate=True, the default, so the step needs no second copy of the "
-          f"state); it cannot be used again by {what}. Use the state the step returned "
-          f"(state, metrics = step(state, batch)), or build the step with donate=False to "
-          f"keep old states alive (at the cost of a second copy in memory).")
+    st.check_alive(state, what)
     meta = state.meta
     if self._metas.get(id(meta)) is meta:
       return
