@@ -19,7 +19,6 @@ mesh, and the step computes in Auto mode inside (``jax.sharding.auto_axes``).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import warnings
@@ -37,10 +36,10 @@ from zero_jax import layout as lay
 from zero_jax import state as st
 from zero_jax import update as update_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES
+from zero_jax.monitor import StallWatch
 from zero_jax.spec import StepSpec, make_spec, parse_loss_scale
 from zero_jax.state import StateMeta, TrainState
 
-_STALL_STATIC = 3  # skipped steps in a row that warn without a dynamic loss scale
 _METRICS = ("loss", "grad_norm", "grads_finite", "loss_scale", "skipped_steps",
             "skipped_in_a_row")
 
@@ -91,37 +90,6 @@ def _closure_error(e: NotImplementedError):
       f"in model_state=; or make it a plain array (np.asarray(x)). JAX said: {e}")
 
 
-class _StallWatch:
-  """Warns once when steps keep being skipped (reads finished metrics only, never blocks)."""
-
-  def __init__(self):
-    self.pending = collections.deque(maxlen=8)
-    self.warned = False
-
-  def observe(self, metrics, loss_scale):
-    self.pending.append((metrics["skipped_in_a_row"], metrics["loss_scale"], loss_scale))
-    while self.pending and self.pending[0][0].is_ready() and not self.warned:
-      in_a_row, scale, ls_state = self.pending.popleft()
-      if jax.process_count() > 1 and not in_a_row.is_fully_addressable:
-        continue
-      self._check(int(in_a_row), float(scale), ls_state)
-
-  def _check(self, in_a_row, scale, ls_state):
-    at_min = ls_state.dynamic and scale <= ls_state.min_scale and in_a_row >= 2
-    if not (at_min or (not ls_state.dynamic and in_a_row >= _STALL_STATIC)):
-      return
-    self.warned = True
-    why = (f"the dynamic loss scale sits at its minimum ({ls_state.min_scale:g}) and steps "
-           f"still overflow" if at_min else f"the last {in_a_row} steps were all skipped")
-    warnings.warn(
-        f"zero_jax: training is not progressing: {why}, because their gradients were not "
-        f"finite (metrics['grads_finite'] is False; metrics['skipped_steps'] counts skipped "
-        f"steps). Likely causes: NaN or inf in the parameters (check step.get_params(state)); "
-        f"a loss that is NaN or inf for this data (log metrics['loss']); in fp16, values "
-        f"beyond its range that no loss scale fixes (try precision='bf16', a lower learning "
-        f"rate or max_grad_norm=).", RuntimeWarning, stacklevel=3)
-
-
 class ShardedTrainStep:
   """A compiled ZeRO training step. Made by `make_sharded_train_step`.
 
@@ -151,7 +119,7 @@ class ShardedTrainStep:
     self._get_params = jax.jit(self._get_params_fn)
     self._metas: dict[int, StateMeta] = {}
     self._batches: set = set()
-    self._stall = _StallWatch()
+    self._stall = StallWatch()
 
   @property
   def n(self) -> int:
