@@ -175,11 +175,13 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
     (_, (out, w)), g = grad_fn(diff, mb, ms_in, key)
     if not weighted:
       weighted.append(w is not None)
-    if w is not None and k > 1:  # undo this micro-batch's normaliser; 1/W at the end
-      g = [x * (k * w).astype(x.dtype) for x in g]
     reduce_now = sharded_acc or k == 1
     g = [_reduce(spec, l, x) if reduce_now and r else _upcast(x)
          for x, l, r in zip(g, layouts, reduce_here)]
+    # Undo this micro-batch's normaliser (1/W comes at the end), after the reduction and in
+    # float32: an fp16 gradient of the sum overflows where that of the mean does not.
+    if w is not None and k > 1:
+      g = [x * (k * w).astype(x.dtype) for x in g]
     aux = None if out.aux is None else jax.tree.map(lambda a: a.astype(jnp.float32), out.aux)
     return (g, out.value.astype(jnp.float32), jnp.float32(0) if w is None else w, aux,
             out.model_state)
@@ -198,7 +200,7 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
     rest = jax.tree.map(lambda x: x[1:], mbs)
     (grads, total, weight, aux, ms), _ = jax.lax.scan(body, first, (rest, jnp.arange(1, k)))
     if weighted[0]:  # weight = the global weight W of the whole step
-      grads = [x / weight.astype(x.dtype) for x in grads]
+      grads = [x / jnp.where(weight > 0, weight, 1.0).astype(x.dtype) for x in grads]
     if not sharded_acc:
       grads = [_reduce(spec, l, x) if r else x for x, l, r in zip(grads, layouts, reduce_here)]
   if weighted[0]:
