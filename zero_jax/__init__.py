@@ -5,6 +5,7 @@ from zero_jax.clipping import clip_by_global_norm, global_norm
 from zero_jax.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
                                   is_main_process, launch_local, make_global_batch,
                                   metrics_to_host, print_main, process_batch_slice)
+from zero_jax.layers import stack_layers, unstack_layers
 from zero_jax.layout import Layout, leaf_layout
 from zero_jax.loss_scale import (LossScaleState, adjust_loss_scale, all_finite,
                                  dynamic_loss_scale, no_loss_scale, scale_loss,
@@ -52,6 +53,8 @@ __all__ = [
     "print_main",
     "process_batch_slice",
     "scale_loss",
+    "stack_layers",
     "static_loss_scale",
     "unscale_grads",
+    "unstack_layers",
 ]

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import batch as batching
 from zero_jax import grads as grads_lib
+from zero_jax import layers
 from zero_jax import layout as lay
 from zero_jax import state as st
 from zero_jax import update as update_lib
@@ -164,6 +165,7 @@ class ShardedTrainStep:
         raise TypeError(f"params{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an "
                         f"array; every parameter leaf must be a jax or numpy array "
                         f"(wrap Python numbers with jnp.asarray).")
+    layers.check_boxes(self.spec, params)
     treedef, meta = st.build_meta(self.spec, self.optimizer, params, trainable=self.trainable,
                                   stacked=self.stacked, param_specs=self.param_specs,
                                   module=module)
