@@ -37,6 +37,7 @@ from zero_jax import layers
 from zero_jax import layout as lay
 from zero_jax import state as st
 from zero_jax import update as update_lib
+from zero_jax.loss import check_model_state
 from zero_jax.spec import StepSpec, make_spec, parse_loss_scale
 from zero_jax.state import StateMeta, TrainState
 
@@ -193,6 +194,7 @@ class ShardedTrainStep:
       The `TrainState`.
     """
     treedef, meta = self._meta(params)
+    check_model_state(model_state)
     if not any(meta.trainable):
       warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
                     "is floating); every step will leave the parameters unchanged.",
