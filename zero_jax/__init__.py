@@ -6,6 +6,7 @@ from zero_jax.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
                                   is_main_process, metrics_to_host, print_main)
 from zero_jax.global_batch import make_global_batch, process_batch_slice
 from zero_jax.launch import launch_local
+from zero_jax.layers import stack_layers, unstack_layers
 from zero_jax.layout import Layout, leaf_layout
 from zero_jax.loss_scale import (LossScaleState, adjust_loss_scale, all_finite,
                                  dynamic_loss_scale, no_loss_scale, scale_loss,
@@ -53,6 +54,8 @@ __all__ = [
     "print_main",
     "process_batch_slice",
     "scale_loss",
+    "stack_layers",
     "static_loss_scale",
     "unscale_grads",
+    "unstack_layers",
 ]

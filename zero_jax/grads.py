@@ -94,9 +94,13 @@ def _is_key(x) -> bool:
 
 
 def fold_key(key, step, micro, batch_axes):
-  """This device's key for one micro-batch (see the module docstring)."""
+  """This device's key for one micro-batch (see the module docstring); a key array
+  (e.g. one key per scanned layer) has each of its keys folded alike."""
   dev = jax.lax.axis_index(batch_axes)
-  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, step), dev), micro)
+  fold = lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(k, step), dev), micro)
+  for _ in range(key.ndim if _is_key(key) else 0):  # not a legacy uint32[2] key
+    fold = jax.vmap(fold)
+  return fold(key)
 
 
 def _with_device_keys(ms, original, step, micro, batch_axes):
@@ -261,10 +265,12 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
     (_, (out, w)), g = grad_fn(diff, mb, ms_in, key)
     if not weighted:
       weighted.append(w is not None)
-    if w is not None and k > 1:  # undo this micro-batch's normaliser; 1/W at the end
-      g = [x * (k * w).astype(x.dtype) for x in g]
     reduce_now = sharded_acc or k == 1
     g = reduce_some(spec, layouts, g, [reduce_now and r for r in reduce_here], stacks)
+    # Undo this micro-batch's normaliser (1/W comes at the end), after the reduction and in
+    # float32: an fp16 gradient of the sum overflows where that of the mean does not.
+    if w is not None and k > 1:
+      g = [x * (k * w).astype(x.dtype) for x in g]
     aux = None if out.aux is None else jax.tree.map(lambda a: a.astype(jnp.float32), out.aux)
     return (g, out.value.astype(jnp.float32), jnp.float32(0) if w is None else w, aux,
             out.model_state)
@@ -283,7 +289,7 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
     rest = jax.tree.map(lambda x: x[1:], mbs)
     (grads, total, weight, aux, ms), _ = jax.lax.scan(body, first, (rest, jnp.arange(1, k)))
     if weighted[0]:  # weight = the global weight W of the whole step
-      grads = [x / weight.astype(x.dtype) for x in grads]
+      grads = [x / jnp.where(weight > 0, weight, 1.0).astype(x.dtype) for x in grads]
     if not sharded_acc:
       grads = reduce_some(spec, layouts, grads, reduce_here, stacks)
   if weighted[0]:

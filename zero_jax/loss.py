@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from zero_jax.collectives import varying_axes
@@ -175,8 +176,50 @@ def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_
     value, weight = loss, None
   if check_averaged:
     _check_not_averaged(value, batch_axes)
-  if model_state is not None and jax.tree.structure(new_ms) != jax.tree.structure(model_state):
-    raise TypeError(f"loss_fn must return the new model state with the structure of "
-                    f"the one given to init: {jax.tree.structure(model_state)}; got "
-                    f"{jax.tree.structure(new_ms)}.")
+  if model_state is not None:
+    check_new_model_state(new_ms, model_state)
   return LossOutput(value, weight, aux, new_ms)
+
+
+def _aval(x) -> str:
+  return f"{jnp.result_type(x)}{list(np.shape(x))}"
+
+
+def check_model_state(model_state) -> None:
+  """Raises TypeError naming a model-state leaf that is not an array (at ``init``)."""
+  for path, x in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+    try:
+      jnp.result_type(x)
+    except TypeError:
+      raise TypeError(
+          f"model_state{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an array; "
+          f"every model-state leaf must be an array (jnp.asarray(...), a PRNG key from "
+          f"jax.random.key). Keep other values out of the state (e.g. in the loss function's "
+          f"closure).") from None
+
+
+def check_new_model_state(new_ms, model_state) -> None:
+  """Raises TypeError naming the leaf where ``loss_fn``'s new model state differs in
+  structure, shape or dtype from the one it was given."""
+  given, given_def = jax.tree_util.tree_flatten_with_path(model_state)
+  got, got_def = jax.tree_util.tree_flatten_with_path(new_ms)
+  if got_def != given_def:
+    before = {jax.tree_util.keystr(p) for p, _ in given}
+    after = {jax.tree_util.keystr(p) for p, _ in got}
+    diff = ([f"model_state{k} is missing" for k in sorted(before - after)] +
+            [f"model_state{k} is new" for k in sorted(after - before)])
+    raise TypeError(
+        f"loss_fn must return the new model state with the structure of the one given to "
+        f"init: {'; '.join(diff[:4]) or f'{got_def} against {given_def}'}. Return every leaf "
+        f"it was given (the updated values, or the same ones), and no others.")
+  for (path, old), (_, new) in zip(given, got):
+    if np.shape(new) == np.shape(old) and jnp.result_type(new) == jnp.result_type(old):
+      continue
+    keys = any(jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key) for x in (old, new))
+    fix = ("A key stays a key and nothing else becomes one: the step itself derives a fresh "
+           "stream from each key leaf for every step, device and micro-batch and keeps the "
+           "stored key, so return it unchanged" if keys else "Cast it back (.astype)")
+    raise TypeError(
+        f"loss_fn returned model_state{jax.tree_util.keystr(path)} as {_aval(new)}; it was "
+        f"given as {_aval(old)}. The new model state keeps each leaf's shape and dtype (the "
+        f"step averages it over devices and feeds it back in). {fix}.")

@@ -138,7 +138,10 @@ def _sliced_layout(x: ShardedParam) -> tuple[Layout, tuple, int]:
   """The layout of the piece ``x`` holds, its block shape, and how many leading dims it lost."""
   layout = x.layout
   drop = len(layout.shape) - x.block.ndim  # leading dimensions indexed away
-  local = local_storage_shape(layout, axes_size(x.axis_name))
+  # The step's shard_map is manual over the data axes only: model-split dimensions
+  # keep their full size here (the compiler splits them), so only the data split counts.
+  local = local_storage_shape(Layout(layout.shape, layout.dim, layout.padded),
+                              axes_size(x.axis_name))
   shape = layout.shape[drop:]
   if drop == 0 and x.block.ndim:  # a range of layers, e.g. block[:-1]
     local = (x.block.shape[0],) + local[1:]

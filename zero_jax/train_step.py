@@ -32,10 +32,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import batch as batching
 from zero_jax import grads as grads_lib
+from zero_jax import layers
 from zero_jax import layout as lay
 from zero_jax import state as st
 from zero_jax import update as update_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES
+from zero_jax.loss import check_model_state
 from zero_jax.monitor import StallWatch
 from zero_jax.spec import StepSpec, make_spec, parse_loss_scale
 from zero_jax.state import StateMeta, TrainState
@@ -133,6 +135,7 @@ class ShardedTrainStep:
         raise TypeError(f"params{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an "
                         f"array; every parameter leaf must be a jax or numpy array "
                         f"(wrap Python numbers with jnp.asarray).")
+    layers.check_boxes(self.spec, params)
     treedef, meta = st.build_meta(self.spec, self.optimizer, params, trainable=self.trainable,
                                   stacked=self.stacked, param_specs=self.param_specs,
                                   module=module)
@@ -160,6 +163,7 @@ class ShardedTrainStep:
       The `TrainState`.
     """
     treedef, meta = self._meta(params)
+    check_model_state(model_state)
     if not any(meta.trainable):
       warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
                     "is floating); every step will leave the parameters unchanged.",
