@@ -75,9 +75,13 @@ def _is_key(x) -> bool:
 
 
 def fold_key(key, step, micro, batch_axes):
-  """This device's key for one micro-batch (see the module docstring)."""
+  """This device's key for one micro-batch (see the module docstring); each key of a
+  key array (e.g. the per-layer keys of an ``nnx.vmap``-stacked block) alike."""
   dev = jax.lax.axis_index(batch_axes)
-  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, step), dev), micro)
+  fold = lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(k, step), dev), micro)
+  for _ in range(key.ndim if _is_key(key) else 0):  # a raw uint32 key is one key
+    fold = jax.vmap(fold)
+  return fold(key)
 
 
 def _with_device_keys(ms, original, step, micro, batch_axes):
