@@ -91,12 +91,16 @@ def _with_device_keys(ms, original, step, micro, batch_axes):
 
 
 def average_model_state(ms, original, batch_axes):
-  """New model state agreed by every device: floats averaged, keys kept, ints the max."""
+  """New model state agreed by every device: floats averaged, keys kept, ints the max.
+
+  Floats average their change, so that a leaf no device changed stays exactly
+  as it was (a mean of N equal values may round).
+  """
   def one(x, o):
     if _is_key(o):
       return o
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-      return jax.lax.pmean(x, batch_axes)
+      return (o + jax.lax.pmean(x - o, batch_axes)).astype(x.dtype)
     return jax.lax.pmax(x, batch_axes)
   return jax.tree.map(one, ms, original)
 
