@@ -99,3 +99,12 @@ def test_quickstart_notebook_runs_end_to_end():
   assert "| ZeRO-3 |" in text
   images = [o for o in outputs if "image/png" in o.get("data", {})]
   assert images, "the notebook's plot produced no image"
+
+
+def test_train_nnx_learns_evaluates_and_restores():
+  proc = subprocess.run([sys.executable, str(EXAMPLES / "train_nnx.py"), "--steps", "30"],
+                        capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, f"train_nnx.py failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+  assert "model state: ['BatchStat', 'RngCount', 'RngKey']" in proc.stdout
+  assert "| ZeRO-3 |" in proc.stdout
+  assert "restored into a ZeRO-3 step at step 30: the same model" in proc.stdout
