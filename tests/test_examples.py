@@ -96,6 +96,7 @@ def test_quickstart_notebook_runs_end_to_end():
   text = "\n".join(o.get("text", "") + o.get("data", {}).get("text/markdown", "")
                    for o in outputs)
   assert "largest difference from single-device optax" in text
+  assert "MLP: loss" in text and "largest difference from nnx.Optimizer" in text
   assert "| ZeRO-3 |" in text
   images = [o for o in outputs if "image/png" in o.get("data", {})]
   assert images, "the notebook's plot produced no image"
