@@ -91,8 +91,10 @@ def main(argv=None):
   step = zj.make_sharded_train_step(loss_fn, tx, mesh=mesh, stage=args.stage, has_aux=True,
                                     precision=args.precision, wrt=nnx.Param)
   state = step.init(CNN(nnx.Rngs(0)))  # in place of nnx.Optimizer(model, tx, wrt=nnx.Param)
+  kinds = {type(v).__name__ for v in jax.tree.leaves(
+      state.model_state, is_leaf=lambda v: isinstance(v, nnx.Variable))}
   print(f"ZeRO-{args.stage}, {args.precision}, {jax.device_count()} devices; model state: "
-        f"{sorted({type(v).__name__ for v in jax.tree.leaves(state.model_state, is_leaf=lambda v: isinstance(v, nnx.Variable))})}")
+        f"{sorted(kinds)}")
 
   rng = np.random.default_rng(0)
   first = last = None

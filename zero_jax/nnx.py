@@ -273,6 +273,6 @@ def _check_same_variables(before, after) -> None:
       f"loss_fn changed which variables the module holds (added: "
       f"{', '.join(sorted(new - old)) or 'none'}; removed or changed: "
       f"{', '.join(sorted(old - new)) or 'none'}). The step carries the variables the module "
-      f"had at step.init(model): create every variable in __init__, and remove what the "
-      f"forward pass adds before returning (e.g. nnx.pop(model, nnx.Intermediate) after "
-      f"self.sow).")
+      f"had at step.init(model): create every variable in __init__, and return what the "
+      f"forward pass records as aux (has_aux=True) instead, e.g. out, found = "
+      f"nnx.capture(model, nnx.Intermediate)(x) for self.sow, or nnx.pop it before returning.")

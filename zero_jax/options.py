@@ -41,9 +41,9 @@ def leaf_flags(spec, params, name: str) -> list:
     nnx_lib.check_filter(spec, name)
     return [(f, False) for f in nnx_lib.filter_flags(spec, params)]
   if nnx_lib.is_nnx_filter(spec):
-    raise TypeError(f"{name}={nnx_lib.filter_repr(spec)} is an NNX filter, which selects the variables of a module "
-                    f"given to step.init(model); these params are a plain pytree: pass a tree of "
-                    f"bools or a function (path, leaf) -> bool.")
+    raise TypeError(f"{name}={nnx_lib.filter_repr(spec)} is an NNX filter, which selects the "
+                    f"variables of a module given to step.init(model); these params are a plain "
+                    f"pytree: pass a tree of bools or a function (path, leaf) -> bool.")
   if callable(spec) and not isinstance(spec, (dict, list, tuple)):
     return [(bool(spec(path, x)), False) for path, x in paths_leaves]
   for path, m in jax.tree_util.tree_flatten_with_path(spec)[0]:

@@ -297,8 +297,8 @@ class ShardedTrainStep:
       paths = [jax.tree_util.keystr(p) for p, _ in
                jax.tree_util.tree_flatten_with_path(state.params)[0]]
       local = grads_lib.sharded_grads(spec, state.meta, treedef, paths,
-                                      self._loss_fn(state.meta), state.params, batch, state.model_state, state.rng,
-                                      state.loss_scale, state.step)
+                                      self._loss_fn(state.meta), state.params, batch,
+                                      state.model_state, state.rng, state.loss_scale, state.step)
       new_state, metrics = update_lib.apply_update(spec, self.optimizer, state, local.grads,
                                                    local.loss, local.aux)
       metrics["skipped_in_a_row"] = new_state.loss_scale.skipped_in_a_row
@@ -521,4 +521,5 @@ def make_sharded_train_step(
                    comm_dtype=comm_dtype, donate=donate, offload=offload)
   return ShardedTrainStep(loss_fn, optimizer, spec,
                           loss_scale=parse_loss_scale(loss_scale, spec.policy),
-                          trainable=trainable, stacked=stacked, param_specs=param_specs, wrt=wrt)
+                          trainable=trainable, stacked=stacked, param_specs=param_specs,
+                          wrt=wrt)
