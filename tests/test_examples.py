@@ -97,6 +97,7 @@ def test_quickstart_notebook_runs_end_to_end():
   text = "\n".join(o.get("text", "") + o.get("data", {}).get("text/markdown", "")
                    for o in outputs)
   assert "largest difference from single-device optax" in text
+  assert "MLP: loss" in text and "largest difference from nnx.Optimizer" in text
   assert "| ZeRO-3 |" in text
   images = [o for o in outputs if "image/png" in o.get("data", {})]
   assert images, "the notebook's plot produced no image"
@@ -112,3 +113,12 @@ def test_readme_meshes_snippet_runs_as_written():
   scope = {}
   exec(compile(code, "README.md", "exec"), scope)  # pylint: disable=exec-used
   assert np.isfinite(float(scope["metrics"]["loss"]))
+
+
+def test_train_nnx_learns_evaluates_and_restores():
+  proc = subprocess.run([sys.executable, str(EXAMPLES / "train_nnx.py"), "--steps", "30"],
+                        capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, f"train_nnx.py failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+  assert "model state: ['BatchStat', 'RngCount', 'RngKey']" in proc.stdout
+  assert "| ZeRO-3 |" in proc.stdout
+  assert "restored into a ZeRO-3 step at step 30: the same model" in proc.stdout

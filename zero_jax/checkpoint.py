@@ -371,10 +371,14 @@ class CheckpointManager:
       train_step: the `ShardedTrainStep` to continue with (any mesh size and
         stage; the precision, optimizer and trainable leaves of the saved run).
       params_like: the parameters (arrays or ``jax.ShapeDtypeStruct``s) in
-        their original tree, shapes and dtypes, as given to ``init``.
+        their original tree, shapes and dtypes, as given to ``init``; or,
+        for a state made by ``init(model)``, the ``nnx.Module`` or an
+        abstract one (``nnx.eval_shape(lambda: Model(...))``), whose model
+        state is then taken from it.
       step: which checkpoint; default the latest intact one.
       model_state: shaped like the ``model_state`` given to ``init`` for the
-        saved run (arrays or shape structs), or None if it had none.
+        saved run (arrays or shape structs), or None if it had none (or
+        ``params_like`` is a module).
       rng: shaped like the saved run's ``rng``, or None.
 
     Returns:

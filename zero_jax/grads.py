@@ -94,11 +94,11 @@ def _is_key(x) -> bool:
 
 
 def fold_key(key, step, micro, batch_axes):
-  """This device's key for one micro-batch (see the module docstring); a key array
-  (e.g. one key per scanned layer) has each of its keys folded alike."""
+  """This device's key for one micro-batch (see the module docstring); each key of a
+  key array (e.g. the per-layer keys of an ``nnx.vmap``-stacked block) alike."""
   dev = jax.lax.axis_index(batch_axes)
   fold = lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(k, step), dev), micro)
-  for _ in range(key.ndim if _is_key(key) else 0):  # not a legacy uint32[2] key
+  for _ in range(key.ndim if _is_key(key) else 0):  # a raw uint32 key is one key
     fold = jax.vmap(fold)
   return fold(key)
 
@@ -110,12 +110,16 @@ def _with_device_keys(ms, original, step, micro, batch_axes):
 
 
 def average_model_state(ms, original, batch_axes):
-  """New model state agreed by every device: floats averaged, keys kept, ints the max."""
+  """New model state agreed by every device: floats averaged, keys kept, ints the max.
+
+  Floats average their change, so that a leaf no device changed stays exactly
+  as it was (a mean of N equal values may round).
+  """
   def one(x, o):
     if _is_key(o):
       return o
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-      return jax.lax.pmean(x, batch_axes)
+      return (o + jax.lax.pmean(x - o, batch_axes)).astype(x.dtype)
     return jax.lax.pmax(x, batch_axes)
   return jax.tree.map(one, ms, original)
 

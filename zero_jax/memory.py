@@ -48,7 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
+from zero_jax import nnx as nnx_lib
 from zero_jax import precision as prec
 from zero_jax.layout import local_storage_shape, model_block_shape
 from zero_jax.spec import planning_spec
@@ -154,7 +156,7 @@ def _bytes(shape, dtype) -> int:
 def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
                   n_devices: int | None = None, mesh=None, axis_name="data", replica_axis=None,
                   param_specs=None, precision: str = "fp32", stages=(0, 1, 2, 3),
-                  trainable=None, stacked=None, comm_dtype=None) -> MemoryReport:
+                  trainable=None, stacked=None, wrt=nnx.Param, comm_dtype=None) -> MemoryReport:
   """Per-device bytes of params, gradients, optimizer state and master copy.
 
   Computed from shapes only, with the exact layouts (and padding) the step
@@ -169,9 +171,14 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
     >>> print(zj.memory_report(shapes, optax.adamw(3e-4), n_devices=8, precision="bf16"))
     >>> mesh = jax.sharding.AbstractMesh((16, 8), ("replica", "data"))   # 16 hosts x 8 GPUs
     >>> zj.memory_report(shapes, optax.adamw(3e-4), mesh=mesh, replica_axis="replica")
+    >>> model = nnx.eval_shape(lambda: Model(nnx.Rngs(0)))    # Flax NNX: nothing allocated
+    >>> zj.memory_report(model, optax.adamw(3e-4), n_devices=8)
 
   Args:
-    params: the parameter tree: arrays or ``jax.ShapeDtypeStruct``s.
+    params: the parameter tree: arrays or ``jax.ShapeDtypeStruct``s; or an
+      ``nnx.Module`` (concrete, or abstract from ``nnx.eval_shape``), whose
+      ``wrt`` variables are counted as parameters (the model state is not
+      counted).
     optimizer: the ``optax.GradientTransformation`` the step will use.
     n_devices: devices on the data axis (without ``mesh``).
     mesh: the step's mesh (without ``n_devices``).
@@ -182,8 +189,10 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
       ``"fp16_memory_efficient"``).
     stages: which rows to report; 0 is plain (replicated) data parallelism.
     trainable: as for `make_sharded_train_step`: ``None``, a pytree of bools
-      (or a prefix) or a function ``(path, leaf) -> bool``.
+      (or a prefix) or a function ``(path, leaf) -> bool``; an NNX filter for
+      a module.
     stacked: as for `make_sharded_train_step` (changes only the padding).
+    wrt: as for `make_sharded_train_step`: which variables of a module train.
     comm_dtype: as for `make_sharded_train_step`; the dtype gradients are
       reduced in (default: the parameter dtype).
 
@@ -199,6 +208,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
                     f"optax.adamw(3e-4)); got {type(optimizer).__name__}.")
   spec = planning_spec(n_devices=n_devices, mesh=mesh, axis_name=axis_name,
                        replica_axis=replica_axis, precision=precision, comm_dtype=comm_dtype)
+  _, params, _ = nnx_lib.as_params(params, None, wrt)
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [_shape_dtype(p, x) for p, x in paths_leaves]
   structs = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes])

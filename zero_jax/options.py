@@ -1,7 +1,10 @@
 """Per-leaf options resolved to one value per parameter leaf.
 
 ``trainable=`` and ``stacked=`` are None, a pytree of bools matching the
-params (or a prefix of them), or a function ``(path, leaf) -> bool``.
+params (or a prefix of them), or a function ``(path, leaf) -> bool``; for a
+module (``step.init(model)``) they are NNX filters, as ``nnx.Optimizer``'s
+``wrt`` (``nnx.Param``, ``nnx.PathContains("head")``, ``nnx.All(...)``, a
+function ``(path, variable) -> bool``, ...).
 ``param_specs=`` is a pytree of ``PartitionSpec``s over the mesh's model axes
 (or a prefix of the params tree; ``None`` for a replicated subtree), or is
 read from params that arrive as global arrays with a ``NamedSharding`` on the
@@ -15,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zero_jax import nnx as nnx_lib
 from zero_jax import precision as prec
 from zero_jax.spec import StepSpec
 
@@ -33,6 +37,13 @@ def leaf_flags(spec, params, name: str) -> list:
   paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   if spec is None:
     return [(False, False)] * len(paths_leaves)
+  if nnx_lib.holds_variables(params):  # a module's variables: an NNX filter picks them
+    nnx_lib.check_filter(spec, name)
+    return [(f, False) for f in nnx_lib.filter_flags(spec, params)]
+  if nnx_lib.is_nnx_filter(spec):
+    raise TypeError(f"{name}={nnx_lib.filter_repr(spec)} is an NNX filter, which selects the "
+                    f"variables of a module given to step.init(model); these params are a plain "
+                    f"pytree: pass a tree of bools or a function (path, leaf) -> bool.")
   if callable(spec) and not isinstance(spec, (dict, list, tuple)):
     return [(bool(spec(path, x)), False) for path, x in paths_leaves]
   for path, m in jax.tree_util.tree_flatten_with_path(spec)[0]:

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax.collectives import axes_size, reduce_scatter
+from zero_jax import nnx as nnx_lib
 from zero_jax.layout import Layout, local_storage_shape, unpad
 
 
@@ -198,11 +199,16 @@ def gather(tree: Any) -> Any:
     gathers one layer at a time.
 
   Args:
-    tree: a pytree whose leaves are arrays or `ShardedParam`s.
+    tree: a pytree whose leaves are arrays or `ShardedParam`s, or an
+      ``nnx.Module`` (one layer of an ``nnx.scan``-ned block, see
+      `zero_jax.nnx`): the module with its parameters gathered and its other
+      variables its own, so that what it updates is kept.
 
   Returns:
     The same tree with every `ShardedParam` replaced by the full logical
     array (of its slice), identical on every device of the axis.
   """
-  return jax.tree.map(lambda x: _gather_one(x) if isinstance(x, ShardedParam) else x, tree,
-                      is_leaf=lambda x: isinstance(x, ShardedParam))
+  is_sharded = lambda x: isinstance(x, ShardedParam)
+  if nnx_lib.is_module(tree):  # its BatchNorm statistics and Rngs stay its own
+    return nnx_lib.gather_module(tree, is_sharded, gather)
+  return jax.tree.map(lambda x: _gather_one(x) if is_sharded(x) else x, tree, is_leaf=is_sharded)

@@ -28,12 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import batch as batching
 from zero_jax import grads as grads_lib
 from zero_jax import layers
 from zero_jax import layout as lay
+from zero_jax import nnx as nnx_lib
 from zero_jax import state as st
 from zero_jax import update as update_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES
@@ -103,13 +105,15 @@ class ShardedTrainStep:
   """
 
   def __init__(self, loss_fn, optimizer, spec: StepSpec, *, loss_scale, trainable, stacked,
-               param_specs):
+               param_specs, wrt=nnx.Param):
+    if isinstance(optimizer, nnx.Optimizer):
+      raise TypeError(nnx_lib.OPTIMIZER_ERROR)
     if not isinstance(optimizer, optax.GradientTransformation):
       raise TypeError(f"optimizer must be an optax.GradientTransformation (e.g. "
-                      f"optax.adamw(3e-4)); got {type(optimizer).__name__}. (For an "
-                      f"nnx.Optimizer, pass its transformation: step.init(model) replaces "
-                      f"nnx.Optimizer(model, tx).)")
+                      f"optax.adamw(3e-4)); got {type(optimizer).__name__}.")
+    nnx_lib.check_filter(wrt, "wrt")
     self.loss_fn = loss_fn
+    self.wrt = wrt
     self.optimizer = optimizer
     self.spec = spec
     self.mesh = spec.mesh
@@ -119,6 +123,7 @@ class ShardedTrainStep:
     self.param_specs = param_specs
     self._jits: dict = {}  # (meta, in the user's context) -> the jitted step
     self._get_params = jax.jit(self._get_params_fn)
+    self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
     self._metas: dict[int, StateMeta] = {}
     self._batches: set = set()
     self._stall = StallWatch()
@@ -152,17 +157,20 @@ class ShardedTrainStep:
 
     Args:
       params: a pytree of arrays (host numpy, on any device, or global arrays
-        whose sharding over the model axes gives their ``param_specs``).
+        whose sharding over the model axes gives their ``param_specs``), or an
+        ``nnx.Module``: its ``wrt`` variables train and the others are its
+        model state; ``loss_fn`` then gets the module (see `zero_jax.nnx`).
       model_state: optional untrained state (e.g. Flax ``batch_stats``); when
         given, ``loss_fn`` is called with ``model_state=`` and returns the
-        new one (see `make_sharded_train_step`).
+        new one (see `make_sharded_train_step`). None with a module.
       rng: optional PRNG key; when given, ``loss_fn`` is called with ``rng=``,
         a key distinct for every step, device and micro-batch.
 
     Returns:
       The `TrainState`.
     """
-    treedef, meta = self._meta(params)
+    module, params, model_state = nnx_lib.as_params(params, model_state, self.wrt)
+    treedef, meta = self._meta(params, module)
     check_model_state(model_state)
     if not any(meta.trainable):
       warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
@@ -186,11 +194,13 @@ class ShardedTrainStep:
     checkpoints or to ``lower`` the step for a memory estimate.
 
     Args:
-      params: arrays or ``jax.ShapeDtypeStruct``s with the parameters' shapes.
+      params: arrays or ``jax.ShapeDtypeStruct``s with the parameters' shapes,
+        or an ``nnx.Module`` (also an abstract one from ``nnx.eval_shape``).
       model_state: as for ``init`` (arrays or shape structs), or None.
       rng: as for ``init`` (a key or its shape struct), or None.
     """
-    treedef, meta = self._meta(params)
+    module, params, model_state = nnx_lib.as_params(params, model_state, self.wrt)
+    treedef, meta = self._meta(params, module)
     leaves = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
     body = functools.partial(st.init_state, self.spec, self.optimizer, meta, treedef)
     specs = self._specs(meta, treedef, model_state, rng)
@@ -232,6 +242,12 @@ class ShardedTrainStep:
     st.check_meta(expected, meta, paths)
     self._metas[id(meta)] = meta
 
+  def _loss_fn(self, meta: StateMeta):
+    """The loss the step calls: ``loss_fn`` itself, or wrapped to take and give a module."""
+    if meta.module is None:
+      return self.loss_fn
+    return nnx_lib.module_loss(self.loss_fn, meta.module, self.wrt, self.spec.has_aux)
+
   def _place(self, batch):
     leaves, treedef = jax.tree.flatten(batch)
     key = (treedef, tuple(np.shape(x) for x in leaves))
@@ -247,9 +263,9 @@ class ShardedTrainStep:
       treedef = jax.tree.structure(state.params)
       paths = [jax.tree_util.keystr(p) for p, _ in
                jax.tree_util.tree_flatten_with_path(state.params)[0]]
-      local = grads_lib.sharded_grads(spec, state.meta, treedef, paths, self.loss_fn,
-                                      state.params, batch, state.model_state, state.rng,
-                                      state.loss_scale, state.step)
+      local = grads_lib.sharded_grads(spec, state.meta, treedef, paths,
+                                      self._loss_fn(state.meta), state.params, batch,
+                                      state.model_state, state.rng, state.loss_scale, state.step)
       new_state, metrics = update_lib.apply_update(spec, self.optimizer, state, local.grads,
                                                    local.loss, local.aux)
       metrics["skipped_in_a_row"] = new_state.loss_scale.skipped_in_a_row
@@ -307,6 +323,23 @@ class ShardedTrainStep:
     with _mesh_context(self.spec):
       return self._get_params(state)
 
+  def get_model(self, state: TrainState):
+    """The trained ``nnx.Module`` of a state made by ``init(model)``.
+
+    Its ``wrt`` variables are `get_params`'s (the fp32 master copy where
+    there is one) and its other variables the state's model state (averaged
+    BatchNorm statistics, RNG state), all fresh arrays on the user's mesh that
+    later steps do not donate. Use it outside the step, e.g. ``model.eval()``
+    then ``model(x)``.
+    """
+    if state.meta.module is None:
+      raise TypeError("get_model needs a state made by step.init(model) with an nnx.Module; "
+                      "this state was made from a params pytree: use step.get_params(state).")
+    state = self._prepare(state, "get_model")
+    params = self.get_params(state)
+    with _mesh_context(self.spec):
+      return nnx_lib.merge(state.meta.module, params, self._copy(state.model_state))
+
   def _get_params_fn(self, state: TrainState):
     spec, meta = self.spec, state.meta
     leaves = list(jax.tree.leaves(state.params))
@@ -340,6 +373,7 @@ def make_sharded_train_step(
     accumulate: str | None = None,
     trainable=None,
     stacked=None,
+    wrt=nnx.Param,
     comm_dtype=None,
     offload: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -364,6 +398,16 @@ def make_sharded_train_step(
     >>> step.get_params(state)["w"].shape
     (3, 1)
 
+    A Flax NNX module instead of a params pytree (see `zero_jax.nnx`):
+
+    >>> from flax import nnx
+    >>> def nnx_loss(model, batch):   # model: an nnx.Module, mutated as NNX code does
+    ...   return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    >>> step = zj.make_sharded_train_step(nnx_loss, optax.adam(1e-2), mesh=mesh)  # wrt=nnx.Param
+    >>> state = step.init(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+    >>> state, metrics = step(state, batch)
+    >>> model = step.get_model(state)  # an nnx.Linear with the trained kernel and bias
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss over the
       examples of ``batch``, or a `WeightedLoss` (a sum and its weight; the
@@ -375,7 +419,15 @@ def make_sharded_train_step(
       over the batch axes (for BatchNorm statistics). When ``init`` got
       ``rng=``, it is called with the keyword ``rng=``, this device's key:
       ``fold_in(fold_in(fold_in(rng, step), device), micro_batch)``.
-    optimizer: any ``optax.GradientTransformation``.
+      With ``init(model)`` (an ``nnx.Module``): ``loss_fn(model, batch) ->
+      loss`` (or ``(loss, aux)``, or a `WeightedLoss`; ``rng=`` too when
+      ``init`` got one) gets a module made from this device's values and
+      may mutate it (BatchNorm statistics, ``nnx.Rngs`` counters); the step
+      keeps what it holds afterwards as the new model state. No
+      ``model_state=`` plumbing: the module's non-``wrt`` variables are the
+      model state.
+    optimizer: any ``optax.GradientTransformation`` (for an ``nnx.Optimizer``
+      pass its transformation, and the module to ``init``).
     mesh: the ``jax.sharding.Mesh`` (Explicit or Auto axis types).
     axis_name: the mesh axis, or tuple of axes, the batch and the state are
       split over (ZeRO).
@@ -406,12 +458,21 @@ def make_sharded_train_step(
       reduce-scattered at once and only the 1/N block accumulated).
     trainable: which parameter leaves train: ``None`` (every floating or
       complex leaf), a pytree of bools matching the params or a prefix of
-      them, or a function ``(path, leaf) -> bool``. Frozen leaves have no
-      optimizer state, no gradient and no communication, and never change.
+      them, or a function ``(path, leaf) -> bool``; with a module, an NNX
+      filter over its ``wrt`` variables (``nnx.PathContains("head")``,
+      ``nnx.Not(...)``, a function ``(path, variable) -> bool``, ...). Frozen
+      leaves have no optimizer state, no gradient and no communication, and
+      never change.
     stacked: which leaves are stacks of per-layer weights along their first
       dimension that ``loss_fn`` loops over; same forms as ``trainable``. At
       stage 3 they reach ``loss_fn`` as `ShardedParam`s and ``loss_fn`` calls
-      `zero_jax.gather` on each layer's slice (see `zero_jax.stacked`).
+      `zero_jax.gather` on each layer's slice (see `zero_jax.stacked`; for an
+      ``nnx.scan`` over a stacked NNX block, `zero_jax.nnx`).
+    wrt: with ``init(model)``, an NNX filter (as ``nnx.Optimizer``'s) for
+      the variables that are parameters; every other variable is model
+      state. An ``nnx.State`` given as params must hold only ``wrt``
+      variables (``nnx.state(model)`` with BatchNorm statistics is refused:
+      pass the module). Unused for other params.
     comm_dtype: floating dtype on the wire for the gradient reduction
       (stages 1-2), e.g. ``jnp.bfloat16``; default the gradient's dtype.
     offload: ``None`` or ``"optimizer"``: keep the optimizer state and the
@@ -433,7 +494,7 @@ def make_sharded_train_step(
 
   Returns:
     A `ShardedTrainStep` with ``init``, ``__call__``, ``lower``,
-    ``abstract_state`` and ``get_params``.
+    ``abstract_state``, ``get_params`` and ``get_model``.
   """
   spec = make_spec(mesh=mesh, axis_name=axis_name, replica_axis=replica_axis, stage=stage,
                    has_aux=has_aux, precision=precision, max_grad_norm=max_grad_norm,
@@ -442,4 +503,5 @@ def make_sharded_train_step(
                    bucket_bytes=bucket_bytes, gather_once=gather_once)
   return ShardedTrainStep(loss_fn, optimizer, spec,
                           loss_scale=parse_loss_scale(loss_scale, spec.policy),
-                          trainable=trainable, stacked=stacked, param_specs=param_specs)
+                          trainable=trainable, stacked=stacked, param_specs=param_specs,
+                          wrt=wrt)
