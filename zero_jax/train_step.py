@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zero_jax import batch as batching
 from zero_jax import grads as grads_lib
 from zero_jax import layout as lay
+from zero_jax import offload
 from zero_jax import state as st
 from zero_jax import update as update_lib
 from zero_jax.spec import StepSpec, make_spec, parse_loss_scale
@@ -346,7 +347,7 @@ class ShardedTrainStep:
     masters = state.master or [None] * len(meta.train_idx)
     for m, i in zip(masters, meta.train_idx):
       if m is not None:
-        leaves[i] = update_lib.to_memory(spec, m, meta.param_layouts[i], "device")
+        leaves[i] = offload.to_memory(spec, m, meta.param_layouts[i], offload.DEVICE)
     specs = [l.model_spec() for l in meta.param_layouts]
 
     def body(leaves):
@@ -446,7 +447,9 @@ def make_sharded_train_step(
     comm_dtype: floating dtype on the wire for the gradient reduction
       (stages 1-2), e.g. ``jnp.bfloat16``; default the gradient's dtype.
     offload: ``None`` or ``"optimizer"``: keep the optimizer state and the
-      master copy in pinned host memory between steps.
+      master copy in pinned host memory between steps; the update streams
+      them through the devices a bucket of leaves at a time (see
+      `zero_jax.offload`). Needs a backend with ``pinned_host`` memory.
     donate: donate the input state's buffers to the output (do not reuse a
       state after passing it to the step).
 
