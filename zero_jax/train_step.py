@@ -328,10 +328,16 @@ class ShardedTrainStep:
     self._stall.observe(metrics, loss_scale)
     return new_state, metrics
 
-  def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
-    """The lowered step, for ``.compile().memory_analysis()`` or ``.as_text()``."""
+  def lower(self, state: TrainState, batch, *, lowering_platforms=None) -> jax.stages.Lowered:
+    """The lowered step, for ``.compile().memory_analysis()`` or ``.as_text()``.
+
+    ``lowering_platforms``, e.g. ``("cuda",)``, lowers for another backend than
+    the mesh's (to read, not to compile, e.g. the host transfers of ``offload``).
+    """
     state = self._prepare(state, "lower")
-    return self._run(self._compiled(state).lower, state, batch)
+    fn = self._compiled(state)
+    return self._run(lambda s, b: fn.trace(s, b).lower(lowering_platforms=lowering_platforms),
+                     state, batch)
 
   # --------------------------------------------------------------- get_params
   def get_params(self, state: TrainState):
