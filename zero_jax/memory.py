@@ -24,6 +24,10 @@ as ``jax.eval_shape(optimizer.init, params)`` gives it, with the parameters in
 float32 under the mixed-precision policies; the master copy (``"bf16"`` and
 ``"fp16"`` policies) in float32; gradients in the dtype they are reduced in
 (``comm_dtype``, by default the parameter dtype).
+With ``offload="optimizer"`` the optimizer state and master copy of stages
+1-3 are counted in the ``host`` column (pinned host memory, per device's
+share) and left out of ``device``; stage 0 (the plain data-parallel baseline)
+keeps everything on the devices.
 Gradients live only during a step, and the backward pass, activations and
 communication buffers add temporaries that depend on the model and batch:
 for those ask XLA with `compiled_memory`, which reads
@@ -53,7 +57,7 @@ from flax import nnx
 from zero_jax import nnx as nnx_lib
 from zero_jax import precision as prec
 from zero_jax.layout import local_storage_shape, model_block_shape
-from zero_jax.spec import planning_spec
+from zero_jax.spec import OFFLOAD_CHOICES, planning_spec
 from zero_jax.state import build_meta, masked_optimizer
 
 STAGE_NAMES = {0: "DP (replicated)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -68,16 +72,25 @@ class StageMemory(NamedTuple):
     gradients: the reduced gradient the update reads.
     optimizer_state: the optax state.
     master: the float32 master copy (0 when the policy keeps none).
+    host: the part of the above kept in pinned host memory between steps
+      (``offload="optimizer"``: optimizer state and master copy).
   """
   stage: int
   params: int
   gradients: int
   optimizer_state: int
   master: int
+  host: int = 0
 
   @property
   def total(self) -> int:
+    """Every byte above, on the device or on the host."""
     return self.params + self.gradients + self.optimizer_state + self.master
+
+  @property
+  def device(self) -> int:
+    """The bytes on the device: ``total`` less ``host``."""
+    return self.total - self.host
 
 
 def format_bytes(n: float) -> str:
@@ -99,12 +112,14 @@ class MemoryReport:
     n_params: number of parameter elements (all leaves).
     n_trainable: number of trainable parameter elements.
     rows: one `StageMemory` per stage, in the order requested.
+    offload: the ``offload=`` it was made for.
   """
   n_devices: int
   precision: str
   n_params: int
   n_trainable: int
   rows: tuple[StageMemory, ...]
+  offload: str | None = None
 
   def __getitem__(self, stage: int) -> StageMemory:
     for row in self.rows:
@@ -116,17 +131,24 @@ class MemoryReport:
 
   def to_markdown(self) -> str:
     """The report as a Markdown table with a one-line caption."""
-    base = self[0].total if any(r.stage == 0 for r in self.rows) else None
-    lines = [f"Per-device memory: {self.n_params:,} parameters ({self.n_trainable:,} "
-             f"trainable), {self.n_devices} devices, precision {self.precision}.", "",
+    base = self[0].device if any(r.stage == 0 for r in self.rows) else None
+    off = self.offload is not None
+    caption = (f"Per-device memory: {self.n_params:,} parameters ({self.n_trainable:,} "
+               f"trainable), {self.n_devices} devices, precision {self.precision}")
+    lines = [caption + (f", offload={self.offload!r}: optimizer state and master copy in "
+                        f"pinned host memory at stages 1-3." if off else "."), "",
              "| stage | params | gradients | optimizer state | master copy | total |"
-             + (" vs DP |" if base else ""),
-             "|---|---:|---:|---:|---:|---:|" + ("---:|" if base else "")]
+             + (" on host | on device |" if off else "")
+             + ((" device vs DP |" if off else " vs DP |") if base else ""),
+             "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if off else "")
+             + ("---:|" if base else "")]
     for r in self.rows:
       cells = [STAGE_NAMES[r.stage], *(format_bytes(b) for b in
                (r.params, r.gradients, r.optimizer_state, r.master, r.total))]
+      if off:
+        cells += [format_bytes(r.host), format_bytes(r.device)]
       if base:
-        cells.append(f"{r.total / base:.2f}x")
+        cells.append(f"{r.device / base:.2f}x")
       lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -137,8 +159,8 @@ class MemoryReport:
     return self.to_markdown()
 
   def as_dict(self) -> dict:
-    """``{stage: {"params": ..., "gradients": ..., ..., "total": ...}}`` in bytes."""
-    return {r.stage: {**r._asdict(), "total": r.total} for r in self.rows}
+    """``{stage: {"params": ..., ..., "host": ..., "total": ..., "device": ...}}`` in bytes."""
+    return {r.stage: {**r._asdict(), "total": r.total, "device": r.device} for r in self.rows}
 
 
 def _shape_dtype(path, x):
@@ -156,7 +178,8 @@ def _bytes(shape, dtype) -> int:
 def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
                   n_devices: int | None = None, mesh=None, axis_name="data", replica_axis=None,
                   param_specs=None, precision: str = "fp32", stages=(0, 1, 2, 3),
-                  trainable=None, stacked=None, wrt=nnx.Param, comm_dtype=None) -> MemoryReport:
+                  trainable=None, stacked=None, wrt=nnx.Param, comm_dtype=None,
+                  offload: str | None = None) -> MemoryReport:
   """Per-device bytes of params, gradients, optimizer state and master copy.
 
   Computed from shapes only, with the exact layouts (and padding) the step
@@ -173,6 +196,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
     >>> zj.memory_report(shapes, optax.adamw(3e-4), mesh=mesh, replica_axis="replica")
     >>> model = nnx.eval_shape(lambda: Model(nnx.Rngs(0)))    # Flax NNX: nothing allocated
     >>> zj.memory_report(model, optax.adamw(3e-4), n_devices=8)
+    >>> zj.memory_report(shapes, optax.adamw(3e-4), n_devices=8, offload="optimizer")[2].device
 
   Args:
     params: the parameter tree: arrays or ``jax.ShapeDtypeStruct``s; or an
@@ -195,6 +219,8 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
     wrt: as for `make_sharded_train_step`: which variables of a module train.
     comm_dtype: as for `make_sharded_train_step`; the dtype gradients are
       reduced in (default: the parameter dtype).
+    offload: as for `make_sharded_train_step`: with ``"optimizer"`` the
+      optimizer state and master copy of stages 1-3 count as ``host`` bytes.
 
   Returns:
     A `MemoryReport`; ``print`` it for a table, index it by stage for numbers.
@@ -206,6 +232,9 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(f"optimizer must be an optax.GradientTransformation (e.g. "
                     f"optax.adamw(3e-4)); got {type(optimizer).__name__}.")
+  if offload not in OFFLOAD_CHOICES:
+    raise ValueError(f"offload={offload!r}: choose None or 'optimizer', as for "
+                     f"make_sharded_train_step.")
   spec = planning_spec(n_devices=n_devices, mesh=mesh, axis_name=axis_name,
                        replica_axis=replica_axis, precision=precision, comm_dtype=comm_dtype)
   _, params, _ = nnx_lib.as_params(params, None, wrt)
@@ -231,15 +260,18 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   pl = meta.param_layouts
   rows = []
   for stage in stages:
+    opt_bytes = sum(size(l, d, stage >= 1) for l, d in zip(meta.opt_layouts, opt_dtypes))
+    master = sum(size(pl[i], jnp.float32, stage >= 1) for i in trained if meta.master[i])
     rows.append(StageMemory(
         stage=stage,
         params=sum(size(l, d, stage >= 3) for l, d in zip(pl, pdt)),
         gradients=sum(size(pl[i], gdt[i], stage >= 2) for i in trained),
-        optimizer_state=sum(size(l, d, stage >= 1) for l, d in zip(meta.opt_layouts, opt_dtypes)),
-        master=sum(size(pl[i], jnp.float32, stage >= 1) for i in trained if meta.master[i])))
+        optimizer_state=opt_bytes, master=master,
+        host=opt_bytes + master if offload is not None and stage >= 1 else 0))
   return MemoryReport(
       n_devices=n, precision=pol.name, n_params=sum(math.prod(s) for s, _ in shapes),
-      n_trainable=sum(math.prod(shapes[i][0]) for i in trained), rows=tuple(rows))
+      n_trainable=sum(math.prod(shapes[i][0]) for i in trained), rows=tuple(rows),
+      offload=offload)
 
 
 class CompiledMemory(NamedTuple):

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import layout as lay
+from zero_jax import offload as offload_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES
 
 from zero_jax import loss_scale as ls
@@ -107,16 +108,8 @@ def _check_offload(offload, mesh: Mesh):
     raise ValueError(f"offload={offload!r}: choose None (everything on the devices) or "
                      f"'optimizer' (optimizer state and master copy in pinned host memory "
                      f"between steps).")
-  if offload is None:
-    return
-  for d in mesh.devices.flat:
-    if d.process_index != jax.process_index():
-      continue
-    kinds = {m.kind for m in d.addressable_memories()}
-    if "pinned_host" not in kinds:
-      raise ValueError(f"offload='optimizer' keeps the optimizer state in 'pinned_host' "
-                       f"memory, but {d} (platform {d.platform}) has the memory kinds "
-                       f"{sorted(kinds)}; use offload=None on this backend.")
+  if offload is not None:
+    offload_lib.check_backend(mesh)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
+from zero_jax import offload
 from zero_jax import precision as prec
 from zero_jax.options import model_axes_per_leaf, stacked_flags, trainable_flags
 from zero_jax.signature import optimizer_signature
@@ -206,22 +207,10 @@ def state_specs(spec: StepSpec, meta: StateMeta, treedef, o_def, model_state, rn
       meta=meta)
 
 
-def host_resident(state_tree: TrainState) -> TrainState:
-  """The same tree with True where ``offload="optimizer"`` keeps a leaf in host memory."""
-  mark = lambda tree, v: jax.tree.map(lambda _: v, tree)
-  return state_tree.replace(
-      step=False, params=mark(state_tree.params, False), master=mark(state_tree.master, True),
-      opt_state=mark(state_tree.opt_state, True), loss_scale=mark(state_tree.loss_scale, False),
-      model_state=mark(state_tree.model_state, False), rng=mark(state_tree.rng, False))
-
-
 def state_shardings(spec: StepSpec, specs: TrainState) -> TrainState:
-  """NamedShardings for a TrainState of PartitionSpecs (memory kinds for offload)."""
-  if spec.offload is None:
-    return jax.tree.map(lambda p: sharding(spec, p), specs,
-                        is_leaf=lambda x: isinstance(x, P))
-  host = host_resident(specs)
-  return jax.tree.map(lambda p, h: sharding(spec, p, "pinned_host" if h else None), specs, host,
+  """NamedShardings for a TrainState of PartitionSpecs (memory kinds: `zero_jax.offload`)."""
+  host = offload.host_resident(specs)
+  return jax.tree.map(lambda p, h: sharding(spec, p, offload.memory_kind(spec, h)), specs, host,
                       is_leaf=lambda x: isinstance(x, P))
 
 

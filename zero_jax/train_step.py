@@ -36,6 +36,7 @@ from zero_jax import grads as grads_lib
 from zero_jax import layers
 from zero_jax import layout as lay
 from zero_jax import nnx as nnx_lib
+from zero_jax import offload
 from zero_jax import state as st
 from zero_jax import update as update_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES
@@ -310,10 +311,16 @@ class ShardedTrainStep:
     self._stall.observe(metrics, loss_scale)
     return new_state, metrics
 
-  def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
-    """The lowered step, for ``.compile().memory_analysis()`` or ``.as_text()``."""
+  def lower(self, state: TrainState, batch, *, lowering_platforms=None) -> jax.stages.Lowered:
+    """The lowered step, for ``.compile().memory_analysis()`` or ``.as_text()``.
+
+    ``lowering_platforms``, e.g. ``("cuda",)``, lowers for another backend than
+    the mesh's (to read, not to compile, e.g. the host transfers of ``offload``).
+    """
     state = self._prepare(state, "lower")
-    return self._run(self._compiled(state).lower, state, batch)
+    fn = self._compiled(state)
+    return self._run(lambda s, b: fn.trace(s, b).lower(lowering_platforms=lowering_platforms),
+                     state, batch)
 
   # --------------------------------------------------------------- get_params
   def get_params(self, state: TrainState):
@@ -346,7 +353,7 @@ class ShardedTrainStep:
     masters = state.master or [None] * len(meta.train_idx)
     for m, i in zip(masters, meta.train_idx):
       if m is not None:
-        leaves[i] = update_lib.to_memory(spec, m, meta.param_layouts[i], "device")
+        leaves[i] = offload.to_memory(spec, m, meta.param_layouts[i], offload.DEVICE)
     specs = [l.model_spec() for l in meta.param_layouts]
 
     def body(leaves):
@@ -476,7 +483,9 @@ def make_sharded_train_step(
     comm_dtype: floating dtype on the wire for the gradient reduction
       (stages 1-2), e.g. ``jnp.bfloat16``; default the gradient's dtype.
     offload: ``None`` or ``"optimizer"``: keep the optimizer state and the
-      master copy in pinned host memory between steps.
+      master copy in pinned host memory between steps; the update streams
+      them through the devices a bucket of leaves at a time (see
+      `zero_jax.offload`). Needs a backend with ``pinned_host`` memory.
     bucket_bytes: leaves whose padded storage is smaller than this are
       reduce-scattered and all-gathered together, packed into buffers of at
       most this many bytes per dtype (one collective per bucket, like

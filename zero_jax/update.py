@@ -15,19 +15,21 @@ finite (the sum of squares is finite exactly when every element is, short of
 norms beyond float32's range). A step with non-finite gradients changes
 nothing but the loss scale and the skip counters: the update is a
 ``lax.cond`` (a select would make XLA copy every donated state buffer).
-With ``offload="optimizer"`` the optimizer state and master copy are brought
-from pinned host memory for the update and written back after it.
+With ``offload="optimizer"`` the optimizer state and master copy are streamed
+from pinned host memory for the update and written back after it, a group of
+leaves at a time (`zero_jax.offload`); a skipped step then selects the old
+values on the device.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from zero_jax import collectives
 from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
+from zero_jax import offload
 from zero_jax import precision as prec
 from zero_jax.clipping import clip_with_norm
 from zero_jax.spec import StepSpec
@@ -40,14 +42,6 @@ def norm_and_finite(grads):
     return jnp.float32(0), jnp.bool_(True)
   sq = sum(jnp.sum(jnp.square(jnp.abs(g)).astype(jnp.float32)) for g in grads)
   return jnp.sqrt(sq), jnp.isfinite(sq)
-
-
-def to_memory(spec: StepSpec, x, layout, kind):
-  """``x`` moved to memory ``kind`` in its storage sharding (offload only)."""
-  if spec.offload is None:
-    return x
-  return jax.device_put(x, NamedSharding(spec.auto_mesh, layout.spec(spec.data_axes),
-                                         memory_kind=kind))
 
 
 def gather_params(spec: StepSpec, layouts, blocks, stacked):
@@ -69,7 +63,8 @@ def gather_params(spec: StepSpec, layouts, blocks, stacked):
 
 
 def _sources(spec: StepSpec, state: TrainState):
-  """Per trainable leaf, the value the optimizer updates (logical view, optimizer dtype)."""
+  """Per trainable leaf, the value the optimizer updates (logical view, optimizer dtype);
+  None for a master copy kept on the host (``offload``: it is streamed in)."""
   meta, leaves = state.meta, jax.tree.leaves(state.params)
   masters = iter(state.master or [])
   out = []
@@ -77,7 +72,7 @@ def _sources(spec: StepSpec, state: TrainState):
     l, x = meta.param_layouts[i], leaves[i]
     m = next(masters) if state.master is not None else None
     if meta.master[i]:
-      out.append(spec.to_logical(to_memory(spec, m, l, "device"), l))
+      out.append(None if spec.offload else spec.to_logical(m, l))
       continue
     view = spec.to_logical(x, l) if spec.stage == 3 else spec.constrain(x, l.spec(spec.data_axes))
     out.append(view.astype(prec.optimizer_dtype(spec.policy, x.dtype)))
@@ -99,36 +94,39 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
   if spec.max_grad_norm is not None:
     grads = clip_with_norm(grads, grad_norm, spec.max_grad_norm)
 
-  src = _sources(spec, state)
-  full_src, full_grads = list(leaves), list(leaves)
-  for j, i in enumerate(idx):
-    full_src[i], full_grads[i] = src[j], grads[j].astype(src[j].dtype)
-  for i, t in enumerate(meta.trainable):
-    if not t:
-      full_grads[i] = jnp.zeros(meta.param_layouts[i].shape, leaves[i].dtype)
-      if spec.stage == 3:
-        full_src[i] = lay.unpad(leaves[i], meta.param_layouts[i])
   o_leaves, o_def = jax.tree.flatten(state.opt_state)
-  opt_state = jax.tree.unflatten(o_def, [
-      spec.to_logical(to_memory(spec, x, l, "device"), l) for x, l in zip(o_leaves, meta.opt_layouts)])
   opt = masked_optimizer(optimizer, treedef, meta.trainable)
 
-  def apply(_):
-    updates, new_opt = opt.update(jax.tree.unflatten(treedef, full_grads), opt_state,
+  def apply(src, o_views):
+    full_src, full_grads = list(leaves), list(leaves)
+    for j, i in enumerate(idx):
+      full_src[i], full_grads[i] = src[j], grads[j].astype(src[j].dtype)
+    for i, t in enumerate(meta.trainable):
+      if not t:
+        full_grads[i] = jnp.zeros(meta.param_layouts[i].shape, leaves[i].dtype)
+        if spec.stage == 3:
+          full_src[i] = lay.unpad(leaves[i], meta.param_layouts[i])
+    updates, new_opt = opt.update(jax.tree.unflatten(treedef, full_grads),
+                                  jax.tree.unflatten(o_def, o_views),
                                   jax.tree.unflatten(treedef, full_src))
     updates = jax.tree.leaves(updates)
     new_src = [(s + updates[i]).astype(s.dtype) for s, i in zip(src, idx)]
     return new_src, [x.astype(y.dtype) for x, y in zip(jax.tree.leaves(new_opt), o_leaves)]
 
-  new_src, new_o = jax.lax.cond(finite, apply,
-                                lambda _: (list(src), jax.tree.leaves(opt_state)), None)
-  new_o = [to_memory(spec, spec.to_storage(x, l), l, "pinned_host")
-           for x, l in zip(new_o, meta.opt_layouts)]
+  if spec.offload is not None:
+    new_src, new_o, master = offload.streamed_update(
+        spec, meta, apply, _sources(spec, state), state.master, o_leaves, finite)
+  else:
+    src = _sources(spec, state)
+    o_views = [spec.to_logical(x, l) for x, l in zip(o_leaves, meta.opt_layouts)]
+    new_src, new_o = jax.lax.cond(finite, lambda _: apply(src, o_views),
+                                  lambda _: (list(src), o_views), None)
+    new_o = [spec.to_storage(x, l) for x, l in zip(new_o, meta.opt_layouts)]
+    master = None
+    if state.master is not None:
+      master = [spec.to_storage(s, l) if meta.master[i] else None
+                for s, i, l in zip(new_src, idx, t_layouts)]
   new_params = _new_params(spec, meta, leaves, new_src, t_layouts)
-  master = None
-  if state.master is not None:
-    master = [to_memory(spec, spec.to_storage(s, l), l, "pinned_host") if meta.master[i] else None
-              for s, i, l in zip(new_src, idx, t_layouts)]
   new_scale = ls.adjust_loss_scale(state.loss_scale, finite)
   new_state = state.replace(
       step=state.step + 1, params=jax.tree.unflatten(treedef, new_params), master=master,
