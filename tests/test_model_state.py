@@ -216,3 +216,20 @@ def test_error_loss_fn_returns_the_wrong_tuple_with_model_state(mesh, has_aux, r
   with pytest.raises(TypeError) as e:
     step(state, np.ones((8, 3), np.float32))
   assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_skipped_step_leaves_the_model_state_bit_for_bit(mesh, precision):
+  params, stats = bn_init()
+  step = zj.make_sharded_train_step(bn_loss, optax.adam(1e-2), mesh=mesh, precision=precision)
+  state, _ = step(step.init(params, model_state=stats), make_batches(1)[0])
+  before = jax.tree.map(np.asarray, state.model_state)
+  bad = make_batches(1)[0]
+  bad["x"][3, 0] = np.inf  # non-finite statistics and gradients on one device
+  state, m = step(state, bad)
+  assert not bool(m["grads_finite"])
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.model_state), before)
+  state, m = step(state, make_batches(2)[1])  # and the next good step updates them again
+  assert bool(m["grads_finite"])
+  assert any(not np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(jax.tree.map(np.asarray, state.model_state)), jax.tree.leaves(before)))

@@ -270,7 +270,9 @@ class ShardedTrainStep:
       new_state, metrics = update_lib.apply_update(spec, self.optimizer, state, local.grads,
                                                    local.loss, local.aux)
       metrics["skipped_in_a_row"] = new_state.loss_scale.skipped_in_a_row
-      return new_state.replace(model_state=local.model_state), metrics
+      model_state = update_lib.keep_if_skipped(metrics["grads_finite"], local.model_state,
+                                               state.model_state)
+      return new_state.replace(model_state=model_state), metrics
 
     def out_specs(state, batch):  # metrics are replicated scalars (aux: a prefix)
       del batch
@@ -481,7 +483,9 @@ def make_sharded_train_step(
       variables (``nnx.state(model)`` with BatchNorm statistics is refused:
       pass the module). Unused for other params.
     comm_dtype: floating dtype on the wire for the gradient reduction
-      (stages 1-2), e.g. ``jnp.bfloat16``; default the gradient's dtype.
+      (stages 1-2), e.g. ``jnp.bfloat16``; default the gradient's dtype (with
+      ``accumulate="local"`` and ``grad_accum_steps > 1``, the float32
+      accumulator's).
     offload: ``None`` or ``"optimizer"``: keep the optimizer state and the
       master copy in pinned host memory between steps; the update streams
       them through the devices a bucket of leaves at a time (see

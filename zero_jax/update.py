@@ -44,6 +44,20 @@ def norm_and_finite(grads):
   return jnp.sqrt(sq), jnp.isfinite(sq)
 
 
+def keep_if_skipped(finite, new, old):
+  """The new model state after a finite step, the old one (bit for bit) after a skipped one.
+
+  A skipped step changes nothing but the loss scale: not the parameters, not the
+  optimizer state, and not the model state (an overflowing fp16 step would
+  otherwise write NaN BatchNorm statistics). Key leaves are kept as they are.
+  """
+  def one(n, o):
+    if jnp.issubdtype(jnp.result_type(o), jax.dtypes.prng_key):
+      return n
+    return jnp.where(finite, n, o)
+  return jax.tree.map(one, new, old)
+
+
 def gather_params(spec: StepSpec, layouts, blocks, stacked):
   """Storage blocks (split over data and model axes) -> logical leaves split over model only.
 
