@@ -58,22 +58,45 @@ def keep_if_skipped(finite, new, old):
   return jax.tree.map(one, new, old)
 
 
-def gather_params(spec: StepSpec, layouts, blocks, stacked):
+def gather_params(spec: StepSpec, layouts, blocks, stacked, old):
   """Storage blocks (split over data and model axes) -> logical leaves split over model only.
 
   Bucketed (see `zero_jax.collectives`; stacked leaves alone); on one device the
-  blocks are the leaves.
+  blocks are the leaves. A stacked leaf is gathered one layer at a time into
+  its ``old`` value's buffer (donated with the state): gathering the whole stack
+  along a dimension behind the layers would leave a transposed copy of it in
+  temporary memory, as large as the parameters.
   """
   if spec.n_data == 1:
     return [spec.constrain(lay.unpad(b, l), l.model_spec()) for b, l in zip(blocks, layouts)]
+  layer_wise = [s and l.dim is not None and l.dim > 0 for s, l in zip(stacked, layouts)]
   groups = collectives.plan_buckets(layouts, [b.dtype for b in blocks],
                                     bucket_bytes=spec.bucket_bytes, alone=stacked)
+  groups = [g for g in groups if not layer_wise[g[0]]]
 
-  fn = jax.shard_map(
-      lambda bs: collectives.all_gather_many(bs, layouts, groups, spec.data_axes),
-      mesh=spec.auto_mesh, in_specs=([l.spec(spec.data_axes) for l in layouts],),
-      out_specs=[l.model_spec() for l in layouts])
-  return fn(blocks)
+  def gather(bs, olds):
+    out = collectives.all_gather_many(bs, layouts, groups, spec.data_axes)
+    for i, (b, l) in enumerate(zip(bs, layouts)):
+      if layer_wise[i]:
+        out[i] = _gather_layer_by_layer(spec, b, l, olds[i])
+    return out
+
+  specs = [l.spec(spec.data_axes) for l in layouts]
+  model = [l.model_spec() for l in layouts]
+  fn = jax.shard_map(gather, mesh=spec.auto_mesh, in_specs=(specs, model), out_specs=model)
+  return fn(blocks, [o if w else None for o, w in zip(old, layer_wise)])
+
+
+def _gather_layer_by_layer(spec: StepSpec, block, layout: lay.Layout, old):
+  """A stacked leaf's blocks gathered into ``old``'s buffer, layer after layer."""
+  layer = lay.Layout(layout.shape[1:], layout.dim - 1, layout.padded,
+                     layout.model[1:] if layout.model else (),
+                     layout.model_size[1:] if layout.model else ())
+
+  def body(i, full):
+    whole = collectives.all_gather(block[i], layer, spec.data_axes)
+    return jax.lax.dynamic_update_index_in_dim(full, whole.astype(full.dtype), i, 0)
+  return jax.lax.fori_loop(0, layout.shape[0], body, old)
 
 
 def _sources(spec: StepSpec, state: TrainState):
@@ -158,7 +181,8 @@ def _new_params(spec: StepSpec, meta, leaves, new_src, t_layouts) -> list:
             for s, i, l in zip(new_src, meta.train_idx, t_layouts)]
   out = list(leaves)
   full = blocks if spec.stage == 3 else gather_params(
-      spec, t_layouts, blocks, [meta.stacked[i] for i in meta.train_idx])
+      spec, t_layouts, blocks, [meta.stacked[i] for i in meta.train_idx],
+      [leaves[i] for i in meta.train_idx])
   for i, x in zip(meta.train_idx, full):
     out[i] = x
   return out
