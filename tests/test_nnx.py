@@ -374,7 +374,8 @@ def test_scanned_stack_stage3_gathers_layer_by_layer_and_matches_reference(mesh)
   # Each layer is gathered on its own (inside the scan): no gather has the layer axis.
   text = step.lower(state, batches[0]).as_text()
   gathered = re.findall(r"all_gather.*-> tensor<([\dx]+)x\w+>", text)
-  assert len(gathered) >= 9, gathered  # at least one per stacked leaf
+  # Each layer's small leaves move together (buckets): a few gathers, none of the stack.
+  assert gathered, text
   assert not [g for g in gathered if g.startswith(f"{LAYERS}x")], gathered
 
 

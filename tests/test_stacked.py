@@ -190,7 +190,8 @@ def test_stacked_stage2_reduce_scatters_inside_the_loop_and_its_temp_falls_with_
     c = compiled(n, 2)
     temp[n] = c.memory_analysis().temp_size_in_bytes
   assert temp[1] > temp[2] > temp[4] > temp[8], temp
-  assert temp[8] < temp[1] / 4, temp
+  # The whole (L, W, W) gradient at N=1; a 1/8 block, plus a layer's bucket, at N=8.
+  assert temp[8] < temp[1] / 3, temp
   colls = collectives(compiled(8, 2).as_text())
   assert any(op == "reduce-scatter" and in_loop for op, _, in_loop in colls), colls
   # No whole (L, W, W) gradient is reduce-scattered after the loop.

@@ -174,13 +174,15 @@ def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
     for i, yes in enumerate(scattered_in_loop(spec, meta)):
       if yes:
         full[i] = ShardedParam(train[i], meta.param_layouts[i], spec.data_axes, paths[i],
-                               full=leaves[i], reduction=reduction)
+                               full=leaves[i], reduction=reduction,
+                               bucket_bytes=spec.bucket_bytes)
     return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
   full = {}
   for part, to in ((frozen, "invarying"), (train, "varying")):
     plain = {i: x for i, x in part.items() if not meta.stacked[i]}
     full.update(_gather(spec, meta, plain, to))
-    full.update({i: ShardedParam(x, meta.param_layouts[i], spec.data_axes, paths[i])
+    full.update({i: ShardedParam(x, meta.param_layouts[i], spec.data_axes, paths[i],
+                                 bucket_bytes=spec.bucket_bytes)
                  for i, x in part.items() if meta.stacked[i]})
   return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
 

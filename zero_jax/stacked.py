@@ -37,7 +37,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zero_jax.collectives import axes_size, reduce_scatter
+from zero_jax.collectives import (DEFAULT_BUCKET_BYTES, all_gather_many, axes_size,
+                                  plan_buckets, reduce_scatter_many)
 from zero_jax import nnx as nnx_lib
 from zero_jax.layout import Layout, local_storage_shape, unpad
 
@@ -72,24 +73,27 @@ class ShardedParam:
     path: the leaf's ``keystr`` path, for error messages (static).
     full: stage 2: the whole value of the slice (replicated); None at stage 3.
     reduction: stage 2: the `Reduction` of its gradient (static); None at stage 3.
+    bucket_bytes: the step's ``bucket_bytes`` (static): one `gather` call moves
+      the small leaves it is given together.
   """
 
   def __init__(self, block, layout: Layout, axis_name, path: str, full=None,
-               reduction: Reduction | None = None):
+               reduction: Reduction | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     self.block = block
     self.layout = layout
     self.axis_name = axis_name
     self.path = path
     self.full = full
     self.reduction = reduction
+    self.bucket_bytes = bucket_bytes
 
   def tree_flatten(self):
-    return (self.block, self.full), (self.layout, self.axis_name, self.path, self.reduction)
+    return (self.block, self.full), (self.layout, self.axis_name, self.path, self.reduction,
+                                     self.bucket_bytes)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    layout, axis_name, path, reduction = aux
-    return cls(children[0], layout, axis_name, path, children[1], reduction)
+    return cls(children[0], aux[0], aux[1], aux[2], children[1], *aux[3:])
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -108,28 +112,31 @@ class ShardedParam:
   def __getitem__(self, index):
     full = None if self.full is None else self.full[index]
     return ShardedParam(self.block[index], self.layout, self.axis_name, self.path, full,
-                        self.reduction)
+                        self.reduction, self.bucket_bytes)
 
   def __repr__(self):
     return f"ShardedParam(params{self.path}, shape={self.shape}, layout={self.layout})"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _scatter_on_backward(block, full, layout: Layout, data_axes, reduction: Reduction):
-  """``full`` (made local to the device); the transpose sends the gradient to ``block``,
-  reduce-scattered over the data axes (and all-reduced over the replica axes)."""
-  del block, layout, data_axes
-  return jax.lax.pcast(full, reduction.batch_axes, to="varying")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _scatter_on_backward(blocks, fulls, layouts, data_axes, reduction: Reduction, groups):
+  """``fulls`` (made local to the device); the transpose sends their gradients to
+  ``blocks``, reduce-scattered over the data axes (and all-reduced over the replica
+  axes), the small ones together (``groups``, see `zero_jax.collectives`)."""
+  del blocks, layouts, data_axes, groups
+  return [jax.lax.pcast(f, reduction.batch_axes, to="varying") for f in fulls]
 
 
-def _scatter_fwd(block, full, layout, data_axes, reduction):
-  return _scatter_on_backward(block, full, layout, data_axes, reduction), jnp.zeros((), block.dtype)
+def _scatter_fwd(blocks, fulls, layouts, data_axes, reduction, groups):
+  out = _scatter_on_backward(blocks, fulls, layouts, data_axes, reduction, groups)
+  return out, [jnp.zeros((), b.dtype) for b in blocks]
 
 
-def _scatter_bwd(layout, data_axes, reduction, zero, ct):
-  g = reduce_scatter(ct, layout, data_axes, replica_axes=reduction.replica_axes,
-                     comm_dtype=reduction.comm_dtype, out_dtype=zero.dtype)
-  return g, jnp.zeros(ct.shape, ct.dtype)
+def _scatter_bwd(layouts, data_axes, reduction, groups, zeros, cts):
+  gs = reduce_scatter_many(cts, layouts, groups, data_axes, replica_axes=reduction.replica_axes,
+                           comm_dtype=reduction.comm_dtype)
+  return ([g.astype(z.dtype) for g, z in zip(gs, zeros)],
+          [jnp.zeros(ct.shape, ct.dtype) for ct in cts])
 
 
 _scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)
@@ -159,17 +166,29 @@ def _sliced_layout(x: ShardedParam) -> tuple[Layout, tuple, int]:
   return Layout(shape, dim, layout.padded if dim is not None else 0), local, drop
 
 
-def _gather_one(x: ShardedParam) -> jax.Array:
-  sliced, _, _ = _sliced_layout(x)
-  if x.full is not None:  # stage 2: the value is here; reduce the gradient on the way back
-    if sliced.dim is None:
-      return x.full
-    return _scatter_on_backward(x.block, jax.lax.stop_gradient(x.full), sliced, x.axis_name,
-                                x.reduction)
-  if sliced.dim is None:
-    return x.block
-  full = jax.lax.all_gather(x.block, x.axis_name, axis=sliced.dim, tiled=True, to="varying")
-  return unpad(full, sliced)
+def _gather_many(xs: list) -> list:
+  """Full values of the `ShardedParam`s of one `gather` call, small ones moved together."""
+  sliced = [_sliced_layout(x)[0] for x in xs]
+  out = [x.full if x.full is not None else x.block for x in xs]  # replicated: as they are
+  for stage2 in (True, False):
+    idx = [i for i, x in enumerate(xs) if (x.full is not None) == stage2
+           and sliced[i].dim is not None]
+    if not idx:
+      continue
+    layouts = tuple(sliced[i] for i in idx)
+    first = xs[idx[0]]
+    groups = plan_buckets(layouts, [xs[i].block.dtype for i in idx],
+                          bucket_bytes=first.bucket_bytes)
+    if stage2:  # the value is here; reduce the gradient on the way back
+      got = _scatter_on_backward([xs[i].block for i in idx],
+                                 [jax.lax.stop_gradient(xs[i].full) for i in idx], layouts,
+                                 first.axis_name, first.reduction, groups)
+    else:
+      got = all_gather_many([xs[i].block for i in idx], list(layouts), groups, first.axis_name,
+                            to="varying")
+    for i, g in zip(idx, got):
+      out[i] = g
+  return out
 
 
 def gather(tree: Any) -> Any:
@@ -211,4 +230,10 @@ def gather(tree: Any) -> Any:
   is_sharded = lambda x: isinstance(x, ShardedParam)
   if nnx_lib.is_module(tree):  # its BatchNorm statistics and Rngs stay its own
     return nnx_lib.gather_module(tree, is_sharded, gather)
-  return jax.tree.map(lambda x: _gather_one(x) if is_sharded(x) else x, tree, is_leaf=is_sharded)
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
+  idx = [i for i, x in enumerate(leaves) if is_sharded(x)]
+  if not idx:
+    return tree
+  for i, full in zip(idx, _gather_many([leaves[i] for i in idx])):
+    leaves[i] = full
+  return jax.tree.unflatten(treedef, leaves)
