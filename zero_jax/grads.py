@@ -187,6 +187,23 @@ def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
   return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
 
 
+def _differentiated(spec: StepSpec, meta, leaves) -> tuple[list, list]:
+  """What the gradient is taken with respect to, per trainable leaf, and which leaves'
+  gradients `zero_jax.gather` reduces inside the loss's loop.
+
+  Stage 3: the blocks (the gather's transpose reduces). Stages 1-2: a device-varying copy
+  of each leaf, so the gradient is the device's own and not already summed over devices;
+  for a stacked leaf reduced in the loop, a block of zeros that receives its reduced block.
+  """
+  in_loop = scattered_in_loop(spec, meta)
+  diff = [leaves[i] for i in meta.train_idx]
+  if spec.stage != 3:
+    diff = [_zero_block(spec, meta.param_layouts[i], leaves[i].dtype) if in_loop[i] else
+            jax.lax.pcast(x, spec.batch_axes, to="varying")
+            for i, x in zip(meta.train_idx, diff)]
+  return diff, in_loop
+
+
 def _zero_block(spec: StepSpec, layout, dtype):
   """The differentiated stand-in of a stage-2 stacked leaf: its gradient is the reduced block."""
   block = jnp.zeros(lay.local_storage_shape(layout, spec.n_data), jnp.promote_types(dtype,
@@ -249,18 +266,14 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
       denom, w = spec.n_batch * k, None
     else:
       w = jax.lax.psum(out.weight, axes)  # this micro-batch's global weight
-      denom = k * jnp.where(w > 0, w, 1.0)
+      denom = k * _nonzero(w)
     return ls.scale_loss(scale, out.value) / denom, (out, w)
 
   if spec.stage == 3 and not any(meta.stacked):  # re-gather for the backward pass
     objective = jax.checkpoint(objective, policy=regather_policy(
         meta.param_layouts, _bucket_shapes(spec, meta)))
   grad_fn = jax.value_and_grad(objective, has_aux=True)
-  in_loop = scattered_in_loop(spec, meta)
-  diff = [leaves[i] for i in idx]
-  if spec.stage != 3:  # a local gradient, not one already summed over devices
-    diff = [_zero_block(spec, meta.param_layouts[i], leaves[i].dtype) if in_loop[i] else
-            jax.lax.pcast(x, axes, to="varying") for i, x in zip(idx, diff)]
+  diff, in_loop = _differentiated(spec, meta, leaves)
   reduce_here = [r and not in_loop[i] for i, r in zip(idx, reduce_here)]
 
   weighted = []  # set when the first micro-batch is traced: does loss_fn weight?
@@ -281,25 +294,42 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
     return (g, out.value.astype(jnp.float32), jnp.float32(0) if w is None else w, aux,
             out.model_state)
 
-  if k == 1:
-    grads, total, weight, aux, ms = micro(batch, model_state, 0)
-  else:
-    mbs = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
-    first = micro(jax.tree.map(lambda x: x[0], mbs), model_state, 0)
-
-    def body(carry, xs):
-      out = micro(xs[0], carry[4], xs[1])
-      add = lambda a, b: jax.tree.map(jnp.add, a, b)
-      return tuple(add(c, o) for c, o in zip(carry[:4], out[:4])) + (out[4],), None
-
-    rest = jax.tree.map(lambda x: x[1:], mbs)
-    (grads, total, weight, aux, ms), _ = jax.lax.scan(body, first, (rest, jnp.arange(1, k)))
+  grads, total, weight, aux, ms = _micro_batches(micro, batch, model_state, k)
+  if k > 1:
     if weighted[0]:  # weight = the global weight W of the whole step
-      grads = [x / jnp.where(weight > 0, weight, 1.0).astype(x.dtype) for x in grads]
+      grads = [x / _nonzero(weight).astype(x.dtype) for x in grads]
     if not sharded_acc:
       grads = reduce_some(spec, layouts, grads, reduce_here, stacks)
-  if weighted[0]:
-    loss = jax.lax.psum(total, axes) / jnp.where(weight > 0, weight, 1.0)
+  return _agreed(grads, total, weight if weighted[0] else None, aux, ms, model_state, k, axes)
+
+
+def _nonzero(w):
+  return jnp.where(w > 0, w, 1.0)
+
+
+def _micro_batches(micro, batch, model_state, k: int):
+  """``micro`` over the ``k`` micro-batches of ``batch`` in order (a ``lax.scan``), summing
+  its first four results and threading the model state; the first one runs before the
+  scan so that the carry has the types (and device variance) of a real iteration."""
+  if k == 1:
+    return micro(batch, model_state, 0)
+  mbs = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+  first = micro(jax.tree.map(lambda x: x[0], mbs), model_state, 0)
+
+  def body(carry, xs):
+    out = micro(xs[0], carry[4], xs[1])
+    add = lambda a, b: jax.tree.map(jnp.add, a, b)
+    return tuple(add(c, o) for c, o in zip(carry[:4], out[:4])) + (out[4],), None
+
+  rest = jax.tree.map(lambda x: x[1:], mbs)
+  return jax.lax.scan(body, first, (rest, jnp.arange(1, k)))[0]
+
+
+def _agreed(grads, total, weight, aux, ms, model_state, k: int, axes) -> Local:
+  """The values every device agrees on: the global loss (weighted or mean), aux and
+  model state averaged over the batch axes; the gradients as they are."""
+  if weight is not None:
+    loss = jax.lax.psum(total, axes) / _nonzero(weight)
   else:
     loss = jax.lax.pmean(total / k, axes)
   aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a / k, axes), aux)
