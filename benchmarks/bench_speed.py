@@ -38,7 +38,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import train_step as step_lib  # noqa: E402
+from zero_jax import context  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import train_lm  # noqa: E402
@@ -207,15 +207,15 @@ def host_per_call(quick, calls) -> dict:
       fn()
     return (time.perf_counter() - t0) / calls * 1e6
 
-  def context():
-    with step_lib._mesh_context(step.spec):  # pylint: disable=protected-access
+  def enter_context():
+    with context.mesh_context(step.spec):
       pass
 
   parts = {
       "state check (`_prepare`)": per_call(lambda: step._prepare(state)),
       "batch check + placement, placed batch": per_call(lambda: step._place(placed)),
       "batch check + placement, numpy batch": per_call(lambda: step._place(batch)),
-      "mesh context": per_call(context),
+      "mesh context": per_call(enter_context),
   }
   return {"model": title, "parts_us": parts, "step_ms": float(np.median(t_step) * 1e3)}
 

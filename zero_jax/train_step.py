@@ -19,7 +19,6 @@ mesh, and the step computes in Auto mode inside (``jax.sharding.auto_axes``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from typing import Callable
@@ -32,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import batch as batching
+from zero_jax import context
 from zero_jax import grads as grads_lib
 from zero_jax import layers
 from zero_jax import layout as lay
@@ -47,52 +47,6 @@ from zero_jax.state import StateMeta, TrainState
 
 _METRICS = ("loss", "grad_norm", "grads_finite", "loss_scale", "skipped_steps",
             "skipped_in_a_row")
-
-
-def _device_put(tree, sharding):
-  """``jax.device_put`` that also places typed PRNG keys on a multi-process mesh."""
-  def put(x):
-    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-      data = jax.device_put(jax.random.key_data(x), sharding)
-      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    return jax.device_put(x, sharding)
-  return jax.tree.map(put, tree)
-
-
-def _mesh_context(spec: StepSpec):
-  """The context a call runs in: the user's ``jax.set_mesh(mesh)`` if they are in it,
-  else the Auto view of the mesh (see `StepSpec.working_mesh`)."""
-  if spec.in_user_context():
-    return contextlib.nullcontext()
-  try:
-    return jax.set_mesh(spec.auto_mesh)
-  except ValueError:  # inside a user's jit: their context stands
-    return contextlib.nullcontext()
-
-
-def _in_auto(spec: StepSpec, fn, out_specs):
-  """``fn`` traced in Auto mode: wrapped in ``auto_axes`` when the context has Explicit axes.
-
-  ``out_specs(*args)`` gives PartitionSpecs for ``fn``'s output (a prefix).
-  """
-  def run(*args):
-    context = jax.sharding.get_abstract_mesh()
-    if not any(t == jax.sharding.AxisType.Explicit for t in context.axis_types):
-      return fn(*args)
-    one = lambda *a: (fn(*a),)  # auto_axes wants a tuple of outputs
-    return jax.sharding.auto_axes(one, out_sharding=(out_specs(*args),))(*args)[0]
-  return run
-
-
-def _closure_error(e: NotImplementedError):
-  if "Closing over inputs to shard_map" not in str(e):
-    return None
-  return ValueError(
-      "loss_fn closes over an array that lives on the mesh's Explicit axes (made under "
-      "jax.set_mesh, or placed with a sharding on an Explicit mesh); JAX cannot close over such "
-      "an array inside the step's shard_map. Pass it in instead: as a leaf of the params marked "
-      "trainable=False (it keeps its param_specs split), in the batch (one row per example), or "
-      f"in model_state=; or make it a plain array (np.asarray(x)). JAX said: {e}")
 
 
 class ShardedTrainStep:
@@ -180,12 +134,12 @@ class ShardedTrainStep:
     spec = self.spec
     placed = [jax.device_put(x, st.sharding(spec, l.model_spec()))
               for x, l in zip(jax.tree.leaves(params), meta.param_layouts)]
-    extras = _device_put((model_state, rng, self.initial_loss_scale), st.sharding(spec, P()))
+    extras = context.device_put((model_state, rng, self.initial_loss_scale), st.sharding(spec, P()))
     specs = self._specs(meta, treedef, model_state, rng)
     body = functools.partial(st.init_state, spec, self.optimizer, meta, treedef)
-    init = jax.jit(_in_auto(spec, body, lambda *_: specs),
+    init = jax.jit(context.in_auto(spec, body, lambda *_: specs),
                    out_shardings=st.state_shardings(spec, specs))
-    with _mesh_context(spec):
+    with context.mesh_context(spec):
       return init(placed, *extras)
 
   def abstract_state(self, params, *, model_state=None, rng=None) -> TrainState:
@@ -205,8 +159,8 @@ class ShardedTrainStep:
     leaves = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
     body = functools.partial(st.init_state, self.spec, self.optimizer, meta, treedef)
     specs = self._specs(meta, treedef, model_state, rng)
-    with _mesh_context(self.spec):
-      shape = jax.eval_shape(_in_auto(self.spec, body, lambda *_: specs), leaves, model_state,
+    with context.mesh_context(self.spec):
+      shape = jax.eval_shape(context.in_auto(self.spec, body, lambda *_: specs), leaves, model_state,
                              rng, self.initial_loss_scale)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shape, st.state_shardings(self.spec, specs))
@@ -279,14 +233,14 @@ class ShardedTrainStep:
       metrics = dict.fromkeys(_METRICS + (("aux",) if spec.has_aux else ()), P())
       return (self._specs(state.meta, jax.tree.structure(state.params), state.model_state,
                           state.rng, state.loss_scale), metrics)
-    return _in_auto(spec, body, out_specs)(state, batch)
+    return context.in_auto(spec, body, out_specs)(state, batch)
 
   def _run(self, fn, state, batch):
-    with _mesh_context(self.spec):
+    with context.mesh_context(self.spec):
       try:
         return fn(state, self._place(batch))
       except NotImplementedError as e:
-        err = _closure_error(e)
+        err = context.closure_error(e)
         if err is None:
           raise
         raise err from None
@@ -329,7 +283,7 @@ class ShardedTrainStep:
     """The full parameters: original shapes, tree and (master) dtypes, on the user's mesh
     (replicated over the data and replica axes, split over model axes as ``param_specs``)."""
     state = self._prepare(state, "get_params")
-    with _mesh_context(self.spec):
+    with context.mesh_context(self.spec):
       return self._get_params(state)
 
   def get_model(self, state: TrainState):
@@ -346,7 +300,7 @@ class ShardedTrainStep:
                       "this state was made from a params pytree: use step.get_params(state).")
     state = self._prepare(state, "get_model")
     params = self.get_params(state)
-    with _mesh_context(self.spec):
+    with context.mesh_context(self.spec):
       return nnx_lib.merge(state.meta.module, params, self._copy(state.model_state))
 
   def _get_params_fn(self, state: TrainState):
@@ -361,7 +315,7 @@ class ShardedTrainStep:
     def body(leaves):
       return [spec.constrain(lay.unpad(x, l) if x.shape != l.shape else x, s)
               for x, l, s in zip(leaves, meta.param_layouts, specs)]
-    out = _in_auto(spec, body, lambda *_: specs)(leaves)
+    out = context.in_auto(spec, body, lambda *_: specs)(leaves)
     return jax.tree.unflatten(jax.tree.structure(state.params), out)
 
 
