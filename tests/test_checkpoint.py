@@ -27,7 +27,9 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -751,6 +753,40 @@ def test_checkpoint_without_optimizer_signature_restores_with_a_warning(steps, t
     assert mngr.save(state)
     with pytest.warns(UserWarning, match="does not record its optimizer's update rule"):
       assert int(mngr.restore(step, init_params()).step) == 1
+
+
+def test_checkpoint_from_before_skipped_in_a_row_restores_it_as_zero(steps, tmp_path,
+                                                                     monkeypatch):
+  step = steps["adam4"]
+  state, _ = step(step.init(init_params()), BATCHES[0])
+  nan_batch = {"x": np.full_like(BATCHES[1]["x"], np.nan), "y": BATCHES[1]["y"]}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    state, metrics = step(state, nan_batch)  # skipped: skipped_steps = skipped_in_a_row = 1
+  assert int(metrics["skipped_steps"]) == 1 and int(metrics["skipped_in_a_row"]) == 1
+
+  @flax.struct.dataclass
+  class LossScaleBeforeIt:  # the loss-scale state of zero_jax before skipped_in_a_row
+    scale: jax.Array
+    good_steps: jax.Array
+    skipped_steps: jax.Array
+
+  from zero_jax import checkpoint_format
+  groups = checkpoint_format._groups
+  monkeypatch.setattr(checkpoint_format, "_groups", lambda s: {**groups(s), "loss_scale":
+      LossScaleBeforeIt(s.loss_scale.scale, s.loss_scale.good_steps, s.loss_scale.skipped_steps)})
+  with zj.CheckpointManager(tmp_path) as mngr:
+    assert mngr.save(state)
+    mngr.wait_until_finished()
+  monkeypatch.undo()
+  with zj.CheckpointManager(tmp_path) as mngr:
+    restored = mngr.restore(step, init_params())
+  assert int(restored.loss_scale.skipped_steps) == 1
+  assert int(restored.loss_scale.skipped_in_a_row) == 0
+  for a, b in zip(jax.tree.leaves((restored.params, restored.opt_state)),
+                  jax.tree.leaves((state.params, state.opt_state))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  step(restored, BATCHES[2])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ off the shards, and the compiled hybrid step's collectives off its HLO.
 
 import contextlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,6 +194,33 @@ def test_param_specs_are_read_from_params_that_arrive_sharded():
   check_against_reference(step, state, losses, megatron_loss, optax.adam(1e-2),
                           megatron_params(), bs)
   assert state.params["w2"].sharding.spec == P("model", None)
+
+
+class BoxedMegatron(nn.Module):
+  """The Megatron MLP written in Linen with nn.with_partitioning boxes."""
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda n, names: nn.Dense(n, kernel_init=nn.with_partitioning(
+        nn.initializers.lecun_normal(), names), bias_init=nn.with_partitioning(
+            nn.initializers.normal(0.1), names[-1:]))
+    h = jax.nn.gelu(dense(16, (None, "model"))(x))
+    return dense(5, ("model", None))(h)
+
+
+def test_param_specs_are_read_from_linen_partitioned_boxes():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  model = BoxedMegatron()
+  params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
+  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+  bs = batches(2, fin=6)
+  step = zj.make_sharded_train_step(loss, optax.adam(1e-2), mesh=mesh)  # no param_specs=
+  state, losses = train(step, params, bs)
+  check_against_reference(step, state, losses, loss, optax.adam(1e-2), params, bs)
+  kernel = state.opt_state[0].mu["Dense_0"]["kernel"].value  # (6, 16), split 16 = 2 x 8
+  assert kernel.addressable_shards[0].data.size * 8 == kernel.size
+  w2 = step.get_params(state)["Dense_1"]["kernel"].value
+  assert w2.sharding.is_equivalent_to(NamedSharding(mesh, P("model", None)), 2)
 
 
 # --------------------------------------------------------------------- errors

@@ -108,6 +108,13 @@ def test_python_list_batch_leaf_is_refused_with_the_fix(mesh):
     step(state, bad)
 
 
+def test_empty_batch_is_refused_not_run_as_a_nan_step(mesh):
+  step = make(mesh)
+  state = step.init(init_params())
+  with pytest.raises(ValueError, match=r"batch\['x'\] has no rows \(shape \(0, 9\)\)"):
+    step(state, batch(rows=0))
+
+
 # ------------------------------------------------------------------ 4. dtypes
 @pytest.mark.parametrize("dtype", ["int8", "bool", jnp.int32])
 def test_comm_dtype_must_be_floating(dtype, mesh):

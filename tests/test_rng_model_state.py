@@ -197,3 +197,31 @@ def test_a_model_state_leaf_that_is_not_an_array_is_named_at_init(mesh):
   step = zj.make_sharded_train_step(_returns(lambda ms: ms), optax.sgd(0.1), mesh=mesh)
   with pytest.raises(TypeError, match=r"model_state\['dropout'\]\['mode'\] is a str"):
     step.init({"w": np.zeros(3, np.float32)}, model_state={"dropout": {"mode": "train"}})
+
+
+@pytest.mark.parametrize("rng,got", [(0, "int 0"), (jnp.zeros((3,), jnp.uint32), r"uint32\[3\]"),
+                                     (jax.random.split(jax.random.key(0)), r"key<fry>\[2\]")])
+def test_an_rng_that_is_not_one_key_is_refused_at_init(mesh, rng, got):
+  step = zj.make_sharded_train_step(lambda p, b, rng: jnp.sum(p["w"] * b), optax.sgd(0.1),
+                                    mesh=mesh)
+  with pytest.raises(TypeError, match=rf"rng= must be one PRNG key \(jax.random.key\(seed\)\); "
+                                      rf"got {got}"):
+    step.init({"w": np.zeros(3, np.float32)}, rng=rng)
+
+
+@pytest.mark.parametrize("key", [jax.random.key(0), jax.random.PRNGKey(0)], ids=["typed", "raw"])
+def test_a_typed_or_raw_key_is_accepted(mesh, key):
+  step = zj.make_sharded_train_step(
+      lambda p, b, rng: jnp.mean((b + jax.random.normal(rng, b.shape)) @ p["w"]), optax.sgd(0.1),
+      mesh=mesh)
+  _, metrics = step(step.init({"w": np.ones(3, np.float32)}, rng=key), np.ones((8, 3), np.float32))
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_a_loss_that_requires_rng_without_one_at_init_says_to_pass_it(mesh):
+  step = zj.make_sharded_train_step(lambda p, b, rng: jnp.sum(p["w"] * b), optax.sgd(0.1),
+                                    mesh=mesh)
+  state = step.init({"w": np.zeros(3, np.float32)})
+  with pytest.raises(TypeError, match=r"loss_fn requires rng=, but the state was made without "
+                                      r"one.*step.init\(params, rng=jax.random.key\(0\)\)"):
+    step(state, np.ones((8, 3), np.float32))

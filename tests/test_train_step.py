@@ -85,6 +85,11 @@ OPTIMIZERS = {
     "multi_transform": lambda: optax.multi_transform(
         {"matrix": optax.adam(1e-2), "vector": optax.sgd(0.1)}, label_fn),
     "schedule": lambda: optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 5)),
+    # Not elementwise: Newton-Schulz on each whole matrix (the update sees logical arrays).
+    "muon": lambda: optax.contrib.muon(1e-2),
+    "schedule_free": lambda: optax.contrib.schedule_free_adamw(1e-2),
+    # A class, not a GradientTransformation; the step takes its gradient_transformation().
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
 }
 
 PROBLEMS = {
@@ -144,6 +149,27 @@ def test_sharded_step_matches_single_device_optax(problem, opt_name, stage, mesh
                                     stage=stage)
   np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
   assert_trees_close(step.get_params(state), want)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_step_inside_the_users_jit_and_scan_matches_single_device_optax(opt_name, stage, mesh):
+  """Several steps per dispatch, as ``lax.scan`` over the step in the user's ``jax.jit``."""
+  params, batches = linen_params(), linen_batches()
+  want, want_losses = reference_run(linen_loss, OPTIMIZERS[opt_name](), params, batches)
+  step = zj.make_sharded_train_step(linen_loss, OPTIMIZERS[opt_name](), mesh=mesh, stage=stage)
+
+  def body(state, batch):
+    state, metrics = step(state, batch)
+    return state, metrics["loss"]
+
+  run = jax.jit(lambda state, batches: jax.lax.scan(body, state, batches))
+  stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches[:-1])
+  state, losses = run(step.init(params), stacked)
+  state, metrics = jax.jit(step)(state, batches[-1])  # and one step in a plain jit
+  np.testing.assert_allclose(list(losses) + [metrics["loss"]], want_losses, rtol=RTOL)
+  assert_trees_close(step.get_params(state), want)
+  step(state, batches[0])  # the state stays usable by the step called directly
 
 
 def test_sgd_gradient_is_the_global_mean_not_the_sum(mesh):

@@ -59,6 +59,9 @@ def check_batch(spec: StepSpec, batch) -> None:
                      f"leading dimension of every leaf is the global batch size, so they must "
                      f"all be equal. Split or repeat the leaves so each has one row per example.")
   name, shape = next(iter(rows.items()))
+  if shape[0] == 0:
+    raise ValueError(f"{name} has no rows (shape {shape}): an empty batch has no loss to "
+                     f"average. Skip the call for an empty batch.")
   if shape[0] % div:
     raise ValueError(f"{name} has leading dimension {shape[0]} (shape {shape}), "
                      f"but every batch leaf's leading dimension is the global batch size and "
@@ -85,7 +88,8 @@ def place_batch(spec: StepSpec, batch):
     target = batch_sharding(spec, x)
     if isinstance(x, jax.ShapeDtypeStruct):  # abstract batch, for lower()
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
-    if isinstance(x, jax.Array) and x.sharding == target:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and \
+        x.sharding == target:
       return x
     return jax.device_put(x, target)
   return jax.tree.map(place, batch)

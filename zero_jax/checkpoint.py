@@ -73,7 +73,7 @@ from zero_jax import checkpoint_integrity as integrity
 from zero_jax import checkpoint_writer as writer
 from zero_jax.checkpoint_export import export_params  # noqa: F401  (re-exported)
 from zero_jax.checkpoint_format import (  # noqa: F401  (FORMAT, describe: re-exported)
-    FORMAT, check_compatible, describe, from_items, to_items)
+    FORMAT, added_since, check_compatible, describe, from_items, to_items)
 from zero_jax.checkpoint_integrity import (  # noqa: F401  (re-exported)
     DamagedCheckpointError, DamagedCheckpointWarning)
 from zero_jax.checkpoint_writer import DirectoryInUseError  # noqa: F401  (re-exported)
@@ -426,15 +426,17 @@ class CheckpointManager:
         warnings.warn(f"{where} does not record its optimizer's update rule (it was written "
                       f"by an older zero_jax, or saved without optimizer=): restoring it into "
                       f"a step with {mine['optimizer']} unchecked.", stacklevel=3)
-      state, problem = self._read_arrays(step, target)
+      state, problem = self._read_arrays(step, target, added_since(meta, mine))
     if not _all_agree(problem is None):
       if problem is None:
         self._unreadable[step] = problem = "another process of the job could not read it"
       return None, problem
     return state, None
 
-  def _read_arrays(self, step: int, target: TrainState):
+  def _read_arrays(self, step: int, target: TrainState, added):
+    """``(state, None)`` or ``(None, problem)``; ``added`` leaves are not read but zero."""
     items = to_items(target)
+    fill = {(g, k): items[g].pop(k) for g, k in added}
     restore_args = jax.tree.map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
                                        dtype=s.dtype, strict=False), items)
@@ -444,7 +446,12 @@ class CheckpointManager:
     except _READ_ERRORS as e:
       self._unreadable[step] = f"reading its arrays failed: {_first_line(e)}"
       return None, self._unreadable[step]
-    return from_items(target, out[_STATE_ITEM]), None
+    out = out[_STATE_ITEM]
+    for (g, k), like in fill.items():
+      out[g][k] = jax.make_array_from_callback(like.shape, like.sharding,
+                                               lambda i, like=like: np.zeros(like.shape,
+                                                                             like.dtype)[i])
+    return from_items(target, out), None
 
   # ---------------------------------------------------------------- finish
   def wait_until_finished(self) -> None:

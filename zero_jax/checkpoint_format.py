@@ -19,6 +19,10 @@ from zero_jax.train_step import TrainState
 
 FORMAT = "zero_jax.checkpoint/1"
 GROUPS = ("step", "params", "master", "opt_state", "loss_scale", "model_state", "rng")
+# Leaves that a later zero_jax added to the state, as (group, path). A checkpoint written
+# before one existed restores it with its value at init (zero). Each was appended last in
+# its group, so the saved leaves keep their keys.
+ADDED_LEAVES = (("loss_scale", ".skipped_in_a_row"),)
 _MAX_LISTED = 12
 
 
@@ -111,7 +115,7 @@ def describe(state: TrainState) -> dict:
                          zip(_paths(state.opt_state), meta.opt_layouts,
                              jax.tree.leaves(state.opt_state))]
   for g in ("loss_scale", "model_state", "rng"):
-    tree = getattr(state, g)
+    tree = _groups(state)[g]
     groups[g] = [_entry(p, np.shape(x), x.dtype, np.shape(x))
                  for p, x in zip(_paths(tree), jax.tree.leaves(tree))]
   return {
@@ -143,6 +147,16 @@ def from_items(target: TrainState, items: dict) -> TrainState:
     n = treedef.num_leaves
     fields[g] = jax.tree.unflatten(treedef, [items[g][_key(i)] for i in range(n)]) if n else tree
   return target.replace(**fields)
+
+
+def added_since(saved: dict, mine: dict) -> list[tuple[str, str]]:
+  """``(group, key)`` of the `ADDED_LEAVES` that ``mine`` has and the ``saved`` one lacks."""
+  out = []
+  for g, path in ADDED_LEAVES:
+    if path in {e["path"] for e in saved["groups"][g]}:
+      continue
+    out += [(g, _key(i)) for i, e in enumerate(mine["groups"][g]) if e["path"] == path]
+  return out
 
 
 # ---------------------------------------------------------------- comparison
@@ -219,9 +233,10 @@ def check_compatible(saved: dict, mine: dict, where: str) -> None:
         f"have the same types, as adam, nadam, radam and yogi do, but they update "
         f"differently). Build the step with the optimizer the checkpoint was trained with "
         f"(hyperparameters such as the learning rate may change).")
+  added = {(g, int(k)) for g, k in added_since(saved, mine)}
   diffs = []
   for g in GROUPS:
-    diffs += _leaf_differences(g, sg[g], mg[g])
+    diffs += _leaf_differences(g, sg[g], [e for i, e in enumerate(mg[g]) if (g, i) not in added])
   if diffs:
     hint = ""
     if any(d.startswith(("model_state", "rng")) for d in diffs):

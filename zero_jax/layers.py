@@ -325,7 +325,7 @@ def check_boxes(spec, params) -> None:
         f"params{jax.tree_util.keystr(path)} is an nn.Partitioned box with names {box.names}. "
         f"Flax applies them as a sharding constraint when the model reads the parameter, "
         f"which inside the step fails: {why}. Name only {others} in nn.with_partitioning "
-        f"(then pass param_specs=nn.get_partition_spec(params) for the model axes), or use "
+        f"(the step reads them as param_specs= for the model axes), or use "
         f"nn.with_logical_partitioning as Flax's lm1b example does (it constrains nothing "
         f"without logical axis rules). Unboxing the parameters (nn.unbox) is not enough: Flax "
         f"also evaluates some initializers, boxes included, when it applies the model.")

@@ -13,6 +13,7 @@ step does not map.
 
 from __future__ import annotations
 
+import inspect
 import traceback
 from typing import Any, NamedTuple
 
@@ -156,6 +157,7 @@ def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_
     kwargs["model_state"] = model_state
   if rng is not None:
     kwargs["rng"] = rng
+  _check_keywords(loss_fn, kwargs)
   try:
     out = loss_fn(params, batch, **kwargs)
   except AssertionError as e:
@@ -183,6 +185,38 @@ def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_
 
 def _aval(x) -> str:
   return f"{jnp.result_type(x)}{list(np.shape(x))}"
+
+
+def _check_keywords(loss_fn, kwargs) -> None:
+  """Raises TypeError when ``loss_fn`` requires ``model_state=`` or ``rng=`` that init lacked."""
+  try:
+    params = inspect.signature(loss_fn).parameters
+  except (TypeError, ValueError):  # a callable without a signature: let the call say
+    return
+  for name in ("model_state", "rng"):
+    p = params.get(name)
+    if p is not None and p.default is p.empty and name not in kwargs and \
+        p.kind is not p.VAR_KEYWORD:
+      raise TypeError(
+          f"loss_fn requires {name}=, but the state was made without one: the step passes "
+          f"{name}= only when init got it. Pass it to init, e.g. step.init(params, "
+          f"{name}={'jax.random.key(0)' if name == 'rng' else 'batch_stats'}), or give "
+          f"loss_fn's {name} a default.")
+
+
+def check_rng(rng) -> None:
+  """Raises TypeError for an ``init(rng=...)`` that is not a PRNG key (at ``init``)."""
+  if rng is None:
+    return
+  dtype = getattr(rng, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and \
+      np.shape(rng) == ():
+    return
+  if dtype == np.uint32 and np.shape(rng) in ((2,), (4,)):  # a raw key (jax.random.PRNGKey)
+    return
+  got = _aval(rng) if dtype is not None else f"{type(rng).__name__} {rng!r}"
+  raise TypeError(f"rng= must be one PRNG key (jax.random.key(seed)); got {got}. "
+                  f"The step derives a key for every step, device and micro-batch from it.")
 
 
 def check_model_state(model_state) -> None:

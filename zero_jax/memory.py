@@ -58,6 +58,7 @@ from zero_jax import nnx as nnx_lib
 from zero_jax import precision as prec
 from zero_jax.layout import local_storage_shape, model_block_shape
 from zero_jax.spec import OFFLOAD_CHOICES, planning_spec
+from zero_jax.signature import as_transformation
 from zero_jax.state import build_meta, masked_optimizer
 
 STAGE_NAMES = {0: "DP (replicated)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -229,9 +230,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   if bad:
     raise ValueError(f"stages={tuple(stages)!r}: each stage must be 0 (plain data "
                      f"parallelism), 1, 2 or 3; got {bad}.")
-  if not isinstance(optimizer, optax.GradientTransformation):
-    raise TypeError(f"optimizer must be an optax.GradientTransformation (e.g. "
-                    f"optax.adamw(3e-4)); got {type(optimizer).__name__}.")
+  optimizer = as_transformation(optimizer)
   if offload not in OFFLOAD_CHOICES:
     raise ValueError(f"offload={offload!r}: choose None or 'optimizer', as for "
                      f"make_sharded_train_step.")

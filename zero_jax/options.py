@@ -8,7 +8,7 @@ function ``(path, variable) -> bool``, ...).
 ``param_specs=`` is a pytree of ``PartitionSpec``s over the mesh's model axes
 (or a prefix of the params tree; ``None`` for a replicated subtree), or is
 read from params that arrive as global arrays with a ``NamedSharding`` on the
-step's mesh. Errors name the leaf (``jax.tree_util.keystr``) and the fix.
+step's mesh, or boxed in Linen ``nn.Partitioned`` with mesh-axis names. Errors name the leaf (``jax.tree_util.keystr``) and the fix.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import meta as flax_meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import nnx as nnx_lib
@@ -109,20 +110,35 @@ def _spec_entries(pspec: P, ndim: int) -> list[tuple[str, ...]]:
   return [() if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in entries]
 
 
-def _given_specs(spec: StepSpec, params, param_specs) -> list:
-  """One PartitionSpec (or None) per leaf, from param_specs= or the leaves' shardings."""
-  leaves = jax.tree.leaves(params)
-  if param_specs is None:
-    out = []
-    for x in leaves:
+def _found_specs(spec: StepSpec, params) -> list:
+  """Per leaf, the split over the model axes it arrives with (None: none).
+
+  Read from the leaf's ``NamedSharding`` on the step's mesh or, failing that,
+  from the names of the Linen ``nn.Partitioned`` box it is in (what
+  ``nn.get_partition_spec`` gives). Names of other axes are not the user's
+  model split and are dropped.
+  """
+  is_box = lambda x: isinstance(x, flax_meta.Partitioned)
+  out = []
+  for node in jax.tree.leaves(params, is_leaf=is_box):
+    box = node if is_box(node) else None
+    for x in jax.tree.leaves(node.value) if box else [node]:
       sh = getattr(x, "sharding", None)
-      if _same_mesh(sh, spec):
-        keep = [tuple(a for a in axes if a in spec.model_axes)
-                for axes in _spec_entries(sh.spec, np.ndim(x))]
-        out.append(P(*[_entry(e) for e in keep]))
-      else:
+      pspec = (sh.spec if _same_mesh(sh, spec) else
+               box.get_partition_spec() if type(box) is flax_meta.Partitioned else None)  # pylint: disable=unidiomatic-typecheck
+      if pspec is None:
         out.append(None)
-    return out
+        continue
+      keep = [tuple(a for a in axes if a in spec.model_axes)
+              for axes in _spec_entries(pspec, np.ndim(x))]
+      out.append(P(*[_entry(e) for e in keep]))
+  return out
+
+
+def _given_specs(spec: StepSpec, params, param_specs) -> list:
+  """One PartitionSpec (or None) per leaf, from param_specs=, or as the leaves arrive."""
+  if param_specs is None:
+    return _found_specs(spec, params)
   is_leaf = lambda x: x is None or isinstance(x, P)
   try:
     full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), param_specs, params,

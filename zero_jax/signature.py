@@ -1,4 +1,8 @@
-"""What identifies an optimizer, beyond the structure of its state.
+"""The optimizer: what the step accepts, and what identifies it beyond its state's structure.
+
+`as_transformation` takes what users pass as an optimizer (an optax
+``GradientTransformation``, or an ``optax.MultiSteps``) and refuses the rest
+with the fix.
 
 Two optax transformations can make states of the same structure and still be
 different optimizers: ``adam``, ``nadam``, ``radam`` and ``yogi`` all keep a
@@ -27,6 +31,7 @@ import hashlib
 import types
 
 import numpy as np
+import optax
 
 _HYPERPARAMETER_MODULES = ("optax.schedules", "optax._src.schedule")
 
@@ -54,8 +59,10 @@ def _describe(value, seen: set, out: list) -> None:
     out.append(repr(value))
   elif isinstance(value, (int, np.integer)):
     out.append(f"int:{int(value)}")
-  elif isinstance(value, (float, np.floating)):
-    out.append("float")  # a hyperparameter
+  elif isinstance(value, (float, np.floating)) or (
+      hasattr(value, "shape") and np.issubdtype(getattr(value, "dtype", None) or np.int8,
+                                                np.inexact)):
+    out.append("float")  # a hyperparameter (also given as a NumPy or JAX array)
   elif isinstance(value, (tuple, list)):
     out.append("[")
     for v in value:
@@ -78,6 +85,21 @@ def _describe(value, seen: set, out: list) -> None:
     out.append("callable")  # masks, label functions, partials: configuration, not identity
   else:
     out.append(type(value).__name__)  # arrays and other data: their type only
+
+
+def as_transformation(optimizer) -> optax.GradientTransformation:
+  """The optax transformation behind ``optimizer``; a TypeError that says what to pass otherwise.
+
+  Args:
+    optimizer: an ``optax.GradientTransformation`` (returned as is) or an
+      ``optax.MultiSteps`` (its ``gradient_transformation()``).
+  """
+  if isinstance(optimizer, optax.MultiSteps):
+    return optimizer.gradient_transformation()
+  if isinstance(optimizer, optax.GradientTransformation):
+    return optimizer
+  raise TypeError(f"optimizer must be an optax.GradientTransformation (e.g. "
+                  f"optax.adamw(3e-4)) or an optax.MultiSteps; got {type(optimizer).__name__}.")
 
 
 def optimizer_signature(optimizer) -> str:

@@ -246,7 +246,8 @@ def init_state(spec: StepSpec, optimizer, meta: StateMeta, treedef, leaves, mode
 def check_alive(state, what: str) -> None:
   """Raises if ``state`` was donated to a step already (its buffers are gone)."""
   step = getattr(state, "step", None)
-  if isinstance(step, jax.Array) and step.is_deleted():
+  if isinstance(step, jax.Array) and not isinstance(step, jax.core.Tracer) and \
+      step.is_deleted():
     raise RuntimeError(
         f"this TrainState was already passed to the step, which donated its buffers to the "
         f"new state (donate=True, the default, so the step needs no second copy of the "

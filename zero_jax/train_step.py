@@ -40,9 +40,10 @@ from zero_jax import offload
 from zero_jax import state as st
 from zero_jax import update as update_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES
-from zero_jax.loss import check_model_state
+from zero_jax.loss import check_model_state, check_rng
 from zero_jax.monitor import StallWatch
 from zero_jax.spec import StepSpec, make_spec, parse_loss_scale
+from zero_jax.signature import as_transformation
 from zero_jax.state import StateMeta, TrainState
 
 _METRICS = ("loss", "grad_norm", "grads_finite", "loss_scale", "skipped_steps",
@@ -63,9 +64,7 @@ class ShardedTrainStep:
                param_specs, wrt=nnx.Param):
     if isinstance(optimizer, nnx.Optimizer):
       raise TypeError(nnx_lib.OPTIMIZER_ERROR)
-    if not isinstance(optimizer, optax.GradientTransformation):
-      raise TypeError(f"optimizer must be an optax.GradientTransformation (e.g. "
-                      f"optax.adamw(3e-4)); got {type(optimizer).__name__}.")
+    optimizer = as_transformation(optimizer)
     nnx_lib.check_filter(wrt, "wrt")
     self.loss_fn = loss_fn
     self.wrt = wrt
@@ -127,6 +126,7 @@ class ShardedTrainStep:
     module, params, model_state = nnx_lib.as_params(params, model_state, self.wrt)
     treedef, meta = self._meta(params, module)
     check_model_state(model_state)
+    check_rng(rng)
     if not any(meta.trainable):
       warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
                     "is floating); every step will leave the parameters unchanged.",
@@ -171,7 +171,8 @@ class ShardedTrainStep:
     self._check_state(state, what)
     mesh = self.spec.working_mesh()
     first = state.step
-    if getattr(getattr(first, "sharding", None), "mesh", mesh) == mesh:
+    if isinstance(first, jax.core.Tracer) or \
+        getattr(getattr(first, "sharding", None), "mesh", mesh) == mesh:
       return state
     move = lambda x: jax.device_put(x, NamedSharding(mesh, x.sharding.spec,
                                                      memory_kind=x.sharding.memory_kind))
@@ -264,7 +265,8 @@ class ShardedTrainStep:
     state = self._prepare(state)
     loss_scale = state.loss_scale
     new_state, metrics = self._run(self._compiled(state), state, batch)
-    self._stall.observe(metrics, loss_scale)
+    if not isinstance(new_state.step, jax.core.Tracer):  # not inside the user's jit or scan
+      self._stall.observe(metrics, loss_scale)
     return new_state, metrics
 
   def lower(self, state: TrainState, batch, *, lowering_platforms=None) -> jax.stages.Lowered:
@@ -389,8 +391,9 @@ def make_sharded_train_step(
       keeps what it holds afterwards as the new model state. No
       ``model_state=`` plumbing: the module's non-``wrt`` variables are the
       model state.
-    optimizer: any ``optax.GradientTransformation`` (for an ``nnx.Optimizer``
-      pass its transformation, and the module to ``init``).
+    optimizer: any ``optax.GradientTransformation``, or an ``optax.MultiSteps``
+      (for an ``nnx.Optimizer`` pass its transformation, and the module to
+      ``init``).
     mesh: the ``jax.sharding.Mesh`` (Explicit or Auto axis types).
     axis_name: the mesh axis, or tuple of axes, the batch and the state are
       split over (ZeRO).
@@ -400,7 +403,8 @@ def make_sharded_train_step(
       all-reduced across ``replica_axis``). None: no such axes.
     param_specs: a pytree of ``PartitionSpec`` (a prefix of the params) over
       the mesh's other axes (tensor parallelism). Default: taken from params
-      that arrive as global arrays sharded on the mesh. Every other mesh axis
+      that arrive as global arrays sharded on the mesh, or from the names of
+      Linen ``nn.Partitioned`` boxes. Every other mesh axis
       of size > 1 must be used by some parameter.
     stage: 1, 2 or 3 (ZeRO stage).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; floating ``aux``
