@@ -70,6 +70,22 @@ def test_state_from_a_smaller_mesh_is_refused_naming_the_axis_sizes(mesh):
     make(mesh)(state, batch())
 
 
+@pytest.mark.parametrize("made_with,run_with,theirs,mine", [
+    ("dynamic", 1024.0, r"dynamic \(period=2000, factor=2, min_scale=1\)", "static"),
+    (1024.0, "dynamic", "static", r"dynamic \(period=2000"),
+    ("dynamic", zj.dynamic_loss_scale(period=10), r"dynamic \(period=2000", r"dynamic \(period=10")])
+def test_state_with_another_loss_scale_policy_is_refused_and_restore_converts_it(
+    made_with, run_with, theirs, mine, mesh, tmp_path):
+  state = make(mesh, precision="fp16", loss_scale=made_with).init(init_params())
+  other = make(mesh, precision="fp16", loss_scale=run_with)
+  with pytest.raises(ValueError, match=rf"loss scale is {theirs}.*makes it {mine}.*restore it"):
+    other(state, batch())
+  with zj.CheckpointManager(tmp_path, async_save=False) as mngr:
+    mngr.save(state)
+    restored = mngr.restore(other, init_params())
+  other(restored, batch())  # the restored state takes the step's policy
+
+
 def test_state_from_an_identically_built_step_is_accepted(mesh):
   state = make(mesh).init(init_params())
   a, _ = make(mesh, donate=False)(state, batch())

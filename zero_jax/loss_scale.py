@@ -80,6 +80,14 @@ def dynamic_loss_scale(init: float = 2.0**15, *, period: int = 2000,
                 min_scale=float(min_scale))
 
 
+def describe_policy(state: LossScaleState) -> str:
+  """The static part of a loss-scale state, in words (e.g. for an error message)."""
+  if not state.dynamic:
+    return "static"
+  return (f"dynamic (period={state.period}, factor={state.factor:g}, "
+          f"min_scale={state.min_scale:g})")
+
+
 def static_loss_scale(scale: float) -> LossScaleState:
   """A fixed scale. Steps with non-finite gradients are still skipped and counted.
 

@@ -34,6 +34,7 @@ from zero_jax import batch as batching
 from zero_jax import context
 from zero_jax import grads as grads_lib
 from zero_jax import layers
+from zero_jax import loss_scale as ls_lib
 from zero_jax import layout as lay
 from zero_jax import nnx as nnx_lib
 from zero_jax import offload
@@ -184,19 +185,27 @@ class ShardedTrainStep:
                       f"{type(state).__name__}.")
     st.check_alive(state, what)
     meta = state.meta
-    if self._metas.get(id(meta)) is meta:
-      return
-    expected = st.build_meta(
-        self.spec, self.optimizer, st.logical_params(meta, state.params),
-        trainable=self.trainable, stacked=self.stacked,
-        param_specs=(self.param_specs if self.param_specs is not None else
-                     jax.tree.unflatten(jax.tree.structure(state.params),
-                                        [l.model_spec() for l in meta.param_layouts])),
-        module=meta.module)[1]
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(state.params)[0]]
-    st.check_meta(expected, meta, paths)
-    self._metas[id(meta)] = meta
+    if self._metas.get(id(meta)) is not meta:
+      expected = st.build_meta(
+          self.spec, self.optimizer, st.logical_params(meta, state.params),
+          trainable=self.trainable, stacked=self.stacked,
+          param_specs=(self.param_specs if self.param_specs is not None else
+                       jax.tree.unflatten(jax.tree.structure(state.params),
+                                          [l.model_spec() for l in meta.param_layouts])),
+          module=meta.module)[1]
+      paths = [jax.tree_util.keystr(p) for p, _ in
+               jax.tree_util.tree_flatten_with_path(state.params)[0]]
+      st.check_meta(expected, meta, paths)
+      self._metas[id(meta)] = meta
+    mine, theirs = (ls_lib.describe_policy(s) for s in (self.initial_loss_scale,
+                                                         state.loss_scale))
+    if mine != theirs:
+      raise ValueError(
+          f"this TrainState's loss scale is {theirs}, this step's loss_scale= makes it {mine}; "
+          f"running it would silently keep the state's policy. Build the step with the "
+          f"loss_scale= the state was made with, or save the state with zj.CheckpointManager "
+          f"and restore it into this step (the scale's value is kept, the policy is the "
+          f"step's).")
 
   def _loss_fn(self, meta: StateMeta):
     """The loss the step calls: ``loss_fn`` itself, or wrapped to take and give a module."""
