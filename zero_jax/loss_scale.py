@@ -80,12 +80,24 @@ def dynamic_loss_scale(init: float = 2.0**15, *, period: int = 2000,
                 min_scale=float(min_scale))
 
 
-def describe_policy(state: LossScaleState) -> str:
-  """The static part of a loss-scale state, in words (e.g. for an error message)."""
+def _policy(state: LossScaleState) -> str:
+  """The static part of a loss-scale state, in words."""
   if not state.dynamic:
     return "static"
   return (f"dynamic (period={state.period}, factor={state.factor:g}, "
           f"min_scale={state.min_scale:g})")
+
+
+def check_same_policy(step_scale: LossScaleState, state_scale: LossScaleState) -> None:
+  """Raises ValueError when a train state's loss-scale policy is not its step's."""
+  mine, theirs = _policy(step_scale), _policy(state_scale)
+  if mine != theirs:
+    raise ValueError(
+        f"this TrainState's loss scale is {theirs}, this step's loss_scale= makes it {mine}; "
+        f"running it would silently keep the state's policy. Build the step with the "
+        f"loss_scale= the state was made with, or save the state with zj.CheckpointManager "
+        f"and restore it into this step (the scale's value is kept, the policy is the "
+        f"step's).")
 
 
 def static_loss_scale(scale: float) -> LossScaleState:

@@ -197,15 +197,7 @@ class ShardedTrainStep:
                jax.tree_util.tree_flatten_with_path(state.params)[0]]
       st.check_meta(expected, meta, paths)
       self._metas[id(meta)] = meta
-    mine, theirs = (ls_lib.describe_policy(s) for s in (self.initial_loss_scale,
-                                                         state.loss_scale))
-    if mine != theirs:
-      raise ValueError(
-          f"this TrainState's loss scale is {theirs}, this step's loss_scale= makes it {mine}; "
-          f"running it would silently keep the state's policy. Build the step with the "
-          f"loss_scale= the state was made with, or save the state with zj.CheckpointManager "
-          f"and restore it into this step (the scale's value is kept, the policy is the "
-          f"step's).")
+    ls_lib.check_same_policy(self.initial_loss_scale, state.loss_scale)
 
   def _loss_fn(self, meta: StateMeta):
     """The loss the step calls: ``loss_fn`` itself, or wrapped to take and give a module."""
