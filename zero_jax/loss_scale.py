@@ -90,11 +90,12 @@ def _policy(state: LossScaleState) -> str:
 
 def check_same_policy(step_scale: LossScaleState, state_scale: LossScaleState) -> None:
   """Raises ValueError when a train state's loss-scale policy is not its step's."""
-  mine, theirs = _policy(step_scale), _policy(state_scale)
-  if mine != theirs:
+  key = lambda s: (s.dynamic, s.period, s.factor, s.min_scale) if s.dynamic else ()
+  if key(step_scale) != key(state_scale):
+    mine, theirs = _policy(step_scale), _policy(state_scale)
     raise ValueError(
-        f"this TrainState's loss scale is {theirs}, this step's loss_scale= makes it {mine}; "
-        f"running it would silently keep the state's policy. Build the step with the "
+        f"this TrainState's loss scale is {theirs}, this step's loss_scale= makes it "
+        f"{mine}; running it would silently keep the state's policy. Build the step with the "
         f"loss_scale= the state was made with, or save the state with zj.CheckpointManager "
         f"and restore it into this step (the scale's value is kept, the policy is the "
         f"step's).")
