@@ -77,6 +77,7 @@ from zero_jax.checkpoint_format import (  # noqa: F401  (FORMAT, describe: re-ex
 from zero_jax.checkpoint_integrity import (  # noqa: F401  (re-exported)
     DamagedCheckpointError, DamagedCheckpointWarning)
 from zero_jax.checkpoint_writer import DirectoryInUseError  # noqa: F401  (re-exported)
+from zero_jax.distributed import all_processes_agree
 from zero_jax.signature import optimizer_signature
 from zero_jax.state import check_alive
 from zero_jax.train_step import ShardedTrainStep, TrainState
@@ -94,26 +95,6 @@ _CONCURRENT_GB = 96  # in-flight bytes per process while writing or reading (one
 def _step_optimizer(train_step: ShardedTrainStep):
   """The optax optimizer of a step (the one place that knows where a step keeps it)."""
   return getattr(train_step, "optimizer")
-
-
-def _abs_path(directory) -> epath.Path:
-  s = os.fspath(directory)
-  return epath.Path(s if "://" in s else os.path.abspath(s))
-
-
-def _is_local(path: epath.Path) -> bool:
-  return "://" not in os.fspath(path)
-
-
-_first_line = writer.first_line
-
-
-def _all_agree(ok: bool) -> bool:
-  """Whether ``ok`` holds on every process of the job (a collective where there are several)."""
-  if jax.process_count() == 1:
-    return ok
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
 class CheckpointManager:
@@ -169,13 +150,13 @@ class CheckpointManager:
     if max_to_keep is not None and not (isinstance(max_to_keep, int) and max_to_keep >= 1):
       raise ValueError(f"max_to_keep must be a positive int or None (keep all), got "
                        f"{max_to_keep!r}.")
-    self.directory = _abs_path(directory)
+    self.directory = epath.Path(writer.abs_path(directory))
     self.max_to_keep = max_to_keep
     self.async_save = async_save
     self._lock: writer.DirectoryLock | None = None
     self._claimed = self._closed = False
     self._unreadable: dict[int, str] = {}  # steps whose arrays failed to read, and how
-    local = _is_local(self.directory)
+    local = writer.is_local(self.directory)
     if local:
       self._check_directory()
     policy = None if max_to_keep is None else ocp.checkpoint_managers.LatestN(n=max_to_keep)
@@ -207,13 +188,7 @@ class CheckpointManager:
 
   # --------------------------------------------------------------- queries
   def _step_dirs(self) -> list[int]:
-    """The steps that have a directory here, intact or not, ascending."""
-    try:
-      names = [p.name for p in self.directory.iterdir()]
-    except (FileNotFoundError, NotADirectoryError):
-      return []
-    return sorted(int(n) for n in names
-                  if n.isascii() and n.isdigit() and (self.directory / n).is_dir())
+    return integrity.step_dirs(self.directory)
 
   def _problem(self, step: int) -> str | None:
     """What is damaged in the checkpoint of ``step`` (see `checkpoint_integrity`), or None."""
@@ -253,7 +228,7 @@ class CheckpointManager:
       meta = out[_META_ITEM]
     except _READ_ERRORS as e:
       return None, (f"its zero_jax description (item {_META_ITEM!r}) is unreadable ("
-                    f"{_first_line(e)}); was it written by zero_jax.CheckpointManager?")
+                    f"{writer.first_line(e)}); was it written by zero_jax.CheckpointManager?")
     if not isinstance(meta, dict) or "groups" not in meta:
       return None, (f"its item {_META_ITEM!r} is not a zero_jax description; it was not "
                     f"written by zero_jax.CheckpointManager")
@@ -273,12 +248,8 @@ class CheckpointManager:
     return [int(step)]
 
   def _damaged(self, step: int, problem: str) -> DamagedCheckpointError:
-    intact = [s for s in self.all_steps() if s != step]
-    then = (f"The intact checkpoints there are steps {intact}: restore one with step=, or "
-            f"without step= for the newest intact one." if intact else
-            "There is no intact checkpoint there.")
-    return DamagedCheckpointError(f"the checkpoint of step {step} in {self.directory} is "
-                                  f"damaged: {problem}. {then}")
+    return integrity.damaged_error(self.directory, step, problem,
+                                   [s for s in self.all_steps() if s != step])
 
   # ------------------------------------------------------------------ save
   def save(self, state: TrainState, *, force: bool = False, optimizer=None) -> bool:
@@ -333,7 +304,7 @@ class CheckpointManager:
     """Before the first save: the directory is writable, ours (locked) and cleaned up."""
     if self._claimed:
       return
-    if _is_local(self.directory):
+    if writer.is_local(self.directory):
       path = os.fspath(self.directory)
       writer.check_writable(path)
       if jax.process_index() == 0:
@@ -427,7 +398,7 @@ class CheckpointManager:
                       f"by an older zero_jax, or saved without optimizer=): restoring it into "
                       f"a step with {mine['optimizer']} unchecked.", stacklevel=3)
       state, problem = self._read_arrays(step, target, added_since(meta, mine))
-    if not _all_agree(problem is None):
+    if not all_processes_agree(problem is None):
       if problem is None:
         self._unreadable[step] = problem = "another process of the job could not read it"
       return None, problem
@@ -444,7 +415,7 @@ class CheckpointManager:
       out = self._mngr.restore(step, args=ocp.args.Composite(**{
           _STATE_ITEM: ocp.args.PyTreeRestore(item=items, restore_args=restore_args)}))
     except _READ_ERRORS as e:
-      self._unreadable[step] = f"reading its arrays failed: {_first_line(e)}"
+      self._unreadable[step] = f"reading its arrays failed: {writer.first_line(e)}"
       return None, self._unreadable[step]
     out = out[_STATE_ITEM]
     for (g, k), like in fill.items():

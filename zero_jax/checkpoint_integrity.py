@@ -223,3 +223,22 @@ def problem(step_dir: epath.Path, *, required: Sequence[str], description: str) 
   if bad:
     return _named(bad)
   return _orbax_metadata_problem(step_dir)
+
+
+def step_dirs(directory: epath.Path) -> list[int]:
+  """The steps that have a directory in ``directory``, intact or not, ascending."""
+  try:
+    names = [p.name for p in directory.iterdir()]
+  except (FileNotFoundError, NotADirectoryError):
+    return []
+  return sorted(int(n) for n in names
+                if n.isascii() and n.isdigit() and (directory / n).is_dir())
+
+
+def damaged_error(directory, step: int, problem: str, intact: list[int]) -> DamagedCheckpointError:
+  """The error for restoring the damaged checkpoint of ``step``, naming the intact ones."""
+  then = (f"The intact checkpoints there are steps {intact}: restore one with step=, or "
+          f"without step= for the newest intact one." if intact else
+          "There is no intact checkpoint there.")
+  return DamagedCheckpointError(f"the checkpoint of step {step} in {directory} is "
+                                f"damaged: {problem}. {then}")

@@ -54,6 +54,16 @@ class DirectoryInUseError(RuntimeError):
   """Another `CheckpointManager` (process or object) is writing the directory."""
 
 
+def abs_path(directory) -> str:
+  """``directory`` as an absolute path (URLs such as ``gs://...`` as given)."""
+  s = os.fspath(directory)
+  return s if "://" in s else os.path.abspath(s)
+
+
+def is_local(directory) -> bool:
+  return "://" not in os.fspath(directory)
+
+
 def _unwritable(directory: str, e: OSError) -> OSError:
   """``e`` (keeping its class, e.g. PermissionError) with a message naming ``directory``."""
   return type(e)(e.errno, f"the checkpoint directory {directory} is not writable: "

@@ -220,6 +220,14 @@ def metrics_to_host(metrics) -> Any:
   return jax.tree.map(to_host, metrics)
 
 
+def all_processes_agree(ok: bool) -> bool:
+  """Whether ``ok`` holds on every process of the job (a collective where there are several)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
 # ------------------------------------------------------------------ the watchdog
 class _PeerWatchdog:
   """Heartbeats through the coordination service; exits when a peer is lost.

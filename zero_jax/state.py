@@ -4,7 +4,7 @@ The state is a registered pytree of arrays; everything static about it (the
 layout of every leaf, which leaves train, the step's signature: stage,
 precision, axes and their sizes, the optimizer) is `StateMeta`, carried as
 pytree metadata. A step runs only states whose meta it would have made
-itself (`check_meta`), so a state from another step fails at once with an
+itself (`check_state`), so a state from another step fails at once with an
 error that names what differs, instead of training on silently.
 """
 
@@ -291,6 +291,36 @@ def check_meta(expected: StateMeta, state_meta: StateMeta, paths) -> None:
         "convert a trained one: save it with zj.CheckpointManager and restore it into this "
         "step (restoring handles another device count or ZeRO stage; the optimizer, "
         "precision and trainable leaves must match).")
+
+
+def check_state(spec: StepSpec, optimizer, state, what: str, *, trainable, stacked,
+                param_specs, known: dict) -> None:
+  """Raises unless ``state`` is a live `TrainState` that a step with these options makes.
+
+  Args:
+    spec, optimizer, trainable, stacked, param_specs: the step's.
+    state: what the user passed.
+    what: the caller, for messages ("the step", "get_params", ...).
+    known: ``{id(meta): meta}`` of metas already checked (updated): the
+      comparison runs once per meta, not on every call.
+  """
+  if not isinstance(state, TrainState):
+    raise TypeError(f"state must be the TrainState returned by step.init(params), got "
+                    f"{type(state).__name__}.")
+  check_alive(state, what)
+  meta = state.meta
+  if known.get(id(meta)) is meta:
+    return
+  if param_specs is None:  # as the state holds them (read from the arrays at its init)
+    param_specs = jax.tree.unflatten(jax.tree.structure(state.params),
+                                     [l.model_spec() for l in meta.param_layouts])
+  expected = build_meta(spec, optimizer, logical_params(meta, state.params),
+                        trainable=trainable, stacked=stacked, param_specs=param_specs,
+                        module=meta.module)[1]
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(state.params)[0]]
+  check_meta(expected, meta, paths)
+  known[id(meta)] = meta
 
 
 def logical_params(meta: StateMeta, params) -> Any:

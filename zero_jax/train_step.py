@@ -35,9 +35,7 @@ from zero_jax import context
 from zero_jax import grads as grads_lib
 from zero_jax import layers
 from zero_jax import loss_scale as ls_lib
-from zero_jax import layout as lay
 from zero_jax import nnx as nnx_lib
-from zero_jax import offload
 from zero_jax import state as st
 from zero_jax import update as update_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES
@@ -77,7 +75,7 @@ class ShardedTrainStep:
     self.stacked = stacked
     self.param_specs = param_specs
     self._jits: dict = {}  # (meta, in the user's context) -> the jitted step
-    self._get_params = jax.jit(self._get_params_fn)
+    self._get_params = jax.jit(functools.partial(update_lib.full_params, spec))
     self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
     self._metas: dict[int, StateMeta] = {}
     self._batches: set = set()
@@ -180,23 +178,8 @@ class ShardedTrainStep:
     return jax.tree.map(move, state)
 
   def _check_state(self, state, what: str = "the step") -> None:
-    if not isinstance(state, TrainState):
-      raise TypeError(f"state must be the TrainState returned by step.init(params), got "
-                      f"{type(state).__name__}.")
-    st.check_alive(state, what)
-    meta = state.meta
-    if self._metas.get(id(meta)) is not meta:
-      expected = st.build_meta(
-          self.spec, self.optimizer, st.logical_params(meta, state.params),
-          trainable=self.trainable, stacked=self.stacked,
-          param_specs=(self.param_specs if self.param_specs is not None else
-                       jax.tree.unflatten(jax.tree.structure(state.params),
-                                          [l.model_spec() for l in meta.param_layouts])),
-          module=meta.module)[1]
-      paths = [jax.tree_util.keystr(p) for p, _ in
-               jax.tree_util.tree_flatten_with_path(state.params)[0]]
-      st.check_meta(expected, meta, paths)
-      self._metas[id(meta)] = meta
+    st.check_state(self.spec, self.optimizer, state, what, trainable=self.trainable,
+                   stacked=self.stacked, param_specs=self.param_specs, known=self._metas)
     ls_lib.check_same_policy(self.initial_loss_scale, state.loss_scale)
 
   def _loss_fn(self, meta: StateMeta):
@@ -305,21 +288,6 @@ class ShardedTrainStep:
     params = self.get_params(state)
     with context.mesh_context(self.spec):
       return nnx_lib.merge(state.meta.module, params, self._copy(state.model_state))
-
-  def _get_params_fn(self, state: TrainState):
-    spec, meta = self.spec, state.meta
-    leaves = list(jax.tree.leaves(state.params))
-    masters = state.master or [None] * len(meta.train_idx)
-    for m, i in zip(masters, meta.train_idx):
-      if m is not None:
-        leaves[i] = offload.to_memory(spec, m, meta.param_layouts[i], offload.DEVICE)
-    specs = [l.model_spec() for l in meta.param_layouts]
-
-    def body(leaves):
-      return [spec.constrain(lay.unpad(x, l) if x.shape != l.shape else x, s)
-              for x, l, s in zip(leaves, meta.param_layouts, specs)]
-    out = context.in_auto(spec, body, lambda *_: specs)(leaves)
-    return jax.tree.unflatten(jax.tree.structure(state.params), out)
 
 
 def make_sharded_train_step(

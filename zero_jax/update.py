@@ -18,7 +18,8 @@ nothing but the loss scale and the skip counters: the update is a
 With ``offload="optimizer"`` the optimizer state and master copy are streamed
 from pinned host memory for the update and written back after it, a group of
 leaves at a time (`zero_jax.offload`); a skipped step then selects the old
-values on the device.
+values on the device. `full_params` gives a state's parameters whole (for
+``get_params``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax import collectives
+from zero_jax import context
 from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
 from zero_jax import offload
@@ -186,3 +188,21 @@ def _new_params(spec: StepSpec, meta, leaves, new_src, t_layouts) -> list:
   for i, x in zip(meta.train_idx, full):
     out[i] = x
   return out
+
+
+def full_params(spec: StepSpec, state: TrainState):
+  """The parameters of ``state`` whole: original shapes and tree, the fp32 master where
+  there is one, replicated over the batch axes and split over the model axes."""
+  meta = state.meta
+  leaves = list(jax.tree.leaves(state.params))
+  masters = state.master or [None] * len(meta.train_idx)
+  for m, i in zip(masters, meta.train_idx):
+    if m is not None:
+      leaves[i] = offload.to_memory(spec, m, meta.param_layouts[i], offload.DEVICE)
+  specs = [l.model_spec() for l in meta.param_layouts]
+
+  def body(leaves):
+    return [spec.constrain(lay.unpad(x, l) if x.shape != l.shape else x, s)
+            for x, l, s in zip(leaves, meta.param_layouts, specs)]
+  out = context.in_auto(spec, body, lambda *_: specs)(leaves)
+  return jax.tree.unflatten(jax.tree.structure(state.params), out)
