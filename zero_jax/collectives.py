@@ -135,7 +135,7 @@ def scatter_rows(rows: jax.Array, axes, wire: Wire | None) -> jax.Array:
   if wire is None:
     return jax.lax.psum_scatter(rows, _axes(axes), scatter_dimension=0, tiled=True)[0]
   from zero_jax import quantize  # pylint: disable=g-import-not-at-top
-  return quantize.psum_scatter_rows(rows, _axes(axes), block_size=wire.block_size,
+  return quantize.psum_scatter_rows(rows, (_axes(axes),), block_size=wire.block_size,
                                     bits=wire.bits).astype(_wide(rows.dtype))
 
 
@@ -165,12 +165,11 @@ def reduce_rows(rows: jax.Array, comm: Comm, hops=None) -> jax.Array:
   """``(n, L)`` rows over the data axes -> this device's summed row, then all-reduced
   over the replica axes. Each hop carries 1/its size of the previous one."""
   hops = comm.reduce_hops() if hops is None else hops
-  out = rows
+  out = rows.reshape(-1)
   for axes, wire in hops:
     n = axes_size(axes)
     if n > 1:
       out = scatter_rows(out.reshape(n, -1), axes, wire)
-    out = out.reshape(-1)
   if comm.replica_axes:
     out = _all_reduce_rows(out, comm.replica_axes, comm.wire("grads", True))
   return out

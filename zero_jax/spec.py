@@ -175,6 +175,11 @@ class StepSpec:
     return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
   @property
+  def n_gather(self) -> int:
+    """Devices a stage-3 parameter is split over (hpZ: within a host)."""
+    return math.prod(self.mesh.shape[a] for a in self.gather_axes)
+
+  @property
   def n_batch(self) -> int:
     return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
@@ -214,7 +219,7 @@ class StepSpec:
 
 
 def planning_spec(*, n_devices=None, mesh=None, axis_name="data", replica_axis=None,
-                  precision="fp32", comm_dtype=None) -> StepSpec:
+                  precision="fp32", comm_dtype=None, hpz_axis=None) -> StepSpec:
   """A `StepSpec` for reasoning about layouts without devices (`zero_jax.memory_report`).
 
   Either ``n_devices`` (one data axis of that size, as many devices as you
@@ -237,10 +242,13 @@ def planning_spec(*, n_devices=None, mesh=None, axis_name="data", replica_axis=N
   data = _axis_tuple(axis_name, "axis_name", mesh)
   replica = _axis_tuple(replica_axis, "replica_axis", mesh)
   model = tuple(a for a in mesh.axis_names if a not in data + replica)
-  return StepSpec(mesh=mesh, auto_mesh=mesh, data_axes=data, replica_axes=replica,
+  inner = data if hpz_axis is None else _hpz_axes(hpz_axis, mesh, 3, data, replica, False)
+  comm = Comm(inner, tuple(a for a in data if a not in inner), replica,
+              _comm_dtype(comm_dtype, 2))
+  return StepSpec(mesh=mesh, auto_mesh=mesh, data_axes=comm.data_axes, replica_axes=replica,
                   model_axes=model, stage=2, policy=get_policy(precision), has_aux=False,
                   max_grad_norm=None, grad_accum_steps=1, accumulate="local", donate=True,
-                  offload=None, comm=Comm(data, (), replica, _comm_dtype(comm_dtype, 2)))
+                  offload=None, comm=comm)
 
 
 def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_grad_norm,
