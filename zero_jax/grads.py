@@ -186,11 +186,12 @@ def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
 
 
 def outer_reduced(spec: StepSpec) -> bool:
-  """Stage 3 reduces gradients over the outer (hpZ) and replica axes itself, rather than
-  leaving the replica sum to the transpose of an invariant input (needed to quantize it)."""
+  """Stage 3 reduces gradients over the outer (hpZ) and replica axes itself, after the
+  gather's transpose has reduce-scattered them over the gather axes. (Left to the
+  transpose of a replicated input, the replica sum would be taken of the whole
+  gradient, before the reduce-scatter: N times the bytes across hosts.)"""
   comm = spec.comm
-  return spec.param_stage == 3 and bool(comm.outer_axes or
-                                        (comm.quantize is not None and comm.replica_axes))
+  return spec.param_stage == 3 and bool(comm.outer_axes or comm.replica_axes)
 
 
 def _differentiated(spec: StepSpec, meta, leaves) -> tuple[list, list]:
