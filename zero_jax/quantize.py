@@ -189,8 +189,8 @@ def all_gather_rows(row: jax.Array, axes, *, block_size: int, bits: int = 8,
     ...                      axis_types=(jax.sharding.AxisType.Auto,))
     >>> f = jax.shard_map(lambda r: all_gather_rows(r[0], "data", block_size=4),
     ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
-    >>> x = jnp.tile(jnp.array([[1.0, -2.0, 0.5, 4.0]]), (jax.device_count(), 1))
-    >>> bool((f(x) == x).all())
+    >>> x = jnp.tile(jnp.array([[127.0, -64.0, 2.0, 0.0]]), (jax.device_count(), 1))
+    >>> bool((f(x) == x).all())  # exactly representable: integers up to 127
     True
 
   Args:
@@ -286,7 +286,7 @@ def all_gather(x: jax.Array, axes, *, axis: int = 0, block_size: int, bits: int 
     >>> f = jax.shard_map(lambda b: all_gather(b, "data", axis=1, block_size=8),
     ...                   mesh=mesh, in_specs=P(None, "data"), out_specs=P())
     >>> x = jnp.ones((3, 2 * jax.device_count()))
-    >>> bool((f(x) == x).all())
+    >>> bool((f(x) == x).all())  # exactly representable: integers up to 127
     True
   """
   moved = jnp.moveaxis(x, axis, 0)
@@ -398,10 +398,11 @@ def gather_rows_vjp(row: jax.Array, axes, *, block_size: int, bits: int = 8,
   grad_bits = bits if grad_bits is None else grad_bits
   if backward == "quantized":
     check_quantizable(row.dtype, block_size=block_size, bits=grad_bits, name="row's gradient")
-    hops = _check_hops((axes,) if hops is None else hops, _size(axes))
-    if sorted(a for h in hops for a in h) != sorted(axes):
+    hops = (axes,) if hops is None else hops
+    if sorted(a for h in hops for a in _axes(h)) != sorted(axes):
       raise ValueError(f"hops={hops!r} must cover exactly the gathered axes {axes}: the "
                        f"gradient of a gather over them is a reduce-scatter over them.")
+    hops = _check_hops(hops, _size(axes))
   elif hops is not None or grad_bits != bits:
     raise ValueError("hops= and grad_bits= apply to backward='quantized' only.")
   spec = _Gather(axes, int(block_size), bits, hops if backward == "quantized" else None,
