@@ -22,7 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESHES = [((8,), ("data",)), ((2, 4), ("replica", "data")), ((4, 2), ("replica", "data"))]
 HOPS = {  # mesh shape -> hop sequences to try
     (8,): [[("data",)]],
-    (2, 4): [[("data",), ("replica",)], [("replica",), ("data",)], [("replica", "data")]],
+    (2, 4): [[("data",), ("replica",)], [("replica",), ("data",)], [("replica", "data")],
+             [("data", "replica")]],
     (4, 2): [[("data",), ("replica",)], [("replica",), ("data",)]],
 }
 
@@ -118,6 +119,19 @@ def test_every_element_within_half_a_step_of_its_block(bits, block):
   assert (np.abs(got - x) <= bound * (1 + 1e-5)).all()
   np.testing.assert_allclose(scale, block_absmax(x[None], block)[0][::block] / zq.QMAX[bits],
                              rtol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_tiny_blocks_round_to_within_half_a_step_or_to_zero(bits):
+  """Below qmax * float32's smallest normal the scale is subnormal (XLA:CPU flushes it to 0):
+  such a block becomes zeros, never wrapped-around int8 garbage."""
+  qmax = zq.QMAX[bits]
+  tiny = qmax * np.finfo(np.float32).tiny
+  for m in (1e3 * tiny, tiny, tiny / 10):
+    x = (np.array([1.0, -1 / 3, 0.5, 1 / 7]) * m).astype(np.float32)
+    got, _ = roundtrip(x, 4, bits)
+    err = np.abs(got - x).max()
+    assert err <= m / (2 * qmax) * 1.001 or (err <= tiny and (got == 0).all()), (m, got)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -342,6 +356,19 @@ def test_gather_rows_vjp_over_the_inner_axis_only():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_gather_rows_vjp_keeps_a_bfloat16_row_bfloat16():
+  mesh = make_mesh((8,), ("data",))
+  x = representable(np.random.default_rng(15), 8, 16, 8).astype(jnp.bfloat16)
+
+  def fn(r):
+    out, pull = jax.vjp(lambda r: zq.gather_rows_vjp(r, "data", block_size=16), r)
+    assert out.dtype == jnp.float32 and pull(out)[0].dtype == jnp.bfloat16
+    return out
+
+  got = per_device(mesh, fn, x)
+  np.testing.assert_array_equal(got, np.broadcast_to(x.astype(np.float32), (8, 8, 16)))
+
+
 # ------------------------------------------------------------------ misuse
 def test_clear_errors_for_what_cannot_be_quantized():
   with pytest.raises(TypeError, match=r"non-float leaf: params\['step'\] has dtype int32"):
@@ -355,6 +382,18 @@ def test_clear_errors_for_what_cannot_be_quantized():
     zq.quantize(jnp.ones(4), block_size=7, bits=4)
   with pytest.raises(ValueError, match="bits=3 .*expected 8 .*or 4"):
     zq.quantize(jnp.ones(4), block_size=4, bits=3)
+
+
+def test_differentiating_the_plain_quantizers_is_refused_not_zero():
+  with pytest.raises(TypeError, match="zero derivative.*gather_rows_vjp"):
+    jax.grad(lambda x: zq.dequantize(*zq.quantize(x, block_size=4), shape=4).sum())(jnp.ones(4))
+  mesh = make_mesh((8,), ("data",))
+  with pytest.raises(TypeError, match="silently give zero gradients"):
+    per_device(mesh, lambda r: jax.grad(lambda r: zq.all_gather_rows(
+        r, "data", block_size=8, to="varying").sum())(r), np.ones((8, 8), np.float32))
+  stopped = jax.grad(lambda x: zq.dequantize(*zq.quantize(jax.lax.stop_gradient(x),
+                                                          block_size=4), shape=4).sum() + x.sum())
+  np.testing.assert_array_equal(stopped(jnp.ones(4)), 1.0)
 
 
 def test_clear_errors_for_hops_that_do_not_fit():

@@ -79,6 +79,7 @@ def _unpack4(p: jax.Array) -> jax.Array:
   return nib.reshape(*p.shape[:-1], 2 * p.shape[-1])
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _quantize_last(x: jax.Array, block_size: int, bits: int):
   """(..., L) -> q (..., nb, B) int8 (int4: (..., nb, B/2) uint8) and scales (..., nb) float32."""
   length = x.shape[-1]
@@ -89,9 +90,19 @@ def _quantize_last(x: jax.Array, block_size: int, bits: int):
   absmax = jnp.max(jnp.abs(x), axis=-1)
   scale = jnp.where(jnp.isfinite(absmax), absmax / qmax, jnp.nan)
   ok = jnp.isfinite(scale) & (scale > 0)  # zero blocks: scale 0, values 0
-  q = jnp.round(x / jnp.where(ok, scale, 1.0)[..., None])
-  q = jnp.where(ok[..., None], jnp.clip(q, -qmax, qmax), 0).astype(jnp.int8)
+  q = jnp.clip(jnp.round(x / scale[..., None]), -qmax, qmax)  # clip: subnormal scales
+  q = jnp.where(ok[..., None], q, 0).astype(jnp.int8)
   return (_pack4(q) if bits == 4 else q), scale
+
+
+@_quantize_last.defjvp
+def _no_derivative(block_size, bits, primals, tangents):
+  raise TypeError(
+      "zero_jax.quantize: rounding to int8/int4 has a zero derivative almost everywhere, so "
+      "differentiating through quantize, all_gather_rows, all_gather, psum_scatter_rows or "
+      "psum_scatter would silently give zero gradients. Differentiate gather_rows_vjp "
+      "instead (its backward pass is the reduce-scatter you choose), or apply "
+      "jax.lax.stop_gradient to the input if no gradient is wanted.")
 
 
 def _dequantize_last(q: jax.Array, scale: jax.Array, length: int) -> jax.Array:
