@@ -10,6 +10,7 @@ page are run by tests/test_docs_snippets.py instead.
 """
 
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.abspath(".."))
@@ -41,6 +42,8 @@ autodoc_typehints = "description"
 autodoc_inherit_docstrings = False
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+napoleon_use_ivar = True   # "Attributes:" as fields: no second description of dataclass fields
+default_role = "py:obj"    # `name` in a docstring links to it when Sphinx knows it
 nitpicky = False
 
 # The library's own intersphinx targets are not fetched at build time (the build may run
@@ -55,3 +58,43 @@ html_theme_options = {
     "home_page_in_toc": True,
     "use_download_button": False,
 }
+
+
+# Docstrings are written for `help()` and doctest first. Two habits of theirs are not valid
+# reStructuredText, and are normalised here rather than in the library: an "Example:" section
+# of plain code (not ">>>" lines) is shown as a code block, and a plural after a literal
+# (``jax.Array``s) gets the escaped space reStructuredText needs.
+_SECTION = re.compile(r"^(\s*)Examples?:\s*$")
+_PLURAL = re.compile(r"(``[^`]+``|(?<![`\w])`[^`]+`)(?=\w)")
+
+
+def _code_examples(lines):
+  out, i = [], 0
+  while i < len(lines):
+    out.append(lines[i])
+    m = _SECTION.match(lines[i])
+    i += 1
+    if not m:
+      continue
+    body = []
+    while i < len(lines) and (not lines[i].strip() or
+                              len(lines[i]) - len(lines[i].lstrip()) > len(m.group(1))):
+      body.append(lines[i])
+      i += 1
+    first = next((b.strip() for b in body if b.strip()), ">>>")
+    if first.startswith(">>>") or first.startswith(".."):
+      out.extend(body)
+      continue
+    pad = m.group(1) + "  "
+    out.extend([pad + ".. code-block:: python", ""] + ["  " + b if b.strip() else b
+                                                        for b in body])
+  return out
+
+
+def _normalise_docstring(app, what, name, obj, options, lines):
+  fixed = [_PLURAL.sub(lambda m: m.group(1) + "\\ ", line) for line in _code_examples(lines)]
+  lines[:] = fixed
+
+
+def setup(app):
+  app.connect("autodoc-process-docstring", _normalise_docstring, priority=400)
