@@ -42,7 +42,7 @@ def page_script(page: pathlib.Path) -> str:
 def test_the_extractor_finds_blocks_and_honours_skip():
   text = ("a\n```python\nx = 1\n```\n<!-- skip: needs a GPU -->\n```python\ny = 2\n```\n"
           "```bash\nls\n```\n````python\nz = '```'\n````\n")
-  assert python_blocks(text) == [(2, "x = 1\n"), (14, "z = '```'\n")]
+  assert python_blocks(text) == [(3, "x = 1\n"), (13, "z = '```'\n")]
 
 
 def test_every_page_with_python_is_collected():
@@ -66,3 +66,18 @@ def test_page_snippets_run(page, tmp_path):
   assert proc.returncode == 0, (
       f"a python block of {page.relative_to(ROOT)} failed (the last '--- file:line' below is "
       f"the block):\n{proc.stderr[-6000:]}\n--- stdout:\n{proc.stdout[-2000:]}")
+
+
+def _missing_names(text: str) -> list[str]:
+  import zero_jax
+  return [n for n in zero_jax.__all__ if not re.search(rf"\b{re.escape(n)}\b", text)]
+
+
+def test_every_public_name_is_in_the_readme():
+  assert not _missing_names((ROOT / "README.md").read_text()), (
+      "name these in README.md's 'API at a glance'")
+
+
+def test_every_public_name_is_in_the_api_reference():
+  assert not _missing_names((ROOT / "docs" / "api.md").read_text()), (
+      "add these to an autosummary list in docs/api.md")
