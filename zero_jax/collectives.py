@@ -1,27 +1,9 @@
-"""Collectives over the data and replica axes for leaves in their `Layout`.
+"""Reduce-scatter and all-gather over the data and replica axes for leaves in their `Layout`.
 
-These run inside ``shard_map``. A gradient leaf enters as the device's full,
-local gradient (logical shape, or the device's model block of it) and leaves
-as this device's block of the storage view, summed over every device that
-computes gradients: reduce-scattered over the data axes, then all-reduced
-over the replica axes (only the 1/N block crosses them: hybrid sharding). A
-parameter block enters `all_gather` and the full logical leaf leaves.
-
-**Buckets.** One collective per leaf is slow for models with many small
-leaves (biases, norms): each has a fixed cost, and XLA combines plain
-all-reduces but not reduce-scatters. `plan_buckets` groups small leaves of
-one dtype, and `reduce_scatter_many` / `all_gather_many` move a group as one
-buffer: each leaf's padded storage view is laid out as one row per device
-(its split dimension first), the rows of the group are concatenated, and one
-reduce-scatter (all-gather) moves them. Each device still receives exactly its
-block of every leaf, so layouts, the optimizer's view and checkpoints are the
-same as without buckets. Large leaves stay alone, so the scheduler can overlap
-them with the backward pass. The bucketed gather is made of differentiable
-operations: its transpose (stage 3) is the bucketed reduce-scatter.
-
-Over axes of size 1 the collectives that can be skipped are (one device
-needs no reduce-scatter or gather).
-"""
+They run inside ``shard_map``: a gradient leaf becomes this device's summed block, a parameter
+block becomes the full leaf. Small leaves of one dtype move together in buckets
+(`plan_buckets`, `reduce_scatter_many`, `all_gather_many`), each device still getting exactly
+its block of every leaf. Details: the docs' "How it works"."""
 
 from __future__ import annotations
 
