@@ -57,6 +57,7 @@ html_theme_options = {
     "show_toc_level": 2,
     "home_page_in_toc": True,
     "use_download_button": False,
+    "navbar_persistent": [],   # one search box (the sidebar's), not two
 }
 
 
@@ -65,7 +66,7 @@ html_theme_options = {
 # of plain code (not ">>>" lines) is shown as a code block, and a plural after a literal
 # (``jax.Array``s) gets the escaped space reStructuredText needs.
 _SECTION = re.compile(r"^(\s*)Examples?:\s*$")
-_PLURAL = re.compile(r"(``[^`]+``|(?<![`\w])`[^`]+`)(?=\w)")
+_PLURAL = re.compile(r"((?<![`\w])``(?!\s)[^`]*?(?<!\s)``|(?<![`\w])`(?!\s)[^`]+?(?<!\s)`)(?=\w)")
 
 
 def _code_examples(lines):
