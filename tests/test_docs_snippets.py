@@ -81,3 +81,14 @@ def test_every_public_name_is_in_the_readme():
 def test_every_public_name_is_in_the_api_reference():
   assert not _missing_names((ROOT / "docs" / "api.md").read_text()), (
       "add these to an autosummary list in docs/api.md")
+
+
+def test_relative_links_point_at_files():
+  """Every link of README.md and the docs to a file of the repository names one that exists."""
+  broken = []
+  for page in PAGES:
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+      path = target.split("#")[0]
+      if path and "://" not in path and not (page.parent / path).exists():
+        broken.append(f"{page.relative_to(ROOT)}: {target}")
+  assert not broken, broken
