@@ -53,6 +53,7 @@ intersphinx_mapping = {}
 html_theme = "sphinx_book_theme"
 html_title = "zero_jax"
 html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_theme_options = {
     "show_toc_level": 2,
     "home_page_in_toc": True,
