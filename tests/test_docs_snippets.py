@@ -92,3 +92,15 @@ def test_relative_links_point_at_files():
       if path and "://" not in path and not (page.parent / path).exists():
         broken.append(f"{page.relative_to(ROOT)}: {target}")
   assert not broken, broken
+
+
+def test_every_option_of_the_step_is_in_the_options_table():
+  import inspect
+  import zero_jax
+  text = (ROOT / "docs" / "getting_started.md").read_text()
+  table = text[text.index("## All the options"):]
+  options = [p.name for p in inspect.signature(zero_jax.make_sharded_train_step).parameters.values()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY]
+  missing = [o for o in options if f"`{o}`" not in table]
+  assert not missing, (f"make_sharded_train_step options {missing} have no row in the 'All the "
+                       "options' table of docs/getting_started.md (add one, linking its guide)")
