@@ -40,6 +40,9 @@ VARIANTS = {
     # two processes (ZeRO within a process, data parallelism between them).
     "hybrid_stage2_adam": dict(stage=2, opt="adam", hybrid=True),
     "hybrid_stage3_sgd": dict(stage=3, opt="sgd", hybrid=True),
+    # ZeRO++: hpZ within a process, int8 weights and gradients across (and within) them.
+    "hpz_qwz_qgz_stage3_adam": dict(stage=3, opt="adam", hybrid=True, hpz=True,
+                                    precision="bf16", quantize=True),
 }
 
 
@@ -89,7 +92,13 @@ def make_step(variant):
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
   v = dict(VARIANTS[variant])
   fn = loss_fn_extras if v.pop("extras", False) else loss_fn
-  if v.pop("hybrid", False):
+  if v.pop("quantize", False):
+    v["quantize"] = zj.Quantize(block_size=8)
+  if v.pop("hpz", False):
+    v.pop("hybrid")
+    mesh = jax.make_mesh((2, jax.device_count() // 2), ("replica", "data"))
+    v.update(axis_name=("replica", "data"), hpz_axis="data")
+  elif v.pop("hybrid", False):
     mesh = jax.make_mesh((2, jax.device_count() // 2), ("replica", "data"))
     v["replica_axis"] = "replica"
   else:
@@ -102,7 +111,7 @@ def collective_groups(step, state, batch):
   from zero_jax import hlo  # pylint: disable=g-import-not-at-top
   owner = [d.process_index for d in step.mesh.devices.flat]
   text = step.lower(state, batch).compile().as_text()
-  return [(c.op, [[owner[i] for i in g] for g in c.groups or []])
+  return [(c.op, [[owner[i] for i in g] for g in c.groups or []], c.shape_text)
           for c in hlo.collectives(text) if c.nbytes > 8]
 
 

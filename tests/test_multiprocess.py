@@ -152,17 +152,32 @@ def test_every_process_gets_the_same_params_and_python_metrics(two_processes):
 
 # ----------------------------------------------------------------- checkpoints
 @needs_checkpoint
-@pytest.mark.parametrize("variant", [v for v, o in W.VARIANTS.items() if o.get("hybrid")])
+@pytest.mark.parametrize("variant", [v for v, o in W.VARIANTS.items()
+                                     if o.get("hybrid") and not o.get("hpz")])
 def test_hybrid_reduce_scatters_and_all_gathers_stay_within_a_process(variant, two_processes):
   """replica_axis across the processes: only the all-reduce of each block crosses them."""
   for rep in two_processes["reports"]:
-    groups = rep["groups"][variant]
+    groups = [(op, gs) for op, gs, _ in rep["groups"][variant]]
     for op, gs in groups:
       spans = any(len(set(g)) > 1 for g in gs)
       if op in ("reduce-scatter", "all-gather"):
         assert not spans, (op, gs)
     assert any(op == "all-reduce" and any(len(set(g)) > 1 for g in gs) for op, gs in groups)
     assert any(op in ("reduce-scatter", "all-gather") for op, _ in groups)
+
+
+def test_hpz_stage3_gathers_stay_within_a_process_and_int8_crosses_them(two_processes):
+  """hpZ + qwZ + qgZ over 2 processes: the loss's all-gathers (groups of the 4 devices of a
+  process) never span processes; what crosses them (the gradient's second hop and the
+  refresh of the secondary copy) travels as int8."""
+  for rep in two_processes["reports"]:
+    colls = rep["groups"]["hpz_qwz_qgz_stage3_adam"]
+    crossing = [(op, shape) for op, gs, shape in colls if any(len(set(g)) > 1 for g in gs)]
+    gathers = [gs for op, gs, _ in colls if op == "all-gather" and len(gs[0]) == 4]
+    assert gathers and all(len(set(g)) == 1 for gs in gathers for g in gs), colls
+    assert crossing and all("s8[" in shape or op == "all-reduce" for op, shape in crossing), \
+        crossing
+    assert {op for op, _ in crossing} >= {"all-to-all", "all-gather"}, crossing
 
 
 def test_a_process_feeding_other_rows_than_its_peers_is_an_error_on_every_process(tmp_path):

@@ -180,15 +180,35 @@ def _rows(x: jax.Array, layout: Layout, n: int) -> jax.Array:
   return jnp.moveaxis(pad(x, layout), layout.dim, 0).reshape(n, -1)
 
 
-def _block(row: jax.Array, layout: Layout, n: int) -> jax.Array:
-  """One device's row -> its storage block (split dimension back in place)."""
-  moved = [layout.padded // n] + [s for d, s in enumerate(layout.shape) if d != layout.dim]
+def _block(row: jax.Array, like: jax.Array, layout: Layout, n: int) -> jax.Array:
+  """One device's row -> its storage block (split dimension back in place), for a leaf
+  whose (logical, possibly model-local) value is shaped like ``like``."""
+  shape = [s + (layout.pad_amount if d == layout.dim else 0) for d, s in enumerate(like.shape)]
+  moved = [shape[layout.dim] // n] + [s for d, s in enumerate(shape) if d != layout.dim]
   return jnp.moveaxis(row.reshape(moved), 0, layout.dim)
 
 
-def _split(flat: jax.Array, sizes, axis: int) -> list:
-  offsets = [sum(sizes[:i]) for i in range(1, len(sizes))]
-  return jnp.split(flat, offsets, axis=axis)
+def _cat(pieces, axis: int, multiple: int = 1):
+  """``pieces`` concatenated along ``axis``, each zero-padded to a multiple of ``multiple``
+  (a quantization block then never holds two leaves); and how to `_uncat` it."""
+  sizes = [p.shape[axis] for p in pieces]
+  padded = [-(-s // multiple) * multiple for s in sizes]
+  widths = lambda p, extra: [(0, extra if d == axis % p.ndim else 0) for d in range(p.ndim)]
+  out = [jnp.pad(p, widths(p, e - s)) if e > s else p for p, s, e in zip(pieces, sizes, padded)]
+  return jnp.concatenate(out, axis=axis), (sizes, padded)
+
+
+def _uncat(buf: jax.Array, how, axis: int) -> list:
+  """The pieces of a `_cat` buffer, padding dropped."""
+  sizes, padded = how
+  offsets = [sum(padded[:i]) for i in range(1, len(padded))]
+  return [jax.lax.slice_in_dim(p, 0, s, axis=axis)
+          for p, s in zip(jnp.split(buf, offsets, axis=axis), sizes)]
+
+
+def _quant_multiple(comm: Comm, kind: str) -> int:
+  return comm.quantize.block_size if comm.quantize is not None and getattr(
+      comm.quantize, kind) else 1
 
 
 # ------------------------------------------------------------ gradients
@@ -211,7 +231,7 @@ def reduce_scatter(x: jax.Array, layout: Layout, comm: Comm, *, out_dtype=None) 
     if comm.replica_axes:
       out = jax.lax.psum(out, comm.replica_axes)
     return out.astype(out_dtype)
-  return _block(reduce_rows(_rows(wire, layout, n), comm), layout, n).astype(out_dtype)
+  return _block(reduce_rows(_rows(wire, layout, n), comm), x, layout, n).astype(out_dtype)
 
 
 def all_reduce(x: jax.Array, axes, comm: Comm, *, out_dtype=None) -> jax.Array:
@@ -230,10 +250,10 @@ def reduce_scatter_many(xs, layouts, groups, comm: Comm) -> list:
         out[i] = reduce_scatter(xs[i], layouts[i], comm)
       continue
     wire = comm.reduce_dtype or xs[g[0]].dtype
-    rows = [_rows(xs[i].astype(wire), layouts[i], n) for i in g]
-    mine = reduce_rows(jnp.concatenate(rows, axis=1), comm)
-    for i, piece in zip(g, _split(mine, [r.shape[1] for r in rows], 0)):
-      out[i] = _block(piece, layouts[i], n).astype(_wide(xs[i].dtype))
+    rows, how = _cat([_rows(xs[i].astype(wire), layouts[i], n) for i in g], 1,
+                     _quant_multiple(comm, "grads"))
+    for i, piece in zip(g, _uncat(reduce_rows(rows, comm), how, 0)):
+      out[i] = _block(piece, xs[i], layouts[i], n).astype(_wide(xs[i].dtype))
   return out
 
 
@@ -245,7 +265,7 @@ def reduce_outer(g: jax.Array, layout: Layout, comm: Comm) -> jax.Array:
   n = axes_size(comm.outer_axes)
   sub = Layout(g.shape, layout.dim, g.shape[layout.dim])
   hops = [(comm.outer_axes, comm.wire("grads", True))] if comm.outer_axes else []
-  return _block(reduce_rows(_rows(g, sub, n), comm, hops), sub, n)
+  return _block(reduce_rows(_rows(g, sub, n), comm, hops), g, sub, n)
 
 
 # ------------------------------------------------------------ parameters
@@ -290,13 +310,14 @@ def all_gather_many(blocks, layouts, groups, comm: Comm, *, axes=None, to: str =
   out = [None] * len(blocks)
   n = axes_size(axes)
   for g in groups:
-    if wire is None and (len(g) == 1 or n == 1) or layouts[g[0]].dim is None:
+    w = wire if jnp.issubdtype(blocks[g[0]].dtype, jnp.floating) else None  # ints: exact
+    if w is None and (len(g) == 1 or n == 1) or layouts[g[0]].dim is None:
       for i in g:
         out[i] = _gather_one(blocks[i], layouts[i], axes, to=to, whole=whole)
       continue
-    flat = [jnp.moveaxis(blocks[i], layouts[i].dim, 0).reshape(-1) for i in g]
-    rows = gather_rows(jnp.concatenate(flat), axes, wire, to=to)
-    for i, piece in zip(g, _split(rows, [f.shape[0] for f in flat], 1)):
+    flat, how = _cat([jnp.moveaxis(blocks[i], layouts[i].dim, 0).reshape(-1) for i in g], 0,
+                     w.block_size if w else 1)
+    for i, piece in zip(g, _uncat(gather_rows(flat, axes, w, to=to), how, 1)):
       out[i] = _from_rows(piece, blocks[i].shape, layouts[i], whole)
   return out
 
@@ -333,10 +354,11 @@ def _quantized_gather_bwd(layouts, groups, comm, _, cts):
         out[i] = cts[i]
     if not idx:
       continue
-    rows = [_rows(cts[i], layouts[i], n) for i in idx]
-    mine = reduce_rows(jnp.concatenate(rows, axis=1), Comm(comm.gather_axes), hop)
-    for i, piece in zip(idx, _split(mine, [r.shape[1] for r in rows], 0)):
-      out[i] = _block(piece, layouts[i], n).astype(cts[i].dtype)
+    rows, how = _cat([_rows(cts[i], layouts[i], n) for i in idx], 1,
+                     _quant_multiple(comm, "grads"))
+    mine = reduce_rows(rows, Comm(comm.gather_axes), hop)
+    for i, piece in zip(idx, _uncat(mine, how, 0)):
+      out[i] = _block(piece, cts[i], layouts[i], n).astype(cts[i].dtype)
   return (tuple(out),)
 
 
