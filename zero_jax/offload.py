@@ -30,9 +30,12 @@ bucket ``b - IN_FLIGHT``. XLA schedules freely within that bound, so one
 bucket can be computed and written back while the next one loads.
 
 Example:
-  >>> step = zj.make_sharded_train_step(loss_fn, optax.adamw(3e-4), mesh=mesh,
+  >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+  >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+  >>> step = zj.make_sharded_train_step(loss_fn, optax.adamw(3e-4),
+  ...                                   mesh=jax.make_mesh((8,), ("data",)),
   ...                                   precision="bf16", offload="optimizer")
-  >>> state = step.init(params)
+  >>> state = step.init({"w": jnp.zeros((16, 4))})
   >>> state.opt_state[0].mu["w"].sharding.memory_kind
   'pinned_host'
 """
