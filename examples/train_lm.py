@@ -235,7 +235,8 @@ def stdlib_files() -> list[pathlib.Path]:
 
 def load_corpus() -> tuple[np.ndarray, np.ndarray]:
   """(train, held_out) token arrays: file bytes joined by EOF; every 20th file held out."""
-  train, held = [], []
+  train: list[np.ndarray] = []
+  held: list[np.ndarray] = []
   for i, path in enumerate(stdlib_files()):
     try:
       data = np.frombuffer(path.read_bytes(), np.uint8).astype(np.int32)

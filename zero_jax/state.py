@@ -11,7 +11,7 @@ error that names what differs, instead of training on silently.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +128,9 @@ class TrainState:
   model_state: Any
   rng: Any
   meta: StateMeta = struct.field(pytree_node=False)
+
+  if TYPE_CHECKING:  # struct.dataclass adds it at run time; this tells type checkers
+    def replace(self, **changes: Any) -> TrainState: ...
 
 
 # ------------------------------------------------------------------- the meta
