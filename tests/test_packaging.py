@@ -102,3 +102,18 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(dist, tmp_path):
   out = subprocess.check_output([py, "-c", code], text=True, cwd=tmp_path, env=clean,
                                 timeout=300)
   assert out.split() == [zj.__version__, "True", "True", "DamagedCheckpointError"]
+
+
+def test_lower_bounds_are_the_versions_the_lower_bounds_job_pins():
+  """pyproject.toml's lower bounds and ci/constraints-lowest.txt cannot drift apart."""
+  import tomllib
+  deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+  lower = {}
+  for d in deps:
+    name, _, version = d.partition(">=")
+    lower[name.split("[")[0].strip()] = version.split(",")[0].strip()
+  pins = dict(line.split("==") for line in (ROOT / "ci" / "constraints-lowest.txt").read_text()
+              .splitlines() if line and not line.startswith("#"))
+  assert all(lower.values()), f"every core dependency needs a lower bound: {deps}"
+  assert {k: pins.get(k) for k in lower} == lower
+  assert pins["jaxlib"] == pins["jax"]
