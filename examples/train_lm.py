@@ -21,7 +21,10 @@ step; a little text sampled from the model; a checkpoint to resume from
 
 The data order depends only on ``--seed`` and the step number, so a run
 resumed from a checkpoint takes the same steps as one that was never
-interrupted.
+interrupted. The flags that change what a checkpoint holds (``--size``,
+``--seq-len``, ``--precision``) are written next to it (``run.json``):
+``--resume`` takes them from there, and a new run refuses a directory that
+holds another run's checkpoints unless given ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ from tqdm.auto import tqdm
 EOF = 256          # token that separates files
 VOCAB = 257        # 256 bytes + EOF: an uneven size, like GPT-2's 50257
 
+RUN_FLAGS = ("size", "seq_len", "precision")  # change what a checkpoint holds
+RUN_FILE = "run.json"                         # their values, next to the checkpoints
+
 SIZES = {          # d_model, layers, heads
     "tiny": (64, 2, 2),
     "small": (128, 4, 4),
@@ -72,7 +78,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     return super()._get_help_string(action)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       description="Train a byte-level transformer LM on Python's standard library with "
                   "zero_jax (ZeRO sharded data parallelism).",
@@ -107,7 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--save-every", type=int, default=100,
                  help="save a checkpoint every this many steps (and at the end); 0: only at the end")
   p.add_argument("--resume", nargs="?", const=-1, type=int, default=None, metavar="STEP",
-                 help="continue from the latest checkpoint in --ckpt-dir (or from STEP)")
+                 help="continue from the latest checkpoint in --ckpt-dir (or from STEP), "
+                      "with the --size, --seq-len and --precision it was written with")
+  p.add_argument("--overwrite", action="store_true",
+                 help="delete the checkpoints already in --ckpt-dir (a new run refuses a "
+                      "directory holding another run's checkpoints without it)")
   p.add_argument("--eval-batches", type=int, default=8, help="held-out batches for eval loss")
   p.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to sample")
   p.add_argument("--prompt", default="def ", help="start of the sampled text")
@@ -115,9 +125,23 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--metrics-json", default=None,
                  help="write losses, eval loss, tokens/s and a parameter checksum here")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  return p
+
+
+def given_flags(argv=None) -> set[str]:
+  """The options written on the command line (the others keep their defaults)."""
+  p = build_parser()
+  for action in p._actions:
+    action.default = argparse.SUPPRESS
+  return set(vars(p.parse_args(argv)))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = build_parser()
   args = p.parse_args(argv)
   if args.batch_size < 1 or args.steps < 1 or args.seq_len < 2:
     p.error("--batch-size and --steps must be positive and --seq-len at least 2")
+  args.given = given_flags(argv)
   return args
 
 
@@ -136,6 +160,76 @@ def setup_devices(args) -> list:
   return devices
 
 
+# ---------------------------------------------------------------- checkpoints
+def flags_text(values: dict) -> str:
+  return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+
+
+def run_flags(args) -> dict:
+  return {k: getattr(args, k) for k in RUN_FLAGS}
+
+
+def saved_steps(ckpt_dir: str) -> list[int]:
+  names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+  return sorted(int(n) for n in names if n.isdigit())
+
+
+def read_run_flags(ckpt_dir: str) -> dict | None:
+  """The flags recorded with the checkpoints in ``ckpt_dir`` (None: none recorded)."""
+  path = os.path.join(ckpt_dir, RUN_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as fh:
+    return {k: v for k, v in json.load(fh).items() if k in RUN_FLAGS}
+
+
+def resume_with_recorded_flags(args, ckpt_dir: str, recorded: dict) -> None:
+  """Takes the checkpoints' flags; exits naming any the command line contradicts."""
+  clash = {k: getattr(args, k) for k in RUN_FLAGS
+           if k in args.given and getattr(args, k) != recorded[k]}
+  if clash:
+    sys.exit(f"--resume: the checkpoints in {ckpt_dir} were written with "
+             f"{flags_text(recorded)}, but this run asks for {flags_text(clash)}. Leave "
+             f"those flags out to resume with the checkpoints' own, or start a new run "
+             f"in another --ckpt-dir.")
+  taken = {k: v for k, v in recorded.items() if getattr(args, k) != v}
+  for k, v in taken.items():
+    setattr(args, k, v)
+  if taken:
+    print(f"--resume: using {flags_text(taken)}, as recorded in {ckpt_dir}/{RUN_FILE}")
+
+
+def prepare_ckpt_dir(args, ckpt_dir: str, default_dir: bool) -> None:
+  """On --resume, the recorded flags; on a new run, an empty directory, or an exit.
+
+  A new run deletes earlier checkpoints only with --overwrite, or in the
+  default directory when they were written with the same flags; it says so.
+  """
+  recorded = read_run_flags(ckpt_dir)
+  if args.resume is not None:
+    if recorded is not None:
+      resume_with_recorded_flags(args, ckpt_dir, recorded)
+    return
+  steps = saved_steps(ckpt_dir)
+  if not steps:
+    return
+  if not (args.overwrite or (default_dir and recorded == run_flags(args))):
+    what = f"with {flags_text(recorded)}" if recorded else "(flags not recorded)"
+    sys.exit(f"--ckpt-dir {ckpt_dir} holds the checkpoints (steps {steps}) of another run "
+             f"{what}; pass --resume to continue that run, --overwrite to delete them, "
+             f"or choose an empty --ckpt-dir.")
+  print(f"deleting the checkpoints (steps {steps}) of an earlier run in {ckpt_dir}; "
+        f"--resume would have continued it")
+  for s in steps:
+    shutil.rmtree(os.path.join(ckpt_dir, str(s)))
+
+
+def record_run_flags(args, ckpt_dir: str) -> None:
+  os.makedirs(ckpt_dir, exist_ok=True)
+  with open(os.path.join(ckpt_dir, RUN_FILE), "w") as fh:
+    json.dump(run_flags(args), fh)
+
+
 # ----------------------------------------------------------------------- data
 def stdlib_files() -> list[pathlib.Path]:
   """The standard library's .py files (no tests, no site-packages), sorted."""
@@ -148,7 +242,8 @@ def stdlib_files() -> list[pathlib.Path]:
 
 def load_corpus() -> tuple[np.ndarray, np.ndarray]:
   """(train, held_out) token arrays: file bytes joined by EOF; every 20th file held out."""
-  train, held = [], []
+  train: list[np.ndarray] = []
+  held: list[np.ndarray] = []
   for i, path in enumerate(stdlib_files()):
     try:
       data = np.frombuffer(path.read_bytes(), np.uint8).astype(np.int32)
@@ -289,6 +384,8 @@ def param_checksum(params) -> list[float]:
 # ----------------------------------------------------------------------- main
 def main(argv=None) -> dict:
   args = parse_args(argv)
+  ckpt_dir = os.path.abspath(args.ckpt_dir)
+  prepare_ckpt_dir(args, ckpt_dir, default_dir=args.ckpt_dir == parse_args([]).ckpt_dir)
   devices = setup_devices(args)
   t_start = time.perf_counter()
   n = len(devices)
@@ -324,14 +421,7 @@ def main(argv=None) -> dict:
                                     precision=args.precision, max_grad_norm=1.0,
                                     stacked=in_blocks)
 
-  # Fresh start or resume.
-  ckpt_dir = os.path.abspath(args.ckpt_dir)
-  default_dir = args.ckpt_dir == parse_args([]).ckpt_dir
-  if args.resume is None and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-    if not default_dir:
-      sys.exit(f"--ckpt-dir {ckpt_dir} holds checkpoints; pass --resume to continue from them, "
-               f"or choose an empty --ckpt-dir.")
-    shutil.rmtree(ckpt_dir)  # the example's own scratch directory
+  # Fresh start or resume (prepare_ckpt_dir checked the directory and the flags).
   mngr = zj.CheckpointManager(ckpt_dir, max_to_keep=2)
   if args.resume is not None:
     if mngr.latest_step() is None:
@@ -341,6 +431,7 @@ def main(argv=None) -> dict:
   else:
     params = jax.jit(model.init)(jax.random.key(args.seed), dummy)["params"]
     state = step.init(params)
+    record_run_flags(args, ckpt_dir)
   start = int(state.step)
 
   eval_batches = [get_batch(held, i, args.batch_size, args.seq_len, args.seed + 1)

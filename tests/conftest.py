@@ -1,15 +1,7 @@
-"""Tests run on 8 fake CPU devices (set before the backend starts)."""
+"""Shared fixtures; the 8 fake CPU devices are set up by the root conftest.py."""
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "")
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
-
-
-import pytest  # noqa: E402
+import jax
+import pytest
 
 
 @pytest.fixture(scope="session")

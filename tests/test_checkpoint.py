@@ -31,6 +31,7 @@ import warnings
 
 import flax
 import flax.linen as nn
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -783,9 +784,8 @@ def test_checkpoint_from_before_skipped_in_a_row_restores_it_as_zero(steps, tmp_
     restored = mngr.restore(step, init_params())
   assert int(restored.loss_scale.skipped_steps) == 1
   assert int(restored.loss_scale.skipped_in_a_row) == 0
-  for a, b in zip(jax.tree.leaves((restored.params, restored.opt_state)),
-                  jax.tree.leaves((state.params, state.opt_state))):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal((restored.params, restored.opt_state),
+                              (state.params, state.opt_state), strict=True)
   step(restored, BATCHES[2])
 
 

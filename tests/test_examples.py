@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -17,11 +18,22 @@ TINY = ["--size", "tiny", "--seq-len", "32", "--batch-size", "16", "--lr", "1e-2
 STEPS, SAVE_EVERY = 24, 12
 
 
-def run_lm(*args, timeout=300) -> subprocess.CompletedProcess:
-  proc = subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), *TINY, *args],
-                        capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-  assert proc.returncode == 0, f"train_lm.py failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+def run_lm(*args, timeout=300, flags=TINY, ok=True, env=None) -> subprocess.CompletedProcess:
+  proc = subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), *flags, *args],
+                        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                        env=None if env is None else {**os.environ, **env})
+  if ok:
+    assert proc.returncode == 0, f"train_lm.py failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
   return proc
+
+
+def without(flags, *names):
+  """``flags`` less each ``--name value`` pair in ``names``."""
+  out = list(flags)
+  for name in names:
+    i = out.index(name)
+    del out[i:i + 2]
+  return out
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +60,21 @@ def test_train_lm_loss_falls_and_reports_memory_and_samples(uninterrupted):
 
 
 def test_train_lm_resume_continues_to_the_same_params(uninterrupted, tmp_path):
-  """Resuming at step 12 takes the same steps 13-24 as the run that was never stopped."""
+  """Resuming at step 12 takes the same steps 13-24 as the run that was never stopped.
+
+  The resumed run is not told --size and --seq-len: it takes them from the checkpoints.
+  """
   src, _, full = uninterrupted
   ckpt = tmp_path / "ckpt"
   shutil.copytree(src / "ckpt", ckpt)
   assert (ckpt / str(STEPS)).is_dir() and (ckpt / str(SAVE_EVERY)).is_dir()
   shutil.rmtree(ckpt / str(STEPS))   # as if the run had stopped after step 12
   proc = run_lm("--steps", str(STEPS), "--resume", "--ckpt-dir", str(ckpt),
-                "--metrics-json", str(tmp_path / "metrics.json"))
+                "--metrics-json", str(tmp_path / "metrics.json"),
+                flags=without(TINY, "--size", "--seq-len"))
   m = json.loads((tmp_path / "metrics.json").read_text())
+  assert "--resume: using --size tiny --seq-len 32, as recorded in" in proc.stdout
+  assert "ByteLM tiny: d_model=64, layers=2, heads=2, context=32" in proc.stdout
   assert f"resumed from {ckpt} at step {SAVE_EVERY}" in proc.stdout
   assert m["start_step"] == SAVE_EVERY and m["step"] == STEPS
   resumed = {int(k): v for k, v in m["losses"].items()}
@@ -65,6 +83,54 @@ def test_train_lm_resume_continues_to_the_same_params(uninterrupted, tmp_path):
     assert loss == pytest.approx(full["losses"][str(s)], rel=1e-6, abs=1e-6), s
   assert m["param_checksum"] == pytest.approx(full["param_checksum"], rel=1e-6)
   assert (ckpt / str(STEPS)).is_dir()  # and it saved its own final checkpoint
+
+
+def test_train_lm_resume_refuses_flags_the_checkpoints_contradict(uninterrupted):
+  """--resume with another --size or --precision exits before any work, naming the flags."""
+  src, _, _ = uninterrupted
+  proc = run_lm("--resume", "--precision", "bf16", "--ckpt-dir", str(src / "ckpt"),
+                flags=[*without(TINY, "--size"), "--size", "small"], ok=False)
+  assert proc.returncode != 0
+  assert "were written with --size tiny --seq-len 32 --precision fp32" in proc.stderr
+  assert "this run asks for --size small --precision bf16" in proc.stderr
+  assert "Leave those flags out" in proc.stderr
+
+
+def test_train_lm_new_run_keeps_another_runs_checkpoints(uninterrupted, tmp_path):
+  """A new run refuses a directory with another run's checkpoints; --overwrite says it deletes."""
+  src, _, _ = uninterrupted
+  ckpt = tmp_path / "ckpt"
+  shutil.copytree(src / "ckpt", ckpt)
+  for extra in ((), ("--precision", "bf16")):   # same flags or not: not the default directory
+    proc = run_lm("--steps", "2", "--ckpt-dir", str(ckpt), *extra, ok=False)
+    assert proc.returncode != 0
+    assert f"holds the checkpoints (steps [{SAVE_EVERY}, {STEPS}]) of another run" in proc.stderr
+    assert "with --size tiny --seq-len 32 --precision fp32" in proc.stderr
+    assert "--overwrite" in proc.stderr
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["12", "24"]
+  quick = ("--steps", "2", "--save-every", "0", "--eval-batches", "0", "--sample-bytes", "0")
+  proc = run_lm(*quick, "--precision", "bf16", "--ckpt-dir", str(ckpt), "--overwrite")
+  assert f"deleting the checkpoints (steps [{SAVE_EVERY}, {STEPS}])" in proc.stdout
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2"]
+  assert json.loads((ckpt / "run.json").read_text()) == {
+      "size": "tiny", "seq_len": 32, "precision": "bf16"}
+
+
+def test_train_lm_default_directory_replaces_only_the_same_runs_checkpoints(
+    uninterrupted, tmp_path):
+  """The README command run twice works; after a run with other flags it refuses instead."""
+  src, _, _ = uninterrupted
+  default = tmp_path / "zero_jax_train_lm"          # the default --ckpt-dir under $TMPDIR
+  shutil.copytree(src / "ckpt", default)
+  quick = ("--steps", "2", "--save-every", "0", "--eval-batches", "0", "--sample-bytes", "0")
+  env = {"TMPDIR": str(tmp_path)}
+  proc = run_lm(*quick, "--precision", "bf16", env=env, ok=False)
+  assert proc.returncode != 0 and "with --size tiny --seq-len 32 --precision fp32" in proc.stderr
+  assert sorted(p.name for p in default.iterdir() if p.name.isdigit()) == ["12", "24"]
+  proc = run_lm(*quick, env=env)
+  assert f"deleting the checkpoints (steps [{SAVE_EVERY}, {STEPS}]) of an earlier run in " \
+         f"{default}" in proc.stdout
+  assert sorted(p.name for p in default.iterdir() if p.name.isdigit()) == ["2"]
 
 
 def test_train_lm_help_lists_every_option(capsys):
@@ -80,7 +146,7 @@ def test_train_lm_help_lists_every_option(capsys):
   assert e.value.code == 0
   out = capsys.readouterr().out
   for opt in ("--stage", "--precision", "--size", "--steps", "--batch-size", "--devices",
-              "--resume", "--ckpt-dir"):
+              "--resume", "--ckpt-dir", "--overwrite"):
     assert opt in out
   defaults = train_lm.parse_args([])
   assert defaults.stage == 2 and defaults.precision == "fp32" and defaults.resume is None

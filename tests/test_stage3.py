@@ -16,6 +16,7 @@ memory falls with N is pinned in test_stacked.py, where a loop over stacked
 layers orders the gathers.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,10 +86,8 @@ def test_stage3_params_are_padded_blocks_at_rest_and_get_params_is_full(mesh, ba
       expect[l.dim] //= N
     assert shard.shape == tuple(expect)
   full = step.get_params(state)
-  assert jax.tree.structure(full) == jax.tree.structure(init)
-  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(init)):
-    assert a.shape == np.shape(b) and a.dtype == np.asarray(b).dtype
-    assert a.sharding.is_fully_replicated
+  chex.assert_trees_all_equal_shapes_and_dtypes(full, init)   # and the same tree structure
+  assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(full))
   np.testing.assert_array_equal(full["ids"], init["ids"])
 
 

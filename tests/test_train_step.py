@@ -5,6 +5,7 @@ steps of `jax.jit` + optax on one device over the same global batches, and
 compares params and loss at rtol 1e-5 (fp32).
 """
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -253,11 +254,15 @@ def test_aux_is_returned_and_averaged(mesh):
 
 
 def test_compiles_once_per_input_shape(mesh):
-  step = zj.make_sharded_train_step(linen_loss, optax.adam(1e-3), mesh=mesh)
+  """The loss is traced once per batch shape, however many steps run (chex counts traces)."""
+  chex.clear_trace_counter()
+  loss_fn = chex.assert_max_traces(linen_loss, n=2)   # raises on a third trace
+  step = zj.make_sharded_train_step(loss_fn, optax.adam(1e-3), mesh=mesh)
   state = step.init(linen_params())
-  for b in linen_batches()[:3]:
+  half = jax.tree.map(lambda x: x[:x.shape[0] // 2], linen_batches()[0])
+  for b in [*linen_batches()[:3], half, half, half]:
     state, _ = step(state, b)
-  assert [f._cache_size() for f in step._jits.values()] == [1]
+  assert [f._cache_size() for f in step._jits.values()] == [2]
 
 
 def test_lower_exposes_reduce_scatter_and_all_gather(mesh):

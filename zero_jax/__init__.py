@@ -1,6 +1,8 @@
 """zero_jax: ZeRO-style sharded data parallelism for JAX."""
 
 from zero_jax.checkpoint import CheckpointManager, export_params
+from zero_jax.checkpoint_integrity import DamagedCheckpointError, DamagedCheckpointWarning
+from zero_jax.checkpoint_writer import DirectoryInUseError
 from zero_jax.collectives import Quantize
 from zero_jax.clipping import clip_by_global_norm, global_norm
 from zero_jax.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
@@ -24,6 +26,9 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointManager",
     "CompiledMemory",
+    "DamagedCheckpointError",
+    "DamagedCheckpointWarning",
+    "DirectoryInUseError",
     "LOST_PEER_EXIT_CODE",
     "Layout",
     "LossScaleState",

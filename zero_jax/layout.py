@@ -100,7 +100,7 @@ def leaf_layout(shape, n: int, *, stacked: bool = False, model=None,
   >>> leaf_layout((16, 9, 7), 8, stacked=True).dim
   2
   >>> leaf_layout((6, 8), 4, model=((), ("model",)), model_size=(1, 2)).spec("data")
-  PartitionSpec('data', 'model')
+  P(None, ('model', 'data'))
 
   Args:
     shape: the leaf's logical shape.

@@ -5,9 +5,12 @@ and the update streams them to the devices and back in buckets of leaves found b
 update once (`BUCKET_BYTES`, `IN_FLIGHT`). Details: the docs' offload guide and "How it works".
 
 Example:
-  >>> step = zj.make_sharded_train_step(loss_fn, optax.adamw(3e-4), mesh=mesh,
+  >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+  >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+  >>> step = zj.make_sharded_train_step(loss_fn, optax.adamw(3e-4),
+  ...                                   mesh=jax.make_mesh((8,), ("data",)),
   ...                                   precision="bf16", offload="optimizer")
-  >>> state = step.init(params)
+  >>> state = step.init({"w": jnp.zeros((16, 4))})
   >>> state.opt_state[0].mu["w"].sharding.memory_kind
   'pinned_host'
 """

@@ -7,7 +7,7 @@ states whose meta it would have made itself (`check_state`), naming what differs
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +124,9 @@ class TrainState:
   model_state: Any
   rng: Any
   meta: StateMeta = struct.field(pytree_node=False)
+
+  if TYPE_CHECKING:  # struct.dataclass adds it at run time; this tells type checkers
+    def replace(self, **changes: Any) -> TrainState: ...
 
 
 # ------------------------------------------------------------------- the meta
