@@ -73,6 +73,8 @@ def measure(args) -> dict:
       colls = hlo_lib.collectives(step.lower(states[name], batch).compile().as_text())
       out.setdefault("traffic", {})[name] = traffic(colls)
       out.setdefault("params_mib", {})[name] = sc.bytes_per_device(states[name].params) / sc.MIB
+      out.setdefault("state_mib", {})[name] = sc.bytes_per_device(
+          (states[name].opt_state, states[name].master)) / sc.MIB
   t = sc.interleave(sc.steppers(steps, states, batch), rounds=rounds, iters=iters)
   out["times"] = {k: sc.spread(v) for k, v in t.items()}
   out["ratios"] = {k: sc.ratio_iqr(t, k, BASE) for k in t}
@@ -94,32 +96,38 @@ def render(results, args, seconds) -> str:
       f"0-3 and 4-7.")
   lines += ["Per device and step, from the compiled programs:", "", sc.table(
       ["configuration", "MiB between hosts", "vs hybrid fp32", "MiB within hosts",
-       "params held MiB", "int8/int4 collectives", f"comm ms at {INTER_GBPS * 8:.0f} Gb/s + "
-       f"{INTRA_GBPS:.0f} GB/s"],
+       "params held MiB", "optimizer state + master MiB", "int8/int4 collectives",
+       f"comm ms at {INTER_GBPS * 8:.0f} Gb/s + {INTRA_GBPS:.0f} GB/s"],
       [[k, f"{v['cross_mib']:.3f}", f"{v['cross_mib'] / base:.3f}", f"{v['within_mib']:.3f}",
-        f"{first['params_mib'][k]:.2f}", ", ".join(v["int8_ops"]) or "-", f"{_gpu_ms(v):.3f}"]
+        f"{first['params_mib'][k]:.2f}", f"{first['state_mib'][k]:.2f}",
+        ", ".join(v["int8_ops"]) or "-", f"{_gpu_ms(v):.3f}"]
        for k, v in tr.items()]), ""]
   for cond, r in results.items():
     lines += [f"Step time, {sc.CONDITION_TEXT[cond]}:", "",
               sc.table(["configuration", "ms / step", "vs hybrid fp32"],
                        [[k, r["times"][k], r["ratios"][k]] for k in r["times"]]), ""]
   q = tr["hpZ + qwZ + qgZ (int8) bf16"]["cross_mib"]
+  q4 = tr["hpZ + qwZ + qgZ (int4 grads) bf16"]["cross_mib"]
   lines += [
-      f"With all three on, each device sends {q:.3f} MiB between the hosts per step, "
-      f"{q / base:.3f}x of hybrid fp32's {base:.3f} MiB: hpZ moves only the gradient's "
-      f"second reduce-scatter hop and the refresh of the secondary copy across hosts (each "
-      f"1/8 of the model per device), and both travel as int8 plus one float32 scale per 256 "
-      f"values. The stage-3 gathers of the forward and backward passes stay within a host "
-      f"(hpZ costs the secondary copy: 1/4 of the parameters per device instead of 1/8, "
-      f"\"params held\").", "",
+      f"hpZ alone sends what hybrid sends across the hosts (its gradient's second "
+      f"reduce-scatter hop and the refresh of the secondary copy move as many bytes as "
+      f"hybrid's all-reduce of the 1/4 block), but it splits the optimizer state and master "
+      f"copy over all 8 devices where hybrid splits them over 4, and its per-layer gathers "
+      f"stay within a host where flat ZeRO-3's cross it. With int8 weights and gradients "
+      f"each device sends {q:.3f} MiB between the hosts per step, {q / base:.3f}x of hybrid "
+      f"fp32's {base:.3f} MiB: a quarter, plus the float32 scale of every 256 values "
+      f"(4/256 = 1.6%); with int4 gradients {q4:.3f} MiB, {q4 / base:.3f}x. Within the hosts "
+      f"the int8 gathers and all-to-alls cut the bytes by the same factor. (XLA:CPU carries "
+      f"bfloat16 reductions as float32, so the bf16 rows move the fp32 rows' bytes here; on "
+      f"a GPU they would halve.)", "",
       f"What a GPU cluster would see: the last column is the time the bytes take at "
       f"{INTER_GBPS * 8:.0f} Gb/s per device between hosts and {INTRA_GBPS:.0f} GB/s within "
       f"(NVLink class), without overlap; across hosts it is the bytes times "
-      f"{1e3 * sc.MIB / (INTER_GBPS * 1e9):.4f} ms/MiB, so hpZ + int8 cuts the cross-host "
-      f"time by the byte ratio above. On the fake CPU devices the network is free and "
-      f"quantizing is real work (an absmax, a divide and a round per value, twice per hop), "
-      f"so the quantized steps are slower here; no GPU was available to measure the "
-      f"saving.", ""]
+      f"{1e3 * sc.MIB / (INTER_GBPS * 1e9):.4f} ms/MiB, so int8 cuts the cross-host time by "
+      f"the byte ratio above, about 4x, for a model whose step is bound by that link. On the "
+      f"fake CPU devices the network is free and quantizing is real work (an absmax, a "
+      f"divide and a round per value, on every hop), so the quantized steps are slower "
+      f"here; no GPU was available to measure the saving.", ""]
   return "\n".join(lines)
 
 

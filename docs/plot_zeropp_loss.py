@@ -25,22 +25,27 @@ def smooth(y, k=10):
 
 def main(args):
   runs = dict(a.split("=", 1) for a in args)
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                               gridspec_kw={"height_ratios": [2, 1]})
   base = None
   for label, path in runs.items():
     m = json.loads(pathlib.Path(path).read_text())
     steps = sorted(int(s) for s in m["losses"])
     loss = np.array([m["losses"][str(s)] for s in steps])
     final = float(np.mean(loss[-20:]))
-    base = base or (final, m["eval_loss_after"])
+    if base is None:
+      base = (final, m["eval_loss_after"], loss)
     print(f"{label}: train loss (mean of the last 20 steps) {final:.4f} "
           f"({(final / base[0] - 1) * 100:+.2f}%), held-out {m['eval_loss_after']:.4f} "
           f"({(m['eval_loss_after'] / base[1] - 1) * 100:+.2f}%)")
     ax.plot(steps[9:], smooth(loss), label=f"{label} (held-out {m['eval_loss_after']:.3f})")
-  ax.set_xlabel("step")
-  ax.set_ylabel("training loss, nats/byte (10-step mean)")
+    dx.plot(steps[9:], 100 * smooth(loss / base[2] - 1), label=label)
+  ax.set_ylabel("training loss, nats/byte\n(10-step mean)")
   ax.set_title("examples/train_lm.py, ZeRO-3 on 8 devices: exact vs int8 communication")
-  ax.grid(alpha=0.3)
+  dx.set_xlabel("step")
+  dx.set_ylabel("vs the first run, %")
+  for a in (ax, dx):
+    a.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
   out = pathlib.Path(__file__).parent / "zeropp_loss.png"
