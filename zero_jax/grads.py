@@ -125,11 +125,16 @@ def average_model_state(ms, original, batch_axes):
 
 
 class Local(NamedTuple):
-  """One device's results. grads: one per trainable leaf (reduced, or local)."""
+  """One device's results. grads: one per trainable leaf (reduced, or local).
+
+  weight: for a `WeightedLoss`, ``(global weight, any device's weight < 0)``
+  of the whole step; None for a mean loss.
+  """
   grads: list
   loss: jax.Array
   aux: Any
   model_state: Any
+  weight: Any = None
 
 
 def _gather_groups(spec: StepSpec, meta, idx) -> tuple:
@@ -291,16 +296,18 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
     if w is not None and k > 1:
       g = [x * (k * w).astype(x.dtype) for x in g]
     aux = None if out.aux is None else jax.tree.map(lambda a: a.astype(jnp.float32), out.aux)
-    return (g, out.value.astype(jnp.float32), jnp.float32(0) if w is None else w, aux,
-            out.model_state)
+    # (global weight, this device's negative weight): summed over micro-batches
+    ws = (jnp.float32(0), jnp.float32(0)) if w is None else (w, jnp.minimum(out.weight, 0))
+    return g, out.value.astype(jnp.float32), ws, aux, out.model_state
 
-  grads, total, weight, aux, ms = _micro_batches(micro, batch, model_state, k)
+  grads, total, (weight, negative), aux, ms = _micro_batches(micro, batch, model_state, k)
   if k > 1:
     if weighted[0]:  # weight = the global weight W of the whole step
       grads = [x / _nonzero(weight).astype(x.dtype) for x in grads]
     if not sharded_acc:
       grads = reduce_some(spec, layouts, grads, reduce_here, stacks)
-  return _agreed(grads, total, weight if weighted[0] else None, aux, ms, model_state, k, axes)
+  weight = (weight, jax.lax.psum(negative, axes) < 0) if weighted[0] else None
+  return _agreed(grads, total, weight, aux, ms, model_state, k, axes)
 
 
 def _nonzero(w):
@@ -326,16 +333,17 @@ def _micro_batches(micro, batch, model_state, k: int):
 
 
 def _agreed(grads, total, weight, aux, ms, model_state, k: int, axes) -> Local:
-  """The values every device agrees on: the global loss (weighted or mean), aux and
-  model state averaged over the batch axes; the gradients as they are."""
+  """The values every device agrees on: the global loss (weighted or mean: NaN for a
+  global weight of zero, as on one device), aux and model state averaged over the batch
+  axes; the gradients as they are."""
   if weight is not None:
-    loss = jax.lax.psum(total, axes) / _nonzero(weight)
+    loss = jax.lax.psum(total, axes) / weight[0]
   else:
     loss = jax.lax.pmean(total / k, axes)
   aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a / k, axes), aux)
   if ms is not None:
     ms = average_model_state(ms, model_state, axes)
-  return Local(grads, loss, aux, ms)
+  return Local(grads, loss, aux, ms, weight)
 
 
 def _stack_spec(spec: StepSpec, layout) -> P:
@@ -393,7 +401,7 @@ def sharded_grads(spec: StepSpec, meta, treedef, paths, loss_fn, params, batch, 
   local = jax.shard_map(
       body, mesh=spec.auto_mesh, axis_names=set(axes),
       in_specs=(param_specs, P(axes), P(), P(), P(), P()),
-      out_specs=Local(grad_specs, P(), P(), P()))
+      out_specs=Local(grad_specs, P(), P(), P(), P()))
   out = local(params, batch, model_state, rng, scale, step)
   if any(split_later):
     later = [j for j, s in enumerate(split_later) if s]

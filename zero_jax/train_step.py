@@ -36,6 +36,7 @@ from zero_jax import grads as grads_lib
 from zero_jax import layers
 from zero_jax import loss_scale as ls_lib
 from zero_jax import nnx as nnx_lib
+from zero_jax import precision as prec
 from zero_jax import state as st
 from zero_jax import update as update_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES
@@ -46,7 +47,11 @@ from zero_jax.signature import as_transformation
 from zero_jax.state import StateMeta, TrainState
 
 _METRICS = ("loss", "grad_norm", "grads_finite", "loss_scale", "skipped_steps",
-            "skipped_in_a_row")
+            "skipped_in_a_row", "step", "health")
+
+
+def _paths(tree) -> list[str]:
+  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 class ShardedTrainStep:
@@ -126,6 +131,8 @@ class ShardedTrainStep:
     treedef, meta = self._meta(params, module)
     check_model_state(model_state)
     check_rng(rng)
+    prec.warn_without_master(self.spec.policy, _paths(params), meta.param_dtypes,
+                             meta.trainable)
     if not any(meta.trainable):
       warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
                     "is floating); every step will leave the parameters unchanged.",
@@ -201,15 +208,15 @@ class ShardedTrainStep:
 
     def body(state, batch):
       treedef = jax.tree.structure(state.params)
-      paths = [jax.tree_util.keystr(p) for p, _ in
-               jax.tree_util.tree_flatten_with_path(state.params)[0]]
+      paths = _paths(state.params)
       local = grads_lib.sharded_grads(spec, state.meta, treedef, paths,
                                       self._loss_fn(state.meta), state.params, batch,
                                       state.model_state, state.rng, state.loss_scale, state.step)
       new_state, metrics = update_lib.apply_update(spec, self.optimizer, state, local.grads,
-                                                   local.loss, local.aux)
+                                                   local.loss, local.aux, local.weight)
       metrics["skipped_in_a_row"] = new_state.loss_scale.skipped_in_a_row
-      model_state = update_lib.keep_if_skipped(metrics["grads_finite"], local.model_state,
+      applied = new_state.loss_scale.skipped_in_a_row == 0
+      model_state = update_lib.keep_if_skipped(applied, local.model_state,
                                                state.model_state)
       return new_state.replace(model_state=model_state), metrics
 
