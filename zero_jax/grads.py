@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from zero_jax import aux as aux_lib
 from zero_jax import collectives
 from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
@@ -129,12 +130,14 @@ class Local(NamedTuple):
 
   weight: for a `WeightedLoss`, ``(global weight, any device's weight < 0)``
   of the whole step; None for a mean loss.
+  aux_specs: the PartitionSpecs of the combined aux (set by `sharded_grads`).
   """
   grads: list
   loss: jax.Array
   aux: Any
   model_state: Any
   weight: Any = None
+  aux_specs: Any = None
 
 
 def _gather_groups(spec: StepSpec, meta, idx) -> tuple:
@@ -245,12 +248,13 @@ def reduce_some(spec: StepSpec, layouts, grads, which, stacked) -> list:
 
 
 def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, params, batch,
-                model_state, rng, scale, step) -> Local:
+                model_state, rng, scale, step, *, aux_plan=None) -> Local:
   """Runs on each device inside the ``shard_map`` (see the module docstring).
 
   ``reduce_here[j]`` says whether trainable leaf ``j`` is reduced here; the
   others are returned local (scaled, summed over micro-batches) for
-  `reduce_model_split`.
+  `reduce_model_split`. The aux comes as the list `zero_jax.aux.finish` makes;
+  its rules and tree structure are appended to ``aux_plan`` when traced.
   """
   k, axes = spec.grad_accum_steps, spec.batch_axes
   leaves = jax.tree.leaves(params)
@@ -281,7 +285,7 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
   diff, in_loop = _differentiated(spec, meta, leaves)
   reduce_here = [r and not in_loop[i] for i, r in zip(idx, reduce_here)]
 
-  weighted = []  # set when the first micro-batch is traced: does loss_fn weight?
+  weighted, rules = [], []  # set when the first micro-batch is traced: weighted? aux rules?
 
   def micro(mb, ms, j):
     key = None if rng is None else fold_key(rng, step, j, axes)
@@ -295,12 +299,23 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
     # float32: an fp16 gradient of the sum overflows where that of the mean does not.
     if w is not None and k > 1:
       g = [x * (k * w).astype(x.dtype) for x in g]
-    aux = None if out.aux is None else jax.tree.map(lambda a: a.astype(jnp.float32), out.aux)
     # (global weight, this device's negative weight): summed over micro-batches
     ws = (jnp.float32(0), jnp.float32(0)) if w is None else (w, jnp.minimum(out.weight, 0))
-    return g, out.value.astype(jnp.float32), ws, aux, out.model_state
+    aux = (None, None)
+    if spec.has_aux:
+      if not rules:
+        rules.append(aux_lib.resolve(spec.aux_reduce, out.aux, jax.tree.leaves(mb)[0].shape[0]))
+        rules.append(jax.tree.structure(out.aux))
+      aux = aux_lib.start(rules[0], out.aux)
+    return g, out.value.astype(jnp.float32), ws, aux[0], out.model_state, aux[1]
 
-  grads, total, (weight, negative), aux, ms = _micro_batches(micro, batch, model_state, k)
+  merge = lambda a, b: aux_lib.merge(rules[0], a, b) if rules else None
+  grads, total, (weight, negative), aux, ms, per_example = _micro_batches(
+      micro, batch, model_state, k, merge)
+  if rules:
+    aux = aux_lib.finish(rules[0], aux, per_example, k, axes)
+    if aux_plan is not None:
+      aux_plan.extend(rules)
   if k > 1:
     if weighted[0]:  # weight = the global weight W of the whole step
       grads = [x / _nonzero(weight).astype(x.dtype) for x in grads]
@@ -314,10 +329,12 @@ def _nonzero(w):
   return jnp.where(w > 0, w, 1.0)
 
 
-def _micro_batches(micro, batch, model_state, k: int):
+def _micro_batches(micro, batch, model_state, k: int, merge_aux):
   """``micro`` over the ``k`` micro-batches of ``batch`` in order (a ``lax.scan``), summing
-  its first four results and threading the model state; the first one runs before the
-  scan so that the carry has the types (and device variance) of a real iteration."""
+  its first three results, combining the fourth (aux) with ``merge_aux``, threading the
+  model state and concatenating the per-example aux leaves (the sixth) in order; the
+  first one runs before the scan so that the carry has the types (and device variance)
+  of a real iteration."""
   if k == 1:
     return micro(batch, model_state, 0)
   mbs = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
@@ -326,21 +343,22 @@ def _micro_batches(micro, batch, model_state, k: int):
   def body(carry, xs):
     out = micro(xs[0], carry[4], xs[1])
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
-    return tuple(add(c, o) for c, o in zip(carry[:4], out[:4])) + (out[4],), None
+    return tuple(add(c, o) for c, o in zip(carry[:3], out[:3])) + (
+        merge_aux(carry[3], out[3]), out[4]), out[5]
 
   rest = jax.tree.map(lambda x: x[1:], mbs)
-  return jax.lax.scan(body, first, (rest, jnp.arange(1, k)))[0]
+  last, ys = jax.lax.scan(body, first[:5], (rest, jnp.arange(1, k)))
+  return last + ((None if ys is None else aux_lib.concat_micro(first[5], ys)),)
 
 
 def _agreed(grads, total, weight, aux, ms, model_state, k: int, axes) -> Local:
   """The values every device agrees on: the global loss (weighted or mean: NaN for a
-  global weight of zero, as on one device), aux and model state averaged over the batch
-  axes; the gradients as they are."""
+  global weight of zero, as on one device) and model state averaged over the batch axes;
+  the gradients and aux as they are."""
   if weight is not None:
     loss = jax.lax.psum(total, axes) / weight[0]
   else:
     loss = jax.lax.pmean(total / k, axes)
-  aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a / k, axes), aux)
   if ms is not None:
     ms = average_model_state(ms, model_state, axes)
   return Local(grads, loss, aux, ms, weight)
@@ -379,8 +397,9 @@ def sharded_grads(spec: StepSpec, meta, treedef, paths, loss_fn, params, batch, 
 
   Returns:
     A `Local` of global arrays: grads in their storage spec (stages 2-3) or
-    replicated over the data axes (stage 1); loss, aux and model state
-    replicated.
+    replicated over the data axes (stage 1); loss and model state
+    replicated; aux as `zero_jax.aux` combines it (per-example leaves split over
+    the batch axes).
   """
   axes = spec.batch_axes
   layouts = [meta.param_layouts[i] for i in meta.train_idx]
@@ -393,16 +412,23 @@ def sharded_grads(spec: StepSpec, meta, treedef, paths, loss_fn, params, batch, 
                 for l, later in zip(layouts, split_later)]
   reduce_here = [not later for later in split_later]
 
+  aux_plan = []  # (rules, treedef) of the aux, set when body is traced
+
   def body(*args):
-    out = local_grads(spec, meta, treedef, paths, loss_fn, reduce_here, *args)
+    out = local_grads(spec, meta, treedef, paths, loss_fn, reduce_here, *args,
+                      aux_plan=aux_plan)
     return out._replace(grads=[g[None] if later else g
                                for g, later in zip(out.grads, split_later)])
 
   local = jax.shard_map(
       body, mesh=spec.auto_mesh, axis_names=set(axes),
       in_specs=(param_specs, P(axes), P(), P(), P(), P()),
-      out_specs=Local(grad_specs, P(), P(), P(), P()))
+      out_specs=Local(grad_specs, P(), P(axes), P(), P()))
   out = local(params, batch, model_state, rng, scale, step)
+  if aux_plan:
+    out = out._replace(aux=aux_lib.reduce_devices(aux_plan[0], out.aux, aux_plan[1],
+                                                  spec.constrain, axes),
+                       aux_specs=aux_lib.specs(aux_plan[0], aux_plan[1], axes))
   if any(split_later):
     later = [j for j, s in enumerate(split_later) if s]
     reduced = reduce_model_split(spec, [layouts[j] for j in later],

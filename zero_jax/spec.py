@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import layout as lay
+from zero_jax.aux import parse_aux_reduce
 from zero_jax import offload as offload_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES
 
@@ -126,6 +128,7 @@ class StepSpec:
     stage, has_aux, max_grad_norm, grad_accum_steps, accumulate, comm_dtype,
     donate, offload, bucket_bytes, gather_once: the options of
     `make_sharded_train_step`.
+    aux_reduce: ``aux_reduce=`` validated (`zero_jax.aux.parse_aux_reduce`).
     policy: the precision `Policy`.
   """
   mesh: Mesh
@@ -144,6 +147,7 @@ class StepSpec:
   offload: str | None
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
   gather_once: bool = False
+  aux_reduce: Any = None
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
@@ -225,7 +229,8 @@ def planning_spec(*, n_devices=None, mesh=None, axis_name="data", replica_axis=N
 
 def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_grad_norm,
               grad_accum_steps, accumulate, comm_dtype, donate, offload,
-              bucket_bytes=DEFAULT_BUCKET_BYTES, gather_once=False) -> StepSpec:
+              bucket_bytes=DEFAULT_BUCKET_BYTES, gather_once=False,
+              aux_reduce=None) -> StepSpec:
   """Validates the options of `make_sharded_train_step` (see there)."""
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a concrete jax.sharding.Mesh (e.g. jax.make_mesh(("
@@ -281,4 +286,5 @@ def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_g
                   max_grad_norm=max_grad_norm, grad_accum_steps=k, accumulate=accumulate,
                   comm_dtype=_comm_dtype(comm_dtype, stage), donate=bool(donate),
                   offload=offload, bucket_bytes=int(bucket_bytes),
-                  gather_once=bool(gather_once))
+                  gather_once=bool(gather_once),
+                  aux_reduce=parse_aux_reduce(aux_reduce, bool(has_aux)))

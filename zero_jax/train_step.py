@@ -215,14 +215,19 @@ class ShardedTrainStep:
       new_state, metrics = update_lib.apply_update(spec, self.optimizer, state, local.grads,
                                                    local.loss, local.aux, local.weight)
       metrics["skipped_in_a_row"] = new_state.loss_scale.skipped_in_a_row
+      if spec.has_aux and "metrics" in aux_specs:
+        aux_specs["metrics"]["aux"] = local.aux_specs
       applied = new_state.loss_scale.skipped_in_a_row == 0
       model_state = update_lib.keep_if_skipped(applied, local.model_state,
                                                state.model_state)
       return new_state.replace(model_state=model_state), metrics
 
-    def out_specs(state, batch):  # metrics are replicated scalars (aux: a prefix)
+    aux_specs = {}  # set by body when it is traced (per-example aux leaves are split)
+
+    def out_specs(state, batch):  # metrics are replicated scalars (aux: set by body)
       del batch
       metrics = dict.fromkeys(_METRICS + (("aux",) if spec.has_aux else ()), P())
+      aux_specs["metrics"] = metrics  # auto_axes reads it after tracing body
       return (self._specs(state.meta, jax.tree.structure(state.params), state.model_state,
                           state.rng, state.loss_scale), metrics)
     return context.in_auto(spec, body, out_specs)(state, batch)
@@ -245,7 +250,9 @@ class ShardedTrainStep:
       specs = self._specs(state.meta, jax.tree.structure(state.params), state.model_state,
                           state.rng, state.loss_scale)
       rep = st.sharding(self.spec, P())
-      metrics = dict.fromkeys(_METRICS + (("aux",) if self.spec.has_aux else ()), rep)
+      metrics = dict.fromkeys(_METRICS, rep)
+      if self.spec.has_aux:
+        metrics["aux"] = None  # as the step made it (per-example leaves split over the batch)
       fn = jax.jit(self._step_fn, donate_argnums=(0,) if self.spec.donate else (),
                    out_shardings=(st.state_shardings(self.spec, specs), metrics))
       self._jits[key] = fn
@@ -307,6 +314,7 @@ def make_sharded_train_step(
     param_specs=None,
     stage: int = 2,
     has_aux: bool = False,
+    aux_reduce=None,
     precision: str = "fp32",
     loss_scale=None,
     max_grad_norm: float | None = None,
@@ -383,8 +391,16 @@ def make_sharded_train_step(
       Linen ``nn.Partitioned`` boxes. Every other mesh axis
       of size > 1 must be used by some parameter.
     stage: 1, 2 or 3 (ZeRO stage).
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; floating ``aux``
-      leaves are averaged over devices (and micro-batches).
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``metrics["aux"]``
+      then equals ``loss_fn``'s aux on the whole global batch (see
+      ``aux_reduce``).
+    aux_reduce: how each aux leaf is combined over devices and micro-batches:
+      ``"mean"``, ``"sum"``, ``"max"``, ``"min"`` or ``"concat"`` (per-example
+      leaves in global batch order), as one rule, a pytree prefix of the aux
+      or a function ``(path, leaf) -> rule``. Default (None): per-example
+      leaves (leading dimension: the rows ``loss_fn`` is given) ``"concat"``,
+      other floating leaves ``"mean"``, integer leaves ``"sum"``; bool leaves
+      need a rule. See `zero_jax.aux`.
     precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"fp16_memory_efficient"``;
       see `zero_jax.precision`.
     loss_scale: ``None`` (dynamic for fp16, none otherwise), ``"dynamic"``,
@@ -444,7 +460,8 @@ def make_sharded_train_step(
     ``abstract_state``, ``get_params`` and ``get_model``.
   """
   spec = make_spec(mesh=mesh, axis_name=axis_name, replica_axis=replica_axis, stage=stage,
-                   has_aux=has_aux, precision=precision, max_grad_norm=max_grad_norm,
+                   has_aux=has_aux, aux_reduce=aux_reduce, precision=precision,
+                   max_grad_norm=max_grad_norm,
                    grad_accum_steps=grad_accum_steps, accumulate=accumulate,
                    comm_dtype=comm_dtype, donate=donate, offload=offload,
                    bucket_bytes=bucket_bytes, gather_once=gather_once)
