@@ -93,8 +93,19 @@ def _given(aux_reduce, aux) -> list:
 
 
 def resolve(aux_reduce, aux, rows: int) -> tuple[str, ...]:
-  """The rule of every aux leaf (``rows``: the rows ``loss_fn`` was given); raises
-  TypeError/ValueError naming a leaf that cannot be combined."""
+  """The rule of every aux leaf under ``aux_reduce`` (as `parse_aux_reduce` gives it;
+  ``rows``: the rows ``loss_fn`` was given); raises
+  TypeError/ValueError naming a leaf that cannot be combined.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> aux = {"acc": jnp.float32(0.5), "count": jnp.int32(3), "logits": jnp.zeros((4, 2))}
+    >>> resolve(None, aux, rows=4)
+    ('mean', 'sum', 'concat')
+    >>> rules = parse_aux_reduce({"acc": "max", "count": None, "logits": "mean"}, True)
+    >>> resolve(rules, aux, rows=4)
+    ('max', 'sum', 'mean')
+  """
   out = []
   for (path, x), r in zip(jax.tree_util.tree_flatten_with_path(aux)[0], _given(aux_reduce, aux)):
     where = f"aux{jax.tree_util.keystr(path)}"
