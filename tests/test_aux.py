@@ -111,3 +111,16 @@ def test_aux_reduce_is_validated_when_the_step_is_built(mesh):
     step_with(lambda b: {}, mesh, aux_reduce={"acc": "avg"})
   with pytest.raises(ValueError, match=r"aux_reduce= .*has_aux=False"):
     zj.make_sharded_train_step(lambda p, b: 0.0, optax.sgd(0.1), mesh=mesh, aux_reduce="sum")
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit_in_set_mesh"])
+def test_per_example_aux_on_auto_meshes_and_inside_set_mesh(kind):
+  types = (jax.sharding.AxisType.Auto,) if kind == "auto" else None
+  mesh = jax.make_mesh((8,), ("data",), **({"axis_types": types} if types else {}))
+  step = zj.make_sharded_train_step(loss_aux, optax.sgd(0.1), mesh=mesh, has_aux=True,
+                                    aux_reduce=RULES, grad_accum_steps=2)
+  state, b = step.init(init_params()), batches(1)[0]
+  with jax.set_mesh(mesh):
+    state, m = step(state, b)
+  assert_tree_close(m["aux"], loss_aux(init_params(), b)[1], rtol=1e-5, atol=1e-6)
+  assert m["aux"]["logits"].sharding.spec[0] == "data"

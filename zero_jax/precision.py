@@ -100,7 +100,8 @@ def warn_without_master(policy: Policy, paths, dtypes, trainable) -> None:
     more = f" and {len(low) - 6} more" if len(low) > 6 else ""
     warnings.warn(
         f"zero_jax: precision='fp32' trains every leaf in its own dtype, and "
-        f"{', '.join(low[:6])}{more} are below float32 with no float32 master copy: updates "
+        f"{', '.join(low[:6])}{more} {'is' if len(low) == 1 else 'are'} below float32 with "
+        f"no float32 master copy: updates "
         f"smaller than their resolution are lost (with a small learning rate most entries "
         f"never change). Use precision='bf16' (bfloat16 compute with a sharded float32 "
         f"master copy), or cast these leaves to float32 before init.",
