@@ -94,6 +94,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="number of devices (default: all; on a CPU-only machine 8 CPU devices)")
   p.add_argument("--platform", default=None, choices=("cpu", "gpu", "tpu"),
                  help="force a JAX platform (e.g. cpu to use fake CPU devices on a GPU box)")
+  p.add_argument("--hosts", type=int, default=1,
+                 help="split the devices into this many 'hosts': a (hosts, n/hosts) mesh of "
+                      "('replica', 'data'), the state split over both")
+  p.add_argument("--hpz", action="store_true",
+                 help="ZeRO++ hpZ (stage 3, --hosts > 1): gather parameters within a host")
+  p.add_argument("--quantize", default="none", choices=("none", "weights", "grads", "both"),
+                 help="ZeRO++ int8 communication: qwZ (weights), qgZ (grads) or both")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
   p.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "zero_jax_train_lm"),
                  help="checkpoint directory")
@@ -284,8 +291,10 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   devices = setup_devices(args)
   t_start = time.perf_counter()
-  mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
   n = len(devices)
+  if n % args.hosts:
+    sys.exit(f"--hosts {args.hosts} must divide the {n} devices.")
+  mesh = jax.make_mesh((args.hosts, n // args.hosts), ("replica", "data"), devices=devices)
   if args.batch_size % n:
     sys.exit(f"--batch-size {args.batch_size} must be a multiple of the {n} devices.")
 
@@ -307,7 +316,11 @@ def main(argv=None) -> dict:
       end_value=args.lr / 10)
   optimizer = optax.adamw(schedule, b2=0.99, weight_decay=0.01)
   loss_fn = make_loss_fn(model)
+  quantize = None if args.quantize == "none" else zj.Quantize(
+      weights=args.quantize in ("weights", "both"), grads=args.quantize in ("grads", "both"))
   step = zj.make_sharded_train_step(loss_fn, optimizer, mesh=mesh, stage=args.stage,
+                                    axis_name=("replica", "data"),
+                                    hpz_axis="data" if args.hpz else None, quantize=quantize,
                                     precision=args.precision, max_grad_norm=1.0,
                                     stacked=in_blocks)
 

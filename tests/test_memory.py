@@ -106,7 +106,7 @@ def test_gradient_bytes_equal_the_reduced_gradient_blocks(mesh, stage, precision
     reduce = lambda gs: [jax.lax.psum(g, "data") for g in gs]
     specs = [P() for _ in grads]
   else:
-    reduce = lambda gs: [collectives.reduce_scatter(g, l, "data", out_dtype=pdt)
+    reduce = lambda gs: [collectives.reduce_scatter(g, l, collectives.Comm.over("data"), out_dtype=pdt)
                          for g, l in zip(gs, layouts)]
     specs = [l.spec("data") for l in layouts]
   reduced = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=([P() for _ in grads],),

@@ -1,6 +1,7 @@
 """zero_jax: ZeRO-style sharded data parallelism for JAX."""
 
 from zero_jax.checkpoint import CheckpointManager, export_params
+from zero_jax.collectives import Quantize
 from zero_jax.clipping import clip_by_global_norm, global_norm
 from zero_jax.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
                                   is_main_process, metrics_to_host, print_main)
@@ -29,6 +30,7 @@ __all__ = [
     "MemoryReport",
     "POLICIES",
     "Policy",
+    "Quantize",
     "ShardedParam",
     "ShardedTrainStep",
     "StateMeta",

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from zero_jax.collectives import varying_axes
@@ -140,49 +141,86 @@ def _wide(x):
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def start(rules, aux) -> tuple[list, list]:
-  """One micro-batch's aux -> (what is carried over micro-batches, per-example leaves)."""
-  leaves = jax.tree.leaves(aux)
-  carry = [None if r == "concat" else
-           (_wide(x) if r == "mean" or (r == "sum" and not jnp.issubdtype(x.dtype, jnp.integer))
-            else x.astype(jnp.int32) if r == "sum" else x) for r, x in zip(rules, leaves)]
-  return carry, [x if r == "concat" else None for r, x in zip(rules, leaves)]
+@struct.dataclass
+class Parts:
+  """One device's aux on its way through the micro-batches (a pytree; rules static).
+
+  Attributes:
+    values: per leaf, the value combined over the micro-batches so far (None
+      for per-example leaves); after `finish`, every leaf's output.
+    rows: per leaf, the per-example value (None for the others, and after
+      `finish`).
+    rules: the rule of each leaf (static).
+    treedef: the aux tree's structure (static).
+  """
+  values: list
+  rows: list
+  rules: tuple = struct.field(pytree_node=False)
+  treedef: Any = struct.field(pytree_node=False)
 
 
-def merge(rules, a: list, b: list) -> list:
-  """Two micro-batches' carried leaves combined."""
+def start(aux_reduce, aux, rows: int) -> Parts:
+  """One micro-batch's aux -> its `Parts` (rules resolved, see `resolve`)."""
+  rules, leaves = resolve(aux_reduce, aux, rows), jax.tree.leaves(aux)
+  values = [None if r == "concat" else
+            (_wide(x) if r == "mean" or (r == "sum" and not jnp.issubdtype(x.dtype, jnp.integer))
+             else x.astype(jnp.int32) if r == "sum" else x) for r, x in zip(rules, leaves)]
+  return Parts(values, [x if r == "concat" else None for r, x in zip(rules, leaves)], rules,
+               jax.tree.structure(aux))
+
+
+def carried(p: Parts | None) -> Parts | None:
+  """What a ``lax.scan`` over micro-batches carries: the combined values only."""
+  return None if p is None else p.replace(rows=[None] * len(p.rules))
+
+
+def rows(p: Parts | None):
+  """What a ``lax.scan`` over micro-batches stacks: the per-example values."""
+  return None if p is None else p.rows
+
+
+def merge(a: Parts | None, b: Parts | None) -> Parts | None:
+  """The carried values of two micro-batches combined (``b``'s rows dropped)."""
+  if a is None:
+    return None
   ops = {"mean": jnp.add, "sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
-  return [None if r == "concat" else ops[r](x, y) for r, x, y in zip(rules, a, b)]
+  return carried(a.replace(values=[None if r == "concat" else ops[r](x, y)
+                                   for r, x, y in zip(a.rules, a.values, b.values)]))
 
 
-def concat_micro(first: list, rest: list) -> list:
-  """Per-example leaves of the first micro-batch and of the others (stacked by the scan)
-  -> the device's rows in order."""
-  return [None if f is None else jnp.concatenate([f[None], y]).reshape((-1,) + f.shape[1:])
-          for f, y in zip(first, rest)]
+def joined(carry: Parts | None, first: Parts | None, stacked) -> Parts | None:
+  """The carried values with the per-example rows of the first micro-batch and of the
+  others (stacked by the scan), the device's rows in order."""
+  if carry is None:
+    return None
+  return carry.replace(rows=[
+      None if f is None else jnp.concatenate([f[None], y]).reshape((-1,) + f.shape[1:])
+      for f, y in zip(first.rows, stacked)])
 
 
-def finish(rules, carry: list, per_example: list, k: int, axes) -> list:
+def finish(p: Parts | None, k: int, axes) -> Parts | None:
   """One device's leaves for the shard_map output (spec ``P(axes)``): a combined leaf with
   a leading axis of 1 (reduced over devices by `reduce_devices`), a per-example leaf with
   the device's rows in order."""
+  if p is None:
+    return None
   out = []
-  for r, c, e in zip(rules, carry, per_example):
+  for r, c, e in zip(p.rules, p.values, p.rows):
     x = e if r == "concat" else (c / k if r == "mean" else c)[None]
     missing = tuple(a for a in axes if a not in varying_axes(x))
     out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-  return out
+  return Parts(out, [None] * len(out), p.rules, p.treedef)
 
 
-def reduce_devices(rules, leaves: list, treedef, constrain: Callable, axes) -> Any:
+def reduce_devices(p: Parts, constrain: Callable, axes) -> Any:
   """The shard_map's output (per device stacked along axis 0) -> the aux tree: combined
   leaves replicated, per-example leaves in global batch order, split over ``axes``."""
   ops = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max, "min": jnp.min}
   out = [constrain(x, P(axes)) if r == "concat" else constrain(ops[r](x, axis=0), P())
-         for r, x in zip(rules, leaves)]
-  return jax.tree.unflatten(treedef, out)
+         for r, x in zip(p.rules, p.values)]
+  return jax.tree.unflatten(p.treedef, out)
 
 
-def specs(rules, treedef, axes) -> Any:
+def specs(p: Parts, axes) -> Any:
   """PartitionSpecs of the reduced aux tree."""
-  return jax.tree.unflatten(treedef, [P(axes) if r == "concat" else P() for r in rules])
+  return jax.tree.unflatten(p.treedef, [P(axes) if r == "concat" else P() for r in p.rules])

@@ -1,31 +1,20 @@
 """Collectives over the data and replica axes for leaves in their `Layout`.
 
-These run inside ``shard_map``. A gradient leaf enters as the device's full,
-local gradient (logical shape, or the device's model block of it) and leaves
-as this device's block of the storage view, summed over every device that
-computes gradients: reduce-scattered over the data axes, then all-reduced
-over the replica axes (only the 1/N block crosses them: hybrid sharding). A
-parameter block enters `all_gather` and the full logical leaf leaves.
-
-**Buckets.** One collective per leaf is slow for models with many small
-leaves (biases, norms): each has a fixed cost, and XLA combines plain
-all-reduces but not reduce-scatters. `plan_buckets` groups small leaves of
-one dtype, and `reduce_scatter_many` / `all_gather_many` move a group as one
-buffer: each leaf's padded storage view is laid out as one row per device
-(its split dimension first), the rows of the group are concatenated, and one
-reduce-scatter (all-gather) moves them. Each device still receives exactly its
-block of every leaf, so layouts, the optimizer's view and checkpoints are the
-same as without buckets. Large leaves stay alone, so the scheduler can overlap
-them with the backward pass. The bucketed gather is made of differentiable
-operations: its transpose (stage 3) is the bucketed reduce-scatter.
-
-Over axes of size 1 the collectives that can be skipped are (one device
-needs no reduce-scatter or gather).
+They run inside ``shard_map`` and receive the step's communication record,
+`Comm`, whole: which axes a parameter is gathered over, which further axes
+its gradient is reduced over, the dtype and buckets on the wire, and whether
+weights and gradients travel as block-quantized integers (ZeRO++: see
+`zero_jax.quantize`). A new wire format is a change to this module and to
+`Comm` only. Buckets (small leaves moved as one buffer, one row per device)
+and the hops of a reduction are explained in the docs ("How it works").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +22,89 @@ import jax.numpy as jnp
 from zero_jax.layout import Layout, pad, unpad
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20
+
+
+class Quantize(NamedTuple):
+  """ZeRO++ quantized communication (``quantize=`` of `make_sharded_train_step`).
+
+  Values travel as signed integers with one float32 scale per block of
+  ``block_size`` elements (symmetric, absolute maximum); they are
+  dequantized and summed in float32 on arrival. The master copy, the
+  optimizer state and the update stay exact.
+
+  Example:
+    >>> import zero_jax as zj
+    >>> zj.Quantize(weights=True, grads=True, block_size=256)
+    Quantize(weights=True, grads=True, block_size=256, grad_bits=8, across_only=False)
+
+  Attributes:
+    weights: qwZ: parameter all-gathers carry int8 (stage 3's gathers in the
+      loss and hpZ's refresh; the parameter rebuild at stages 1-2).
+    grads: qgZ: gradient reduce-scatters are all-to-alls of ``grad_bits``
+      integers, one hop per group of axes, summed in float32.
+    block_size: elements per scale (a positive multiple of 2).
+    grad_bits: 8 or 4 (4: two values per byte).
+    across_only: quantize only the hops across hosts (the replica axes and
+      the data axes outside ``hpz_axis=``); hops within a host stay exact.
+  """
+  weights: bool = True
+  grads: bool = True
+  block_size: int = 256
+  grad_bits: int = 8
+  across_only: bool = False
+
+
+class Wire(NamedTuple):
+  """How one hop carries its values: integer width and block size (static)."""
+  bits: int
+  block_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+  """How the step's collectives move data (static, hashable).
+
+  Attributes:
+    gather_axes: a parameter (block) is all-gathered over these, and its
+      gradient reduce-scattered over them first (the data axes, or with hpZ
+      the axes within a host).
+    outer_axes: the other data axes (hpZ): the gradient's second
+      reduce-scatter hop and the refresh of the secondary copy.
+    replica_axes: the reduced block is all-reduced over these (hybrid).
+    reduce_dtype: the gradient's dtype on the wire (``comm_dtype=``), or None.
+    bucket_bytes: leaves below this many bytes move together (0: never).
+    quantize: the `Quantize` record, or None (exact).
+  """
+  gather_axes: tuple[str, ...]
+  outer_axes: tuple[str, ...] = ()
+  replica_axes: tuple[str, ...] = ()
+  reduce_dtype: Any = None
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  quantize: Quantize | None = None
+
+  @classmethod
+  def over(cls, data_axes, **kwargs) -> "Comm":
+    """The record of a plain ZeRO step over ``data_axes`` (a name or a tuple)."""
+    return cls(gather_axes=_axes(data_axes), **kwargs)
+
+  @property
+  def data_axes(self) -> tuple[str, ...]:
+    """Every axis the ZeRO state is split over, gather axes first."""
+    return self.gather_axes + self.outer_axes
+
+  def wire(self, kind: str, across: bool) -> Wire | None:
+    """The integer format of a ``kind`` ("weights" or "grads") hop, or None (exact)."""
+    q = self.quantize
+    if q is None or not getattr(q, kind) or (q.across_only and not across):
+      return None
+    return Wire(8 if kind == "weights" else q.grad_bits, q.block_size)
+
+  def reduce_hops(self) -> list[tuple[tuple[str, ...], Wire | None]]:
+    """The reduce-scatter hops of a gradient: within the gather axes, then across."""
+    hops = [(self.gather_axes, self.wire("grads", False))]
+    if self.outer_axes:
+      hops.append((self.outer_axes, self.wire("grads", True)))
+    return hops
 
 
 def varying_axes(x) -> frozenset:
@@ -57,50 +129,218 @@ def _wide(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def reduce_scatter(x: jax.Array, layout: Layout, data_axes, *, replica_axes=(),
-                   comm_dtype=None, out_dtype=None) -> jax.Array:
+# ------------------------------------------------------------ one hop, rows
+def scatter_rows(rows: jax.Array, axes, wire: Wire | None) -> jax.Array:
+  """``(n, L)`` rows -> this device's row summed over ``axes`` (n = their size)."""
+  if wire is None:
+    return jax.lax.psum_scatter(rows, _axes(axes), scatter_dimension=0, tiled=True)[0]
+  from zero_jax import quantize  # pylint: disable=g-import-not-at-top
+  return quantize.psum_scatter_rows(rows, (_axes(axes),), block_size=wire.block_size,
+                                    bits=wire.bits).astype(_wide(rows.dtype))
+
+
+def gather_rows(row: jax.Array, axes, wire: Wire | None, *, to: str) -> jax.Array:
+  """This device's row -> ``(n, L)``, every device's row (int8 on the wire if ``wire``)."""
+  if wire is None:
+    return jax.lax.all_gather(row, _axes(axes), axis=0, tiled=False, to=to)
+  from zero_jax import quantize  # pylint: disable=g-import-not-at-top
+  out = quantize.all_gather_rows(row, _axes(axes), block_size=wire.block_size,
+                                 bits=wire.bits, to=to)
+  return out.astype(row.dtype)
+
+
+def _all_reduce_rows(row: jax.Array, axes, wire: Wire | None) -> jax.Array:
+  """Sum of a row over ``axes``; quantized as a reduce-scatter then an all-gather."""
+  if wire is None:
+    return jax.lax.psum(row, _axes(axes))
+  n = axes_size(axes)
+  size = row.shape[0]
+  chunk = -(-size // n)
+  rows = jnp.pad(row, (0, chunk * n - size)).reshape(n, chunk)
+  mine = scatter_rows(rows, axes, wire)
+  return gather_rows(mine.astype(row.dtype), axes, wire, to="invarying").reshape(-1)[:size]
+
+
+def reduce_rows(rows: jax.Array, comm: Comm, hops=None) -> jax.Array:
+  """``(n, L)`` rows over the data axes -> this device's summed row, then all-reduced
+  over the replica axes. Each hop carries 1/its size of the previous one."""
+  hops = comm.reduce_hops() if hops is None else hops
+  out = rows.reshape(-1)
+  for axes, wire in hops:
+    n = axes_size(axes)
+    if n > 1:
+      out = scatter_rows(out.reshape(n, -1), axes, wire)
+  if comm.replica_axes:
+    out = _all_reduce_rows(out, comm.replica_axes, comm.wire("grads", True))
+  return out
+
+
+def _rows(x: jax.Array, layout: Layout, n: int) -> jax.Array:
+  """Padded storage view -> ``(n, block size)``: row ``d`` is device ``d``'s block."""
+  return jnp.moveaxis(pad(x, layout), layout.dim, 0).reshape(n, -1)
+
+
+def _block(row: jax.Array, layout: Layout, n: int) -> jax.Array:
+  """One device's row -> its storage block (split dimension back in place)."""
+  moved = [layout.padded // n] + [s for d, s in enumerate(layout.shape) if d != layout.dim]
+  return jnp.moveaxis(row.reshape(moved), 0, layout.dim)
+
+
+def _split(flat: jax.Array, sizes, axis: int) -> list:
+  offsets = [sum(sizes[:i]) for i in range(1, len(sizes))]
+  return jnp.split(flat, offsets, axis=axis)
+
+
+# ------------------------------------------------------------ gradients
+def reduce_scatter(x: jax.Array, layout: Layout, comm: Comm, *, out_dtype=None) -> jax.Array:
   """Sum of ``x`` over the data and replica axes, each device keeping its block.
 
-  The leaf is padded along ``layout.dim``, cast to ``comm_dtype`` for the
-  wire, reduce-scattered over the data axes, all-reduced over the replica
-  axes and cast to ``out_dtype`` (default: ``x``'s dtype promoted to at least
-  float32). A layout replicated over the data axes (``dim=None``) is
-  all-reduced over both.
+  The leaf is cast to ``comm.reduce_dtype`` for the wire, reduced over the
+  hops of ``comm`` and cast to ``out_dtype`` (default: ``x``'s dtype promoted
+  to at least float32). A layout replicated over the data axes (``dim=None``)
+  is all-reduced.
   """
-  data_axes, replica_axes = _axes(data_axes), _axes(replica_axes)
   out_dtype = out_dtype or _wide(x.dtype)
-  wire = x.astype(comm_dtype or x.dtype)
+  wire = x.astype(comm.reduce_dtype or x.dtype)
   if layout.dim is None:
-    out = jax.lax.psum(wire, data_axes + replica_axes)
-  else:
-    out = pad(wire, layout)
-    if axes_size(data_axes) > 1:
-      out = jax.lax.psum_scatter(out, data_axes, scatter_dimension=layout.dim, tiled=True)
-    if replica_axes:
-      out = jax.lax.psum(out, replica_axes)
-  return out.astype(out_dtype)
+    return jax.lax.psum(wire, comm.data_axes + comm.replica_axes).astype(out_dtype)
+  n = axes_size(comm.data_axes)
+  if n > 1 and comm.quantize is None:  # one collective, as XLA likes it
+    out = jax.lax.psum_scatter(pad(wire, layout), comm.data_axes,
+                               scatter_dimension=layout.dim, tiled=True)
+    if comm.replica_axes:
+      out = jax.lax.psum(out, comm.replica_axes)
+    return out.astype(out_dtype)
+  return _block(reduce_rows(_rows(wire, layout, n), comm), layout, n).astype(out_dtype)
 
 
-def all_reduce(x: jax.Array, axes, *, comm_dtype=None, out_dtype=None) -> jax.Array:
-  """Sum of ``x`` over ``axes`` (stage 1), in ``comm_dtype`` on the wire."""
+def all_reduce(x: jax.Array, axes, comm: Comm, *, out_dtype=None) -> jax.Array:
+  """Sum of ``x`` over ``axes`` (stage 1), in ``comm.reduce_dtype`` on the wire."""
   out_dtype = out_dtype or _wide(x.dtype)
-  return jax.lax.psum(x.astype(comm_dtype or x.dtype), _axes(axes)).astype(out_dtype)
+  return jax.lax.psum(x.astype(comm.reduce_dtype or x.dtype), _axes(axes)).astype(out_dtype)
 
 
-def all_gather(block: jax.Array, layout: Layout, data_axes, *,
-               to: str = "invarying") -> jax.Array:
-  """Rebuilds the full logical leaf from each device's storage block.
+def reduce_scatter_many(xs, layouts, groups, comm: Comm) -> list:
+  """`reduce_scatter` of every leaf of ``xs``, one collective per group of ``groups``."""
+  out = [None] * len(xs)
+  n = axes_size(comm.data_axes)
+  for g in groups:
+    if len(g) == 1 or n == 1:
+      for i in g:
+        out[i] = reduce_scatter(xs[i], layouts[i], comm)
+      continue
+    wire = comm.reduce_dtype or xs[g[0]].dtype
+    rows = [_rows(xs[i].astype(wire), layouts[i], n) for i in g]
+    mine = reduce_rows(jnp.concatenate(rows, axis=1), comm)
+    for i, piece in zip(g, _split(mine, [r.shape[1] for r in rows], 0)):
+      out[i] = _block(piece, layouts[i], n).astype(_wide(xs[i].dtype))
+  return out
+
+
+def reduce_outer(g: jax.Array, layout: Layout, comm: Comm) -> jax.Array:
+  """A gradient block already reduced over the gather axes -> this device's block
+  of the data axes, all-reduced over the replica axes (hpZ's hop across hosts)."""
+  if layout.dim is None:
+    return jax.lax.psum(g, comm.outer_axes + comm.replica_axes)
+  n = axes_size(comm.outer_axes)
+  sub = Layout(g.shape, layout.dim, g.shape[layout.dim])
+  hops = [(comm.outer_axes, comm.wire("grads", True))] if comm.outer_axes else []
+  return _block(reduce_rows(_rows(g, sub, n), comm, hops), sub, n)
+
+
+# ------------------------------------------------------------ parameters
+def all_gather(block: jax.Array, layout: Layout, comm: Comm, *, axes=None,
+               to: str = "invarying", whole: bool = True) -> jax.Array:
+  """Rebuilds a leaf from each device's storage block over ``axes`` (default
+  ``comm.gather_axes``), unpadded to its logical shape when ``whole``.
 
   ``to="invarying"`` gives a value every device agrees on (returnable with
   ``P()``); ``to="varying"`` is what a differentiated gather inside the loss
   needs, so that its transpose is a reduce-scatter of local gradients.
   """
+  return all_gather_many([block], [layout], ((0,),), comm, axes=axes, to=to, whole=whole)[0]
+
+
+def _gather_one(block, layout: Layout, axes, *, to: str, whole: bool):
   if layout.dim is None:
     return block
-  if to == "varying" and axes_size(data_axes) == 1:
-    return unpad(block, layout)
-  full = jax.lax.all_gather(block, _axes(data_axes), axis=layout.dim, tiled=True, to=to)
-  return unpad(full, layout)
+  if to == "varying" and axes_size(axes) == 1:
+    return unpad(block, layout) if whole else block
+  full = jax.lax.all_gather(block, axes, axis=layout.dim, tiled=True, to=to)
+  return unpad(full, layout) if whole else full
+
+
+def _from_rows(rows, block_shape, layout: Layout, whole: bool):
+  """``(n, L)`` gathered rows of one leaf -> the leaf (split dimension in place)."""
+  rest = [s for d, s in enumerate(block_shape) if d != layout.dim]
+  full = jnp.moveaxis(rows.reshape([-1] + rest), 0, layout.dim)
+  return unpad(full, layout) if whole else full
+
+
+def all_gather_many(blocks, layouts, groups, comm: Comm, *, axes=None, to: str = "invarying",
+                    whole: bool = True) -> list:
+  """`all_gather` of every block of ``blocks``, one collective per group of ``groups``.
+
+  With quantized weights (`Comm.wire`) the blocks travel as int8
+  (`zero_jax.quantize`), every device's own block included, so that all
+  devices see the same values.
+  """
+  axes = comm.gather_axes if axes is None else _axes(axes)
+  wire = comm.wire("weights", bool(set(axes) - set(comm.gather_axes)))
+  out = [None] * len(blocks)
+  n = axes_size(axes)
+  for g in groups:
+    if wire is None and (len(g) == 1 or n == 1) or layouts[g[0]].dim is None:
+      for i in g:
+        out[i] = _gather_one(blocks[i], layouts[i], axes, to=to, whole=whole)
+      continue
+    flat = [jnp.moveaxis(blocks[i], layouts[i].dim, 0).reshape(-1) for i in g]
+    rows = gather_rows(jnp.concatenate(flat), axes, wire, to=to)
+    for i, piece in zip(g, _split(rows, [f.shape[0] for f in flat], 1)):
+      out[i] = _from_rows(piece, blocks[i].shape, layouts[i], whole)
+  return out
+
+
+def _exact_in_loss(comm: Comm) -> bool:
+  return comm.wire("weights", False) is None and comm.wire("grads", False) is None
+
+
+def gather_in_loss(blocks, layouts, groups, comm: Comm) -> list:
+  """Stage 3's differentiated gather over the gather axes: its transpose reduce-scatters
+  the local gradients over them (quantized as ``comm`` says, in a ``custom_vjp``)."""
+  if _exact_in_loss(comm):
+    return all_gather_many(blocks, layouts, groups, comm, to="varying")
+  return _quantized_gather(tuple(blocks), tuple(layouts), tuple(groups), comm)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _quantized_gather(blocks, layouts, groups, comm):
+  return all_gather_many(list(blocks), layouts, groups, comm, to="varying")
+
+
+def _quantized_gather_fwd(blocks, layouts, groups, comm):
+  return _quantized_gather(blocks, layouts, groups, comm), None
+
+
+def _quantized_gather_bwd(layouts, groups, comm, _, cts):
+  n = axes_size(comm.gather_axes)
+  hop = [(comm.gather_axes, comm.wire("grads", False))]
+  out = [None] * len(cts)
+  for g in groups:
+    idx = [i for i in g if layouts[i].dim is not None]
+    for i in g:
+      if layouts[i].dim is None:
+        out[i] = cts[i]
+    if not idx:
+      continue
+    rows = [_rows(cts[i], layouts[i], n) for i in idx]
+    mine = reduce_rows(jnp.concatenate(rows, axis=1), Comm(comm.gather_axes), hop)
+    for i, piece in zip(idx, _split(mine, [r.shape[1] for r in rows], 0)):
+      out[i] = _block(piece, layouts[i], n).astype(cts[i].dtype)
+  return (tuple(out),)
+
+
+_quantized_gather.defvjp(_quantized_gather_fwd, _quantized_gather_bwd)
 
 
 # -------------------------------------------------------------------- buckets
@@ -129,60 +369,3 @@ def plan_buckets(layouts, dtypes, *, bucket_bytes: int, alone=None) -> tuple[tup
       g[0].append(i)
       g[1] += size
   return tuple(tuple(g) for g in groups)
-
-
-def _rows(x: jax.Array, layout: Layout, n: int) -> jax.Array:
-  """Padded storage view -> ``(n, block size)``: row ``d`` is device ``d``'s block."""
-  return jnp.moveaxis(pad(x, layout), layout.dim, 0).reshape(n, -1)
-
-
-def _block(row: jax.Array, layout: Layout, n: int) -> jax.Array:
-  """One device's row -> its storage block (split dimension back in place)."""
-  moved = [layout.padded // n] + [s for d, s in enumerate(layout.shape) if d != layout.dim]
-  return jnp.moveaxis(row.reshape(moved), 0, layout.dim)
-
-
-def _split(flat: jax.Array, sizes, axis: int) -> list:
-  offsets = [sum(sizes[:i]) for i in range(1, len(sizes))]
-  return jnp.split(flat, offsets, axis=axis)
-
-
-def reduce_scatter_many(xs, layouts, groups, data_axes, *, replica_axes=(),
-                        comm_dtype=None) -> list:
-  """`reduce_scatter` of every leaf of ``xs``, one collective per group of ``groups``."""
-  out = [None] * len(xs)
-  n = axes_size(data_axes)
-  for g in groups:
-    if len(g) == 1 or n == 1:
-      for i in g:
-        out[i] = reduce_scatter(xs[i], layouts[i], data_axes, replica_axes=replica_axes,
-                                comm_dtype=comm_dtype)
-      continue
-    wire = comm_dtype or xs[g[0]].dtype
-    rows = [_rows(xs[i].astype(wire), layouts[i], n) for i in g]
-    mine = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), _axes(data_axes),
-                                scatter_dimension=0, tiled=True)[0]
-    if replica_axes:
-      mine = jax.lax.psum(mine, _axes(replica_axes))
-    for i, piece in zip(g, _split(mine, [r.shape[1] for r in rows], 0)):
-      out[i] = _block(piece, layouts[i], n).astype(_wide(xs[i].dtype))
-  return out
-
-
-def all_gather_many(blocks, layouts, groups, data_axes, *, to: str = "invarying") -> list:
-  """`all_gather` of every block of ``blocks``, one collective per group of ``groups``."""
-  out = [None] * len(blocks)
-  n = axes_size(data_axes)
-  for g in groups:
-    if len(g) == 1 or n == 1:
-      for i in g:
-        out[i] = all_gather(blocks[i], layouts[i], data_axes, to=to)
-      continue
-    flat = [jnp.moveaxis(blocks[i], layouts[i].dim, 0).reshape(-1) for i in g]
-    rows = jax.lax.all_gather(jnp.concatenate(flat), _axes(data_axes), axis=0, tiled=False,
-                              to=to)
-    for i, piece in zip(g, _split(rows, [f.shape[0] for f in flat], 1)):
-      l = layouts[i]
-      moved = [l.padded] + [s for d, s in enumerate(l.shape) if d != l.dim]
-      out[i] = unpad(jnp.moveaxis(piece.reshape(moved), 0, l.dim), l)
-  return out

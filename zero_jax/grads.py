@@ -29,7 +29,6 @@ being the index along the batch axes in mesh order.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -44,14 +43,14 @@ from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
 from zero_jax.loss import call_loss
 from zero_jax.spec import StepSpec
-from zero_jax.stacked import Reduction, ShardedParam
+from zero_jax.stacked import ShardedParam
 
 _GATHERED = "zero_jax_gathered_param"
 
 
 def _bucket_shapes(spec: StepSpec, meta) -> set:
   """Shapes of the intermediate values of stage 3's bucketed gathers (see collectives)."""
-  shapes, n = set(), spec.n_data
+  shapes, n = set(), math.prod(spec.mesh.shape[a] for a in spec.gather_axes)
   for frozen in (False, True):
     idx = [i for i, t in enumerate(meta.trainable) if t != frozen and not meta.stacked[i]]
     for g in _gather_groups(spec, meta, idx):
@@ -128,6 +127,7 @@ def average_model_state(ms, original, batch_axes):
 class Local(NamedTuple):
   """One device's results. grads: one per trainable leaf (reduced, or local).
 
+  aux: a `zero_jax.aux.Parts` inside the shard_map, the combined aux tree after it.
   weight: for a `WeightedLoss`, ``(global weight, any device's weight < 0)``
   of the whole step; None for a mean loss.
   aux_specs: the PartitionSpecs of the combined aux (set by `sharded_grads`).
@@ -144,7 +144,7 @@ def _gather_groups(spec: StepSpec, meta, idx) -> tuple:
   """Buckets for the stage-3 gathers of leaves ``idx`` (stacked leaves are not gathered here)."""
   layouts = [meta.param_layouts[i] for i in idx]
   dtypes = [meta.param_dtypes[i] for i in idx]
-  return collectives.plan_buckets(layouts, dtypes, bucket_bytes=spec.bucket_bytes,
+  return collectives.plan_buckets(layouts, dtypes, bucket_bytes=spec.comm.bucket_bytes,
                                   alone=[meta.stacked[i] for i in idx])
 
 
@@ -152,16 +152,18 @@ def _gather(spec: StepSpec, meta, leaves: dict, to: str) -> dict:
   """Stage 3: ``{i: block}`` -> ``{i: gathered leaf}``, bucketed, named for the remat policy."""
   idx = sorted(leaves)
   groups = _gather_groups(spec, meta, idx)
-  full = collectives.all_gather_many([leaves[i] for i in idx],
-                                     [meta.param_layouts[i] for i in idx], groups,
-                                     spec.data_axes, to=to)
+  blocks, layouts = [leaves[i] for i in idx], [meta.param_layouts[i] for i in idx]
+  if to == "varying":
+    full = collectives.gather_in_loss(blocks, layouts, groups, spec.comm)
+  else:
+    full = collectives.all_gather_many(blocks, layouts, groups, spec.comm, to=to)
   return {i: checkpoint_name(x, _GATHERED) for i, x in zip(idx, full)}
 
 
 def scattered_in_loop(spec: StepSpec, meta) -> list[bool]:
   """Per parameter leaf: a stage-2 stacked leaf whose gradient `zero_jax.gather`
   reduce-scatters inside the loss's loop (see `zero_jax.stacked`)."""
-  return [spec.stage == 2 and t and s and l.dim is not None and not l.has_model
+  return [spec.param_stage == 2 and t and s and l.dim is not None and not l.has_model
           for t, s, l in zip(meta.trainable, meta.stacked, meta.param_layouts)]
 
 
@@ -169,46 +171,55 @@ def _gather_all(spec: StepSpec, meta, blocks) -> list:
   """Stage 3 with ``gather_once``: every block gathered (bucketed), identical on all devices."""
   full = collectives.all_gather_many(
       blocks, meta.param_layouts, _gather_groups(spec, meta, range(len(blocks))),
-      spec.data_axes, to="invarying")
+      spec.comm, to="invarying")
   return [checkpoint_name(x, _GATHERED) for x in full]
 
 
 def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
   """The parameter tree ``loss_fn`` sees: stage 3 gathers (or wraps stacked leaves);
   stage 2 wraps the stacked leaves whose gradient is reduced in the loop."""
-  if spec.stage != 3:
+  if spec.param_stage != 3:
     full = {**frozen, **train}
-    reduction = Reduction(spec.batch_axes, spec.replica_axes, spec.comm_dtype)
     for i, yes in enumerate(scattered_in_loop(spec, meta)):
       if yes:
-        full[i] = ShardedParam(train[i], meta.param_layouts[i], spec.data_axes, paths[i],
-                               full=leaves[i], reduction=reduction,
-                               bucket_bytes=spec.bucket_bytes)
+        full[i] = ShardedParam(train[i], meta.param_layouts[i], spec.comm, paths[i],
+                               full=leaves[i], batch_axes=spec.batch_axes)
     return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
   full = {}
   for part, to in ((frozen, "invarying"), (train, "varying")):
     plain = {i: x for i, x in part.items() if not meta.stacked[i]}
     full.update(_gather(spec, meta, plain, to))
-    full.update({i: ShardedParam(x, meta.param_layouts[i], spec.data_axes, paths[i],
-                                 bucket_bytes=spec.bucket_bytes)
+    full.update({i: ShardedParam(x, meta.param_layouts[i], spec.comm, paths[i])
                  for i, x in part.items() if meta.stacked[i]})
   return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
+
+
+def outer_reduced(spec: StepSpec) -> bool:
+  """Stage 3 reduces gradients over the outer (hpZ) and replica axes itself, rather than
+  leaving the replica sum to the transpose of an invariant input (needed to quantize it)."""
+  comm = spec.comm
+  return spec.param_stage == 3 and bool(comm.outer_axes or
+                                        (comm.quantize is not None and comm.replica_axes))
 
 
 def _differentiated(spec: StepSpec, meta, leaves) -> tuple[list, list]:
   """What the gradient is taken with respect to, per trainable leaf, and which leaves'
   gradients `zero_jax.gather` reduces inside the loss's loop.
 
-  Stage 3: the blocks (the gather's transpose reduces). Stages 1-2: a device-varying copy
-  of each leaf, so the gradient is the device's own and not already summed over devices;
-  for a stacked leaf reduced in the loop, a block of zeros that receives its reduced block.
+  Stage 3: the blocks (the gather's transpose reduces), made device-varying over the
+  axes `outer_reduced` reduces explicitly. Stages 1-2: a device-varying copy of each leaf,
+  so the gradient is the device's own and not already summed over devices; for a stacked
+  leaf reduced in the loop, a block of zeros that receives its reduced block.
   """
   in_loop = scattered_in_loop(spec, meta)
   diff = [leaves[i] for i in meta.train_idx]
-  if spec.stage != 3:
+  if spec.param_stage != 3:
     diff = [_zero_block(spec, meta.param_layouts[i], leaves[i].dtype) if in_loop[i] else
             jax.lax.pcast(x, spec.batch_axes, to="varying")
             for i, x in zip(meta.train_idx, diff)]
+  elif outer_reduced(spec):
+    diff = [jax.lax.pcast(x, spec.comm.outer_axes + spec.replica_axes, to="varying")
+            for x in diff]
   return diff, in_loop
 
 
@@ -225,50 +236,41 @@ def _upcast(g):
 
 def reduce_some(spec: StepSpec, layouts, grads, which, stacked) -> list:
   """Local gradients -> reduced blocks for the leaves marked in ``which`` (bucketed);
-  the others are only upcast. Stage 3's arrive reduced (the gather's transpose)."""
+  the others are only upcast. Stage 3's arrive reduced over the gather axes (the
+  gather's transpose); `outer_reduced` ones are reduced over the other axes here."""
   idx = [j for j, w in enumerate(which) if w]
   out = [_upcast(g) for g in grads]
-  if spec.stage == 3 or not idx:
+  if not idx or (spec.param_stage == 3 and not outer_reduced(spec)):
+    return out
+  if spec.param_stage == 3:
+    for j in idx:
+      out[j] = _upcast(collectives.reduce_outer(grads[j], layouts[j], spec.comm))
     return out
   if spec.stage == 1:
     for j in idx:  # XLA combines these all-reduces itself; one device needs none
       if spec.n_batch > 1 or layouts[j].dim is None:
-        out[j] = collectives.all_reduce(grads[j], spec.batch_axes, comm_dtype=spec.comm_dtype)
+        out[j] = collectives.all_reduce(grads[j], spec.batch_axes, spec.comm)
     return out
   sub = [layouts[j] for j in idx]
   groups = collectives.plan_buckets(sub, [grads[j].dtype for j in idx],
-                                    bucket_bytes=spec.bucket_bytes,
+                                    bucket_bytes=spec.comm.bucket_bytes,
                                     alone=[stacked[j] for j in idx])
-  reduced = collectives.reduce_scatter_many([grads[j] for j in idx], sub, groups,
-                                            spec.data_axes, replica_axes=spec.replica_axes,
-                                            comm_dtype=spec.comm_dtype)
+  reduced = collectives.reduce_scatter_many([grads[j] for j in idx], sub, groups, spec.comm)
   for j, g in zip(idx, reduced):
     out[j] = g
   return out
 
 
-def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, params, batch,
-                model_state, rng, scale, step, *, aux_plan=None) -> Local:
-  """Runs on each device inside the ``shard_map`` (see the module docstring).
-
-  ``reduce_here[j]`` says whether trainable leaf ``j`` is reduced here; the
-  others are returned local (scaled, summed over micro-batches) for
-  `reduce_model_split`. The aux comes as the list `zero_jax.aux.finish` makes;
-  its rules and tree structure are appended to ``aux_plan`` when traced.
-  """
+def _objective(spec: StepSpec, meta, loss_fn, params, frozen, leaves, scale):
+  """The function of the trainable leaves that is differentiated on each device (see
+  the module docstring): the loss, normalised so that the summed gradient is global."""
+  treedef = jax.tree.structure(params)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   k, axes = spec.grad_accum_steps, spec.batch_axes
-  leaves = jax.tree.leaves(params)
-  if spec.stage == 3 and spec.gather_once:  # gather once; the rest is stage 2's path
-    leaves = _gather_all(spec, meta, leaves)
-    spec = dataclasses.replace(spec, stage=2)
-  idx = meta.train_idx
-  layouts = [meta.param_layouts[i] for i in idx]
-  stacks = [meta.stacked[i] for i in idx]
-  frozen = {i: leaves[i] for i, t in enumerate(meta.trainable) if not t}
-  sharded_acc = spec.accumulate == "sharded" or spec.stage == 3
 
   def objective(train_leaves, mb, ms, key):
-    p = _loss_params(spec, meta, treedef, paths, frozen, dict(zip(idx, train_leaves)), leaves)
+    p = _loss_params(spec, meta, treedef, paths, frozen, dict(zip(meta.train_idx, train_leaves)),
+                     leaves)
     out = call_loss(loss_fn, p, mb, model_state=ms, rng=key, has_aux=spec.has_aux,
                     batch_axes=axes, mesh_axes=tuple(spec.mesh.axis_names))
     if out.weight is None:
@@ -278,63 +280,72 @@ def local_grads(spec: StepSpec, meta, treedef, paths, loss_fn, reduce_here, para
       denom = k * _nonzero(w)
     return ls.scale_loss(scale, out.value) / denom, (out, w)
 
-  if spec.stage == 3 and not any(meta.stacked):  # re-gather for the backward pass
+  if spec.param_stage == 3 and not any(meta.stacked):  # re-gather for the backward pass
     objective = jax.checkpoint(objective, policy=regather_policy(
         meta.param_layouts, _bucket_shapes(spec, meta)))
-  grad_fn = jax.value_and_grad(objective, has_aux=True)
+  return objective
+
+
+def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
+  """Runs on each device inside the ``shard_map`` (see the module docstring).
+
+  ``state`` holds the device's parameters, model state, key, loss scale and
+  step (no optimizer state or master copy). ``reduce_here[j]`` says
+  whether trainable leaf ``j`` is reduced here; the others are returned local
+  (scaled, summed over micro-batches) for `reduce_model_split`.
+  """
+  meta, k, axes = state.meta, spec.grad_accum_steps, spec.batch_axes
+  leaves = jax.tree.leaves(state.params)
+  if spec.gather_once:  # gather once; the rest is stage 2's path (`StepSpec.param_stage`)
+    leaves = _gather_all(spec, meta, leaves)
+  idx = meta.train_idx
+  layouts = [meta.param_layouts[i] for i in idx]
+  stacks = [meta.stacked[i] for i in idx]
+  frozen = {i: leaves[i] for i, t in enumerate(meta.trainable) if not t}
+  sharded_acc = spec.accumulate == "sharded" or spec.stage == 3
+  grad_fn = jax.value_and_grad(_objective(spec, meta, loss_fn, state.params, frozen, leaves,
+                                          state.loss_scale), has_aux=True)
   diff, in_loop = _differentiated(spec, meta, leaves)
   reduce_here = [r and not in_loop[i] for i, r in zip(idx, reduce_here)]
-
-  weighted, rules = [], []  # set when the first micro-batch is traced: weighted? aux rules?
+  rng, model_state, step = state.rng, state.model_state, state.step
 
   def micro(mb, ms, j):
     key = None if rng is None else fold_key(rng, step, j, axes)
     ms_in = None if ms is None else _with_device_keys(ms, model_state, step, j, axes)
     (_, (out, w)), g = grad_fn(diff, mb, ms_in, key)
-    if not weighted:
-      weighted.append(w is not None)
     reduce_now = sharded_acc or k == 1
     g = reduce_some(spec, layouts, g, [reduce_now and r for r in reduce_here], stacks)
     # Undo this micro-batch's normaliser (1/W comes at the end), after the reduction and in
     # float32: an fp16 gradient of the sum overflows where that of the mean does not.
     if w is not None and k > 1:
       g = [x * (k * w).astype(x.dtype) for x in g]
-    # (global weight, this device's negative weight): summed over micro-batches
-    ws = (jnp.float32(0), jnp.float32(0)) if w is None else (w, jnp.minimum(out.weight, 0))
-    aux = (None, None)
-    if spec.has_aux:
-      if not rules:
-        rules.append(aux_lib.resolve(spec.aux_reduce, out.aux, jax.tree.leaves(mb)[0].shape[0]))
-        rules.append(jax.tree.structure(out.aux))
-      aux = aux_lib.start(rules[0], out.aux)
-    return g, out.value.astype(jnp.float32), ws, aux[0], out.model_state, aux[1]
+    # (global weight, this device's negative weight), summed over micro-batches
+    ws = None if w is None else (w, jnp.minimum(out.weight, 0))
+    aux = None if not spec.has_aux else aux_lib.start(spec.aux_reduce, out.aux,
+                                                      jax.tree.leaves(mb)[0].shape[0])
+    return g, out.value.astype(jnp.float32), ws, aux, out.model_state
 
-  merge = lambda a, b: aux_lib.merge(rules[0], a, b) if rules else None
-  grads, total, (weight, negative), aux, ms, per_example = _micro_batches(
-      micro, batch, model_state, k, merge)
-  if rules:
-    aux = aux_lib.finish(rules[0], aux, per_example, k, axes)
-    if aux_plan is not None:
-      aux_plan.extend(rules)
+  grads, total, ws, aux, ms = _micro_batches(micro, batch, model_state, k)
+  weight = None if ws is None else ws[0]
   if k > 1:
-    if weighted[0]:  # weight = the global weight W of the whole step
+    if weight is not None:  # the global weight W of the whole step
       grads = [x / _nonzero(weight).astype(x.dtype) for x in grads]
     if not sharded_acc:
       grads = reduce_some(spec, layouts, grads, reduce_here, stacks)
-  weight = (weight, jax.lax.psum(negative, axes) < 0) if weighted[0] else None
-  return _agreed(grads, total, weight, aux, ms, model_state, k, axes)
+  if ws is not None:
+    ws = (weight, jax.lax.psum(ws[1], axes) < 0)
+  return _agreed(grads, total, ws, aux_lib.finish(aux, k, axes), ms, model_state, k, axes)
 
 
 def _nonzero(w):
   return jnp.where(w > 0, w, 1.0)
 
 
-def _micro_batches(micro, batch, model_state, k: int, merge_aux):
+def _micro_batches(micro, batch, model_state, k: int):
   """``micro`` over the ``k`` micro-batches of ``batch`` in order (a ``lax.scan``), summing
-  its first three results, combining the fourth (aux) with ``merge_aux``, threading the
-  model state and concatenating the per-example aux leaves (the sixth) in order; the
-  first one runs before the scan so that the carry has the types (and device variance)
-  of a real iteration."""
+  its first three results, combining the aux (`zero_jax.aux.Parts`: per-example rows
+  kept in order) and threading the model state; the first one runs before the scan so
+  that the carry has the types (and device variance) of a real iteration."""
   if k == 1:
     return micro(batch, model_state, 0)
   mbs = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
@@ -344,11 +355,12 @@ def _micro_batches(micro, batch, model_state, k: int, merge_aux):
     out = micro(xs[0], carry[4], xs[1])
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
     return tuple(add(c, o) for c, o in zip(carry[:3], out[:3])) + (
-        merge_aux(carry[3], out[3]), out[4]), out[5]
+        aux_lib.merge(carry[3], out[3]), out[4]), aux_lib.rows(out[3])
 
   rest = jax.tree.map(lambda x: x[1:], mbs)
-  last, ys = jax.lax.scan(body, first[:5], (rest, jnp.arange(1, k)))
-  return last + ((None if ys is None else aux_lib.concat_micro(first[5], ys)),)
+  init = first[:3] + (aux_lib.carried(first[3]), first[4])
+  last, stacked = jax.lax.scan(body, init, (rest, jnp.arange(1, k)))
+  return last[:3] + (aux_lib.joined(last[3], first[3], stacked), last[4])
 
 
 def _agreed(grads, total, weight, aux, ms, model_state, k: int, axes) -> Local:
@@ -391,9 +403,14 @@ def reduce_model_split(spec: StepSpec, layouts, stacked_grads):
                        out_specs=out_specs)(stacked_grads)
 
 
-def sharded_grads(spec: StepSpec, meta, treedef, paths, loss_fn, params, batch, model_state,
-                  rng, scale, step) -> Local:
+def sharded_grads(spec: StepSpec, loss_fn, state, batch) -> Local:
   """The step's gradient: one reduced block (stage 2-3) or leaf (stage 1) per trainable leaf.
+
+  Args:
+    spec: the step's spec.
+    loss_fn: the loss the step calls.
+    state: the `TrainState` (its optimizer state and master copy are not read).
+    batch: the global batch, split over the batch axes.
 
   Returns:
     A `Local` of global arrays: grads in their storage spec (stages 2-3) or
@@ -401,34 +418,33 @@ def sharded_grads(spec: StepSpec, meta, treedef, paths, loss_fn, params, batch, 
     replicated; aux as `zero_jax.aux` combines it (per-example leaves split over
     the batch axes).
   """
-  axes = spec.batch_axes
+  axes, meta = spec.batch_axes, state.meta
   layouts = [meta.param_layouts[i] for i in meta.train_idx]
   split_later = [l.has_model and spec.stage != 3 and spec.accumulate == "local"
                  for l in layouts]
-  param_specs = jax.tree.unflatten(treedef, [
-      l.data_spec(spec.data_axes) if spec.stage == 3 else P() for l in meta.param_layouts])
+  stored = spec.gather_axes if spec.stage == 3 else None
+  param_specs = jax.tree.unflatten(jax.tree.structure(state.params), [
+      l.data_spec(stored) if stored else P() for l in meta.param_layouts])
   invariant = spec.stage == 1 and spec.n_batch > 1  # stage 1 all-reduces (unless one device)
   grad_specs = [P(axes) if later else (P() if invariant else l.data_spec(spec.data_axes))
                 for l, later in zip(layouts, split_later)]
   reduce_here = [not later for later in split_later]
 
-  aux_plan = []  # (rules, treedef) of the aux, set when body is traced
-
-  def body(*args):
-    out = local_grads(spec, meta, treedef, paths, loss_fn, reduce_here, *args,
-                      aux_plan=aux_plan)
+  def body(state, batch):
+    out = local_grads(spec, loss_fn, reduce_here, state, batch)
     return out._replace(grads=[g[None] if later else g
                                for g, later in zip(out.grads, split_later)])
 
-  local = jax.shard_map(
-      body, mesh=spec.auto_mesh, axis_names=set(axes),
-      in_specs=(param_specs, P(axes), P(), P(), P(), P()),
-      out_specs=Local(grad_specs, P(), P(axes), P(), P()))
-  out = local(params, batch, model_state, rng, scale, step)
-  if aux_plan:
-    out = out._replace(aux=aux_lib.reduce_devices(aux_plan[0], out.aux, aux_plan[1],
-                                                  spec.constrain, axes),
-                       aux_specs=aux_lib.specs(aux_plan[0], aux_plan[1], axes))
+  inputs = state.replace(master=None, opt_state=None)
+  in_specs = inputs.replace(step=P(), params=param_specs, loss_scale=P(), model_state=P(),
+                            rng=P())
+  local = jax.shard_map(body, mesh=spec.auto_mesh, axis_names=set(axes),
+                        in_specs=(in_specs, P(axes)),
+                        out_specs=Local(grad_specs, P(), P(axes), P(), P()))
+  out = local(inputs, batch)
+  if out.aux is not None:
+    out = out._replace(aux=aux_lib.reduce_devices(out.aux, spec.constrain, axes),
+                       aux_specs=aux_lib.specs(out.aux, axes))
   if any(split_later):
     later = [j for j, s in enumerate(split_later) if s]
     reduced = reduce_model_split(spec, [layouts[j] for j in later],
@@ -438,3 +454,4 @@ def sharded_grads(spec: StepSpec, meta, treedef, paths, loss_fn, params, batch, 
       grads[j] = g
     out = out._replace(grads=grads)
   return out
+

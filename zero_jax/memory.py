@@ -180,7 +180,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
                   n_devices: int | None = None, mesh=None, axis_name="data", replica_axis=None,
                   param_specs=None, precision: str = "fp32", stages=(0, 1, 2, 3),
                   trainable=None, stacked=None, wrt=nnx.Param, comm_dtype=None,
-                  offload: str | None = None) -> MemoryReport:
+                  offload: str | None = None, hpz_axis=None) -> MemoryReport:
   """Per-device bytes of params, gradients, optimizer state and master copy.
 
   Computed from shapes only, with the exact layouts (and padding) the step
@@ -222,6 +222,8 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
       reduced in (default: the parameter dtype).
     offload: as for `make_sharded_train_step`: with ``"optimizer"`` the
       optimizer state and master copy of stages 1-3 count as ``host`` bytes.
+    hpz_axis: as for `make_sharded_train_step` (with ``mesh``): stage 3's
+      parameters are the secondary copy, split over these axes only.
 
   Returns:
     A `MemoryReport`; ``print`` it for a table, index it by stage for numbers.
@@ -235,7 +237,8 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
     raise ValueError(f"offload={offload!r}: choose None or 'optimizer', as for "
                      f"make_sharded_train_step.")
   spec = planning_spec(n_devices=n_devices, mesh=mesh, axis_name=axis_name,
-                       replica_axis=replica_axis, precision=precision, comm_dtype=comm_dtype)
+                       replica_axis=replica_axis, precision=precision, comm_dtype=comm_dtype,
+                       hpz_axis=hpz_axis)
   _, params, _ = nnx_lib.as_params(params, None, wrt)
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [_shape_dtype(p, x) for p, x in paths_leaves]
@@ -249,8 +252,8 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   opt_dtypes = [x.dtype for x in jax.tree.leaves(
       jax.eval_shape(masked_optimizer(optimizer, treedef, meta.trainable).init, src))]
 
-  def size(layout, dtype, split: bool) -> int:  # one device's bytes of a leaf
-    shape = local_storage_shape(layout, n) if split else model_block_shape(layout)
+  def size(layout, dtype, split: bool, over: int = n) -> int:  # one device's bytes of a leaf
+    shape = local_storage_shape(layout, over) if split else model_block_shape(layout)
     return _bytes(shape, dtype)
 
   pdt = [prec.param_dtype(pol, dt) if t else dt for (_, dt), t in zip(shapes, meta.trainable)]
@@ -263,7 +266,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
     master = sum(size(pl[i], jnp.float32, stage >= 1) for i in trained if meta.master[i])
     rows.append(StageMemory(
         stage=stage,
-        params=sum(size(l, d, stage >= 3) for l, d in zip(pl, pdt)),
+        params=sum(size(l, d, stage >= 3, spec.n_gather) for l, d in zip(pl, pdt)),
         gradients=sum(size(pl[i], gdt[i], stage >= 2) for i in trained),
         optimizer_state=opt_bytes, master=master,
         host=opt_bytes + master if offload is not None and stage >= 1 else 0))

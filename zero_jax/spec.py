@@ -33,7 +33,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from zero_jax import layout as lay
 from zero_jax.aux import parse_aux_reduce
 from zero_jax import offload as offload_lib
-from zero_jax.collectives import DEFAULT_BUCKET_BYTES
+from zero_jax.collectives import DEFAULT_BUCKET_BYTES, Comm, Quantize
 
 from zero_jax import loss_scale as ls
 from zero_jax.precision import Policy, get_policy
@@ -125,9 +125,10 @@ class StepSpec:
     data_axes: the axes the batch and the ZeRO state are split over.
     replica_axes: the axes the batch is split over and the state replicated.
     model_axes: the user's axes (left to the compiler inside the step).
-    stage, has_aux, max_grad_norm, grad_accum_steps, accumulate, comm_dtype,
-    donate, offload, bucket_bytes, gather_once: the options of
-    `make_sharded_train_step`.
+    stage, has_aux, max_grad_norm, grad_accum_steps, accumulate, donate,
+    offload, gather_once: the options of `make_sharded_train_step`.
+    comm: the communication record (`zero_jax.collectives.Comm`): axes of
+      each hop, ``comm_dtype``, ``bucket_bytes``, ``hpz_axis``, ``quantize``.
     aux_reduce: ``aux_reduce=`` validated (`zero_jax.aux.parse_aux_reduce`).
     policy: the precision `Policy`.
   """
@@ -142,12 +143,31 @@ class StepSpec:
   max_grad_norm: float | None
   grad_accum_steps: int
   accumulate: str
-  comm_dtype: np.dtype | None
   donate: bool
   offload: str | None
-  bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  comm: Comm
   gather_once: bool = False
   aux_reduce: Any = None
+
+  @property
+  def comm_dtype(self) -> np.dtype | None:
+    return self.comm.reduce_dtype
+
+  @property
+  def bucket_bytes(self) -> int:
+    return self.comm.bucket_bytes
+
+  @property
+  def gather_axes(self) -> tuple[str, ...]:
+    """The axes a stage-3 parameter is stored split over and gathered over (hpZ: the
+    axes within a host; otherwise every data axis)."""
+    return self.comm.gather_axes
+
+  @property
+  def param_stage(self) -> int:
+    """The stage the loss sees parameters at: 2 when ``gather_once`` gathers them whole
+    before the loss (stage 3's storage, stage 2's gradient path)."""
+    return 2 if self.gather_once else self.stage
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
@@ -157,6 +177,11 @@ class StepSpec:
   @property
   def n_data(self) -> int:
     return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
+  @property
+  def n_gather(self) -> int:
+    """Devices a stage-3 parameter is split over (hpZ: within a host)."""
+    return math.prod(self.mesh.shape[a] for a in self.gather_axes)
 
   @property
   def n_batch(self) -> int:
@@ -198,7 +223,7 @@ class StepSpec:
 
 
 def planning_spec(*, n_devices=None, mesh=None, axis_name="data", replica_axis=None,
-                  precision="fp32", comm_dtype=None) -> StepSpec:
+                  precision="fp32", comm_dtype=None, hpz_axis=None) -> StepSpec:
   """A `StepSpec` for reasoning about layouts without devices (`zero_jax.memory_report`).
 
   Either ``n_devices`` (one data axis of that size, as many devices as you
@@ -221,16 +246,19 @@ def planning_spec(*, n_devices=None, mesh=None, axis_name="data", replica_axis=N
   data = _axis_tuple(axis_name, "axis_name", mesh)
   replica = _axis_tuple(replica_axis, "replica_axis", mesh)
   model = tuple(a for a in mesh.axis_names if a not in data + replica)
-  return StepSpec(mesh=mesh, auto_mesh=mesh, data_axes=data, replica_axes=replica,
+  inner = data if hpz_axis is None else _hpz_axes(hpz_axis, mesh, 3, data, replica, False)
+  comm = Comm(inner, tuple(a for a in data if a not in inner), replica,
+              _comm_dtype(comm_dtype, 2))
+  return StepSpec(mesh=mesh, auto_mesh=mesh, data_axes=comm.data_axes, replica_axes=replica,
                   model_axes=model, stage=2, policy=get_policy(precision), has_aux=False,
-                  max_grad_norm=None, grad_accum_steps=1, accumulate="local",
-                  comm_dtype=_comm_dtype(comm_dtype, 2), donate=True, offload=None)
+                  max_grad_norm=None, grad_accum_steps=1, accumulate="local", donate=True,
+                  offload=None, comm=comm)
 
 
 def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_grad_norm,
               grad_accum_steps, accumulate, comm_dtype, donate, offload,
-              bucket_bytes=DEFAULT_BUCKET_BYTES, gather_once=False,
-              aux_reduce=None) -> StepSpec:
+              bucket_bytes=DEFAULT_BUCKET_BYTES, gather_once=False, hpz_axis=None,
+              quantize=None, aux_reduce=None) -> StepSpec:
   """Validates the options of `make_sharded_train_step` (see there)."""
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a concrete jax.sharding.Mesh (e.g. jax.make_mesh(("
@@ -281,10 +309,77 @@ def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_g
                      f"gather_once, or use stage=3.")
   auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
   model = tuple(a for a in mesh.axis_names if a not in data + replica)
-  return StepSpec(mesh=mesh, auto_mesh=auto, data_axes=data, replica_axes=replica,
+  inner = _hpz_axes(hpz_axis, mesh, stage, data, replica, gather_once)
+  quantize = _quantize(quantize, stage, policy, inner != data, replica, offload)
+  comm = Comm(inner, tuple(a for a in data if a not in inner), replica,
+              _comm_dtype(comm_dtype, stage), int(bucket_bytes), quantize)
+  return StepSpec(mesh=mesh, auto_mesh=auto, data_axes=comm.data_axes, replica_axes=replica,
                   model_axes=model, stage=stage, policy=policy, has_aux=bool(has_aux),
                   max_grad_norm=max_grad_norm, grad_accum_steps=k, accumulate=accumulate,
-                  comm_dtype=_comm_dtype(comm_dtype, stage), donate=bool(donate),
-                  offload=offload, bucket_bytes=int(bucket_bytes),
+                  donate=bool(donate), offload=offload, comm=comm,
                   gather_once=bool(gather_once),
                   aux_reduce=parse_aux_reduce(aux_reduce, bool(has_aux)))
+
+
+def _hpz_axes(hpz_axis, mesh: Mesh, stage: int, data, replica, gather_once) -> tuple:
+  """``hpz_axis=`` -> the gather axes: a proper subset of the data axes (stage 3)."""
+  if hpz_axis is None:
+    return data
+  inner = _axis_tuple(hpz_axis, "hpz_axis", mesh)
+  if stage != 3 or gather_once:
+    raise ValueError(f"hpz_axis={hpz_axis!r} keeps stage 3's secondary copy of the parameters "
+                     f"split within a host; at stage {stage}"
+                     f"{' with gather_once=True' if gather_once else ''} the parameters are "
+                     f"gathered whole for the step. Use stage=3 (without gather_once), or drop "
+                     f"hpz_axis.")
+  wrong = [a for a in inner if a not in data]
+  if wrong:
+    role = "a replica axis (the state is not split over it)" if wrong[0] in replica else \
+        "not a data axis (axis_name=)"
+    raise ValueError(f"hpz_axis={hpz_axis!r}: {wrong[0]!r} is {role}. hpZ gathers the "
+                     f"parameters over data axes within a host: put every axis in "
+                     f"axis_name=, e.g. axis_name=('replica', 'data'), and name the "
+                     f"intra-host one in hpz_axis='data'.")
+  if set(inner) == set(data):
+    raise ValueError(f"hpz_axis={hpz_axis!r} names every data axis {data}: the secondary "
+                     f"copy would be the primary one. Name only the axes within a host, and "
+                     f"add the axes across hosts to axis_name=.")
+  return inner
+
+
+def _quantize(quantize, stage: int, policy: Policy, hpz: bool, replica, offload):
+  """``quantize=`` -> a validated `Quantize` record, or None."""
+  if quantize is None:
+    return None
+  if not isinstance(quantize, Quantize):
+    raise TypeError(f"quantize must be a zero_jax.Quantize(weights=..., grads=..., "
+                    f"block_size=...) or None, got {type(quantize).__name__}.")
+  bs, bits = quantize.block_size, quantize.grad_bits
+  if isinstance(bs, bool) or not isinstance(bs, numbers.Integral) or bs < 2 or bs % 2:
+    raise ValueError(f"Quantize(block_size={bs!r}): pass a positive even int (elements per "
+                     f"scale; 256 is the default, int4 packs two values a byte).")
+  if bits not in (8, 4):
+    raise ValueError(f"Quantize(grad_bits={bits!r}): choose 8 or 4.")
+  if not (quantize.weights or quantize.grads):
+    return None
+  if quantize.grads and stage == 1:
+    raise ValueError("Quantize(grads=True) quantizes the gradient reduce-scatter, and stage 1 "
+                     "all-reduces whole gradients: use stage=2 or 3, or grads=False.")
+  if quantize.weights and stage != 3 and policy.master_dtype is None:
+    raise ValueError(
+        f"Quantize(weights=True) at stage {stage} all-gathers int8 parameters into the "
+        f"replicated copy the loss sees, so the update needs an exact copy elsewhere: a "
+        f"master copy. precision={policy.name!r} keeps none; use precision='bf16' (fp32 "
+        f"master copy, sharded), stage=3 (exact blocks, only the gathers are rounded), or "
+        f"weights=False.")
+  if quantize.weights and hpz and policy.master_dtype is None:
+    raise ValueError(
+        f"Quantize(weights=True) with hpz_axis= refreshes the secondary copy in int8, so "
+        f"the update needs an exact copy elsewhere: a master copy. precision="
+        f"{policy.name!r} keeps none; use precision='bf16', or Quantize(weights=False), or "
+        f"drop hpz_axis.")
+  if quantize.across_only and not (hpz or replica):
+    raise ValueError("Quantize(across_only=True) quantizes only hops across hosts (the "
+                     "replica axes and the data axes outside hpz_axis=), and this step has "
+                     "none: name them (replica_axis= or hpz_axis=), or across_only=False.")
+  return quantize

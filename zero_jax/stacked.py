@@ -37,23 +37,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zero_jax.collectives import (DEFAULT_BUCKET_BYTES, all_gather_many, axes_size,
-                                  plan_buckets, reduce_scatter_many)
+from zero_jax.collectives import (Comm, axes_size, gather_in_loss, plan_buckets,
+                                  reduce_scatter_many)
 from zero_jax import nnx as nnx_lib
 from zero_jax.layout import Layout, local_storage_shape, unpad
-
-
-class Reduction(NamedTuple):
-  """How stage 2 reduces a stacked leaf's gradient in the backward loop (static).
-
-  Attributes:
-    batch_axes: the axes the batch is split over (the gradient is local to them).
-    replica_axes: the axes the reduced block is all-reduced over.
-    comm_dtype: the dtype on the wire, or None.
-  """
-  batch_axes: tuple
-  replica_axes: tuple
-  comm_dtype: Any
 
 
 @jax.tree_util.register_pytree_node_class
@@ -69,27 +56,30 @@ class ShardedParam:
       leaf, or of a slice of it along leading dimensions. At stage 2 a block
       of zeros, whose gradient is the reduced gradient of the slice.
     layout: the `Layout` of the whole stacked leaf (static).
-    axis_name: the mesh axis (or tuple of axes) it is split over (static).
+    comm: the step's communication record (static): the axes it is split and
+      gathered over, buckets (one `gather` call moves the small leaves it is
+      given together) and the wire format.
     path: the leaf's ``keystr`` path, for error messages (static).
     full: stage 2: the whole value of the slice (replicated); None at stage 3.
-    reduction: stage 2: the `Reduction` of its gradient (static); None at stage 3.
-    bucket_bytes: the step's ``bucket_bytes`` (static): one `gather` call moves
-      the small leaves it is given together.
+    batch_axes: stage 2: the axes its gradient is local to (static); () at stage 3.
   """
 
-  def __init__(self, block, layout: Layout, axis_name, path: str, full=None,
-               reduction: Reduction | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+  def __init__(self, block, layout: Layout, comm: Comm, path: str, full=None,
+               batch_axes: tuple = ()):
     self.block = block
     self.layout = layout
-    self.axis_name = axis_name
+    self.comm = comm
     self.path = path
     self.full = full
-    self.reduction = reduction
-    self.bucket_bytes = bucket_bytes
+    self.batch_axes = batch_axes
+
+  @property
+  def axis_name(self) -> tuple:
+    """The mesh axes its block is split over (and gathered over)."""
+    return self.comm.gather_axes if self.full is None else self.comm.data_axes
 
   def tree_flatten(self):
-    return (self.block, self.full), (self.layout, self.axis_name, self.path, self.reduction,
-                                     self.bucket_bytes)
+    return (self.block, self.full), (self.layout, self.comm, self.path, self.batch_axes)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -111,30 +101,30 @@ class ShardedParam:
 
   def __getitem__(self, index):
     full = None if self.full is None else self.full[index]
-    return ShardedParam(self.block[index], self.layout, self.axis_name, self.path, full,
-                        self.reduction, self.bucket_bytes)
+    return ShardedParam(self.block[index], self.layout, self.comm, self.path, full,
+                        self.batch_axes)
 
   def __repr__(self):
     return f"ShardedParam(params{self.path}, shape={self.shape}, layout={self.layout})"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _scatter_on_backward(blocks, fulls, layouts, data_axes, reduction: Reduction, groups):
+def _scatter_on_backward(blocks, fulls, layouts, comm: Comm, batch_axes, groups):
   """``fulls`` (made local to the device); the transpose sends their gradients to
-  ``blocks``, reduce-scattered over the data axes (and all-reduced over the replica
-  axes), the small ones together (``groups``, see `zero_jax.collectives`)."""
-  del blocks, layouts, data_axes, groups
-  return [jax.lax.pcast(f, reduction.batch_axes, to="varying") for f in fulls]
+  ``blocks``, reduced as ``comm`` says (reduce-scattered over the data axes, all-reduced
+  over the replica axes), the small ones together (``groups``)."""
+  del blocks, layouts, comm, groups
+  return [jax.lax.pcast(f, batch_axes, to="varying") for f in fulls]
 
 
-def _scatter_fwd(blocks, fulls, layouts, data_axes, reduction, groups):
-  out = _scatter_on_backward(blocks, fulls, layouts, data_axes, reduction, groups)
+def _scatter_fwd(blocks, fulls, layouts, comm, batch_axes, groups):
+  out = _scatter_on_backward(blocks, fulls, layouts, comm, batch_axes, groups)
   return out, [jnp.zeros((), b.dtype) for b in blocks]
 
 
-def _scatter_bwd(layouts, data_axes, reduction, groups, zeros, cts):
-  gs = reduce_scatter_many(cts, layouts, groups, data_axes, replica_axes=reduction.replica_axes,
-                           comm_dtype=reduction.comm_dtype)
+def _scatter_bwd(layouts, comm, batch_axes, groups, zeros, cts):
+  del batch_axes
+  gs = reduce_scatter_many(cts, layouts, groups, comm)
   return ([g.astype(z.dtype) for g, z in zip(gs, zeros)],
           [jnp.zeros(ct.shape, ct.dtype) for ct in cts])
 
@@ -178,14 +168,13 @@ def _gather_many(xs: list) -> list:
     layouts = tuple(sliced[i] for i in idx)
     first = xs[idx[0]]
     groups = plan_buckets(layouts, [xs[i].block.dtype for i in idx],
-                          bucket_bytes=first.bucket_bytes)
+                          bucket_bytes=first.comm.bucket_bytes)
     if stage2:  # the value is here; reduce the gradient on the way back
       got = _scatter_on_backward([xs[i].block for i in idx],
                                  [jax.lax.stop_gradient(xs[i].full) for i in idx], layouts,
-                                 first.axis_name, first.reduction, groups)
+                                 first.comm, first.batch_axes, groups)
     else:
-      got = all_gather_many([xs[i].block for i in idx], list(layouts), groups, first.axis_name,
-                            to="varying")
+      got = gather_in_loss([xs[i].block for i in idx], list(layouts), groups, first.comm)
     for i, g in zip(idx, got):
       out[i] = g
   return out

@@ -186,8 +186,9 @@ def sharding(spec: StepSpec, pspec, memory_kind=None) -> NamedSharding:
 
 
 def param_spec(spec: StepSpec, layout: lay.Layout) -> P:
-  """Where a parameter leaf lives: its storage spec at stage 3, else its model spec."""
-  return layout.spec(spec.data_axes) if spec.stage == 3 else layout.model_spec()
+  """Where a parameter leaf lives: its storage spec at stage 3 (split over the gather
+  axes: with hpZ the secondary copy), else its model spec."""
+  return layout.spec(spec.gather_axes) if spec.stage == 3 else layout.model_spec()
 
 
 def state_specs(spec: StepSpec, meta: StateMeta, treedef, o_def, model_state, rng,
@@ -231,7 +232,7 @@ def init_state(spec: StepSpec, optimizer, meta: StateMeta, treedef, leaves, mode
   o_leaves, o_def = jax.tree.flatten(opt_state)
   o_leaves = [spec.to_storage(x, l) for x, l in zip(o_leaves, meta.opt_layouts)]
   params = [x.astype(prec.param_dtype(pol, x.dtype)) if t else x for x, t in zip(leaves, tr)]
-  params = [spec.to_storage(x, l) if spec.stage == 3 else spec.constrain(x, l.model_spec())
+  params = [spec.constrain(lay.pad(x, l) if spec.stage == 3 else x, param_spec(spec, l))
             for x, l in zip(params, meta.param_layouts)]
   master = None
   if any(meta.master):

@@ -39,7 +39,7 @@ from zero_jax import nnx as nnx_lib
 from zero_jax import precision as prec
 from zero_jax import state as st
 from zero_jax import update as update_lib
-from zero_jax.collectives import DEFAULT_BUCKET_BYTES
+from zero_jax.collectives import DEFAULT_BUCKET_BYTES, Quantize
 from zero_jax.loss import check_model_state, check_rng
 from zero_jax.monitor import StallWatch
 from zero_jax.spec import StepSpec, make_spec, parse_loss_scale
@@ -48,10 +48,6 @@ from zero_jax.state import StateMeta, TrainState
 
 _METRICS = ("loss", "grad_norm", "grads_finite", "loss_scale", "skipped_steps",
             "skipped_in_a_row", "step", "health")
-
-
-def _paths(tree) -> list[str]:
-  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 class ShardedTrainStep:
@@ -131,8 +127,8 @@ class ShardedTrainStep:
     treedef, meta = self._meta(params, module)
     check_model_state(model_state)
     check_rng(rng)
-    prec.warn_without_master(self.spec.policy, _paths(params), meta.param_dtypes,
-                             meta.trainable)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    prec.warn_without_master(self.spec.policy, paths, meta.param_dtypes, meta.trainable)
     if not any(meta.trainable):
       warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
                     "is floating); every step will leave the parameters unchanged.",
@@ -206,23 +202,18 @@ class ShardedTrainStep:
   def _step_fn(self, state: TrainState, batch):
     spec = self.spec
 
+    aux_specs = {}  # per-example aux leaves are split: their specs are known once traced
+
     def body(state, batch):
-      treedef = jax.tree.structure(state.params)
-      paths = _paths(state.params)
-      local = grads_lib.sharded_grads(spec, state.meta, treedef, paths,
-                                      self._loss_fn(state.meta), state.params, batch,
-                                      state.model_state, state.rng, state.loss_scale, state.step)
+      local = grads_lib.sharded_grads(spec, self._loss_fn(state.meta), state, batch)
       new_state, metrics = update_lib.apply_update(spec, self.optimizer, state, local.grads,
                                                    local.loss, local.aux, local.weight)
       metrics["skipped_in_a_row"] = new_state.loss_scale.skipped_in_a_row
-      if spec.has_aux and "metrics" in aux_specs:
+      if "metrics" in aux_specs and spec.has_aux:
         aux_specs["metrics"]["aux"] = local.aux_specs
       applied = new_state.loss_scale.skipped_in_a_row == 0
-      model_state = update_lib.keep_if_skipped(applied, local.model_state,
-                                               state.model_state)
+      model_state = update_lib.keep_if_skipped(applied, local.model_state, state.model_state)
       return new_state.replace(model_state=model_state), metrics
-
-    aux_specs = {}  # set by body when it is traced (per-example aux leaves are split)
 
     def out_specs(state, batch):  # metrics are replicated scalars (aux: set by body)
       del batch
@@ -327,6 +318,8 @@ def make_sharded_train_step(
     offload: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     gather_once: bool = False,
+    hpz_axis: str | tuple[str, ...] | None = None,
+    quantize: Quantize | None = None,
     donate: bool = True,
 ) -> ShardedTrainStep:
   """Builds a ZeRO-sharded training step for ``loss_fn`` and ``optimizer``.
@@ -452,6 +445,14 @@ def make_sharded_train_step(
       is stage 2's during the step (the state at rest stays stage 3's); the
       parameter all-gather traffic falls from 2k to 1 per step for
       ``grad_accum_steps=k``.
+    hpz_axis: stage 3, ZeRO++ hpZ: the data axes within a host (a proper
+      subset of ``axis_name``). The optimizer state and master copy stay split
+      over every data axis; the parameters the loss gathers are a secondary
+      copy split over these axes only, so the per-layer all-gathers never
+      cross hosts (cost: that copy, 1/N_host of the parameters per device).
+    quantize: a `zero_jax.Quantize` record (ZeRO++ qwZ/qgZ): parameter
+      all-gathers and gradient reduce-scatters carry block-quantized integers;
+      the master copy, optimizer and update stay exact. See the ZeRO++ guide.
     donate: donate the input state's buffers to the output (do not reuse a
       state after passing it to the step).
 
@@ -460,11 +461,11 @@ def make_sharded_train_step(
     ``abstract_state``, ``get_params`` and ``get_model``.
   """
   spec = make_spec(mesh=mesh, axis_name=axis_name, replica_axis=replica_axis, stage=stage,
-                   has_aux=has_aux, aux_reduce=aux_reduce, precision=precision,
-                   max_grad_norm=max_grad_norm,
+                   has_aux=has_aux, precision=precision, max_grad_norm=max_grad_norm,
                    grad_accum_steps=grad_accum_steps, accumulate=accumulate,
                    comm_dtype=comm_dtype, donate=donate, offload=offload,
-                   bucket_bytes=bucket_bytes, gather_once=gather_once)
+                   bucket_bytes=bucket_bytes, gather_once=gather_once, hpz_axis=hpz_axis,
+                   quantize=quantize, aux_reduce=aux_reduce)
   return ShardedTrainStep(loss_fn, optimizer, spec,
                           loss_scale=parse_loss_scale(loss_scale, spec.policy),
                           trainable=trainable, stacked=stacked, param_specs=param_specs,

@@ -74,11 +74,11 @@ def gather_params(spec: StepSpec, layouts, blocks, stacked, old):
     return [spec.constrain(lay.unpad(b, l), l.model_spec()) for b, l in zip(blocks, layouts)]
   layer_wise = [s and l.dim is not None and l.dim > 0 for s, l in zip(stacked, layouts)]
   groups = collectives.plan_buckets(layouts, [b.dtype for b in blocks],
-                                    bucket_bytes=spec.bucket_bytes, alone=stacked)
+                                    bucket_bytes=spec.comm.bucket_bytes, alone=stacked)
   groups = [g for g in groups if not layer_wise[g[0]]]
 
   def gather(bs, olds):
-    out = collectives.all_gather_many(bs, layouts, groups, spec.data_axes)
+    out = collectives.all_gather_many(bs, layouts, groups, spec.comm, axes=spec.data_axes)
     for i, (b, l) in enumerate(zip(bs, layouts)):
       if layer_wise[i]:
         out[i] = _gather_layer_by_layer(spec, b, l, olds[i])
@@ -90,6 +90,21 @@ def gather_params(spec: StepSpec, layouts, blocks, stacked, old):
   return fn(blocks, [o if w else None for o, w in zip(old, layer_wise)])
 
 
+def refresh_secondary(spec: StepSpec, layouts, blocks):
+  """hpZ: blocks split over every data axis -> the secondary copy split over the gather
+  axes only, all-gathered over the outer axes (across hosts; int8 with quantized weights)."""
+  groups = collectives.plan_buckets(layouts, [b.dtype for b in blocks],
+                                    bucket_bytes=spec.comm.bucket_bytes)
+
+  def gather(bs):
+    return collectives.all_gather_many(bs, layouts, groups, spec.comm,
+                                       axes=spec.comm.outer_axes, whole=False)
+  fn = jax.shard_map(gather, mesh=spec.auto_mesh,
+                     in_specs=([l.spec(spec.data_axes) for l in layouts],),
+                     out_specs=[l.spec(spec.gather_axes) for l in layouts])
+  return fn(blocks)
+
+
 def _gather_layer_by_layer(spec: StepSpec, block, layout: lay.Layout, old):
   """A stacked leaf's blocks gathered into ``old``'s buffer, layer after layer."""
   layer = lay.Layout(layout.shape[1:], layout.dim - 1, layout.padded,
@@ -97,7 +112,7 @@ def _gather_layer_by_layer(spec: StepSpec, block, layout: lay.Layout, old):
                      layout.model_size[1:] if layout.model else ())
 
   def body(i, full):
-    whole = collectives.all_gather(block[i], layer, spec.data_axes)
+    whole = collectives.all_gather(block[i], layer, spec.comm, axes=spec.data_axes)
     return jax.lax.dynamic_update_index_in_dim(full, whole.astype(full.dtype), i, 0)
   return jax.lax.fori_loop(0, layout.shape[0], body, old)
 
@@ -191,9 +206,11 @@ def _new_params(spec: StepSpec, meta, leaves, new_src, t_layouts) -> list:
   blocks = [spec.to_storage(s.astype(leaves[i].dtype), l)
             for s, i, l in zip(new_src, meta.train_idx, t_layouts)]
   out = list(leaves)
-  full = blocks if spec.stage == 3 else gather_params(
-      spec, t_layouts, blocks, [meta.stacked[i] for i in meta.train_idx],
-      [leaves[i] for i in meta.train_idx])
+  if spec.stage == 3:
+    full = refresh_secondary(spec, t_layouts, blocks) if spec.comm.outer_axes else blocks
+  else:
+    full = gather_params(spec, t_layouts, blocks, [meta.stacked[i] for i in meta.train_idx],
+                         [leaves[i] for i in meta.train_idx])
   for i, x in zip(meta.train_idx, full):
     out[i] = x
   return out
