@@ -111,5 +111,6 @@ class StallWatch:
     why = (f"the dynamic loss scale sits at its minimum ({ls_state.min_scale:g}) and steps "
            f"still overflow" if at_min else f"the last {in_a_row} steps were all skipped")
     self._warn("stall", f"training is not progressing: {why}, because their gradients were "
-               f"not finite (metrics['grads_finite'] is False; metrics['skipped_steps'] "
-               f"counts skipped steps). " + _FIX, level=6)
+               f"not finite (metrics['grads_finite'] is False) or, with a WeightedLoss, their "
+               f"weight was zero; metrics['skipped_steps'] counts skipped steps. " + _FIX,
+               level=6)
