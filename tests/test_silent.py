@@ -123,6 +123,17 @@ def test_weighted_step_of_weight_zero_is_skipped_and_counted(stage, k, opt, mesh
   np.testing.assert_allclose([float(m["loss"]) for m in ms], losses[1:], rtol=1e-5)
 
 
+def test_weight_zero_keeps_the_model_state(mesh):
+  def loss(p, b, *, model_state):  # counts its calls, as BatchNorm statistics move
+    return weighted(p, b), {"calls": model_state["calls"] + 1.0}
+  step = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh)
+  state = step.init(init_params(), model_state={"calls": jnp.float32(0)})
+  with pytest.warns(RuntimeWarning, match=r"WeightedLoss weight"):
+    state, ms = run(step, state, [masked_batch(1, 8), masked_batch(1, 0), masked_batch(1, 8)])
+    assert [float(m["skipped_steps"]) for m in ms] == [0, 1, 1]
+  assert float(state.model_state["calls"]) == 2.0  # the skipped step's change is dropped
+
+
 def test_weight_zero_does_not_back_off_a_dynamic_loss_scale(mesh):
   step = zj.make_sharded_train_step(weighted, optax.sgd(0.1), mesh=mesh, precision="fp16",
                                     loss_scale=zj.dynamic_loss_scale(8.0))
