@@ -64,6 +64,8 @@ def ring_sent(c: hlo_lib.Collective) -> float:
     return (g - 1) / g * c.nbytes
   if c.op == "all-reduce":
     return 2 * (g - 1) / g * c.nbytes
+  if c.op == "all-to-all":
+    return (g - 1) / g * c.nbytes
   return float(c.nbytes)
 
 

@@ -1,31 +1,9 @@
 """Each device's gradient, inside ``shard_map``, reduced to its block.
 
-The ``shard_map`` is manual over the batch axes (data and replica) only; the
-model axes stay automatic, so ``loss_fn`` written for global arrays gets
-tensor parallelism from the parameters' shardings. On each device:
-
-1. **Micro-batches.** The device's rows are split into ``grad_accum_steps``
-   micro-batches run in order by a ``lax.scan`` (model state is threaded
-   through them).
-2. **The objective.** ``loss_fn`` is differentiated with respect to a
-   device-varying copy of the parameters (``lax.pcast(..., to="varying")``),
-   so the gradient is the device's own and not already summed. A mean loss is
-   divided by the number of devices and micro-batches; a `WeightedLoss` total
-   by the global weight of its micro-batch (a scalar ``psum``), so every
-   example's cotangent is the single-device one (an fp16 sum overflows
-   exactly when the single-device gradient would).
-3. **The reduction.** Stage 1 all-reduces the gradient over the batch axes;
-   stage 2 reduce-scatters it over the data axes and all-reduces each block
-   over the replica axes; stage 3 gets it reduce-scattered from the transpose
-   of the parameter all-gather in the loss. Leaves split over model axes are
-   reduced in a second, fully manual ``shard_map`` on their model blocks
-   (XLA would gather a model-split dimension around a partially manual
-   reduce-scatter).
-
-The per-device key (``rng=``, and key-typed model state leaves) is
-``fold_in(fold_in(fold_in(key, step), device), micro_batch)``, ``device``
-being the index along the batch axes in mesh order.
-"""
+Manual over the batch axes only: micro-batches in a ``lax.scan``, ``loss_fn`` differentiated
+with respect to a device-varying copy of the parameters (so the gradient is the device's own),
+then an all-reduce (stage 1), a reduce-scatter (stage 2) or the transpose of the parameter
+gather (stage 3), and the per-device ``fold_in`` keys. Details: the docs' "How it works"."""
 
 from __future__ import annotations
 
@@ -195,11 +173,12 @@ def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
 
 
 def outer_reduced(spec: StepSpec) -> bool:
-  """Stage 3 reduces gradients over the outer (hpZ) and replica axes itself, rather than
-  leaving the replica sum to the transpose of an invariant input (needed to quantize it)."""
+  """Stage 3 reduces gradients over the outer (hpZ) and replica axes itself, after the
+  gather's transpose has reduce-scattered them over the gather axes. (Left to the
+  transpose of a replicated input, the replica sum would be taken of the whole
+  gradient, before the reduce-scatter: N times the bytes across hosts.)"""
   comm = spec.comm
-  return spec.param_stage == 3 and bool(comm.outer_axes or
-                                        (comm.quantize is not None and comm.replica_axes))
+  return spec.param_stage == 3 and bool(comm.outer_axes or comm.replica_axes)
 
 
 def _differentiated(spec: StepSpec, meta, leaves) -> tuple[list, list]:

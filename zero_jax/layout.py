@@ -1,25 +1,9 @@
 """How each leaf is split across the data axes (and kept split over model axes).
 
-A leaf with at least one dimension is split along one dimension over the data
-axes (the product of the step's ``axis_name`` axes, ``n`` devices), chosen to
-minimise padding: the dimension is padded at its end to a multiple of ``n``
-and each device holds one contiguous block of ``padded // n`` entries.
-Zero-dimensional leaves (step counters, scalar parameters and their state)
-are replicated: they cannot be split and cost one element each.
-
-A leaf may also be split over the user's *model* axes (tensor parallelism,
-``param_specs=``): ``model[d]`` names the model axes of dimension ``d``. The
-data split then goes on another dimension, padded as above, or on a model
-dimension as a product (model axes first, then the data axes) when that
-dimension divides evenly, so that no padding sits inside a model block. With
-no such dimension the leaf is replicated over the data axes.
-
-The *logical* view of a leaf is its original shape; the *storage* view is the
-padded one that lives sharded on the mesh between steps. Converting between
-them is a slice or a pad along the split dimension, which XLA performs on each
-device's block without communication, because XLA's own layout of an unevenly
-sharded dimension is the same ``ceil(size / n)`` blocks.
-"""
+A leaf is split along the one dimension that needs the least padding (padded at its end to a
+multiple of the device count); scalars are replicated; leaves split over model axes keep their
+model blocks whole. The logical view is the original shape, the storage view the padded one;
+converting is a local slice or pad. Details: the docs' "How it works"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """Calling the user's ``loss_fn`` inside the step, and reading what it returns.
 
-``loss_fn`` returns the mean loss over the examples it is given, or a
-`WeightedLoss` (a sum and its weight, e.g. summed token losses and the number
-of non-padding tokens), optionally with ``aux`` (``has_aux=True``) and, when
-the state has model state, the new model state last. The checks here run at
-trace time, on each device's values inside ``shard_map``, so that a loss that
-would train wrongly fails with an error that names the problem and its fix:
-a loss already averaged over the step's axes (pmap-era ``lax.pmean``), a
-non-scalar loss, outputs of the wrong shape, and collectives over axes the
-step does not map.
-"""
+``loss_fn`` returns a mean loss or a `WeightedLoss`, optionally with ``aux`` and new model
+state. The checks here run at trace time and name the problem and its fix: a loss already
+averaged over the step's axes, a non-scalar loss, outputs of the wrong shape, collectives over
+axes the step does not map."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Loss scaling for fp16 as small pure functions over a pytree state.
 
-The state holds only arrays; the hyperparameters (``dynamic``, ``period``,
-``factor``, ``min_scale``) are static pytree metadata, so they survive
-``jax.jit``, ``jax.tree.map`` and flatten/unflatten round trips unchanged.
+The state holds only arrays; the hyperparameters (``dynamic``, ``period``, ``factor``,
+``min_scale``) are static pytree metadata, so they survive ``jax.jit`` and tree round trips.
 
 Example:
   >>> import jax.numpy as jnp, zero_jax as zj

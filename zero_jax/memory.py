@@ -1,37 +1,9 @@
 """Per-device memory of a ZeRO step, from shapes alone, before training.
 
-`memory_report` answers "will this fit, and which stage do I need?" for a
-parameter tree, an optimizer, a number of devices and a precision policy. It
-needs only shapes and dtypes (``jax.ShapeDtypeStruct``s or
-``jax.eval_shape(model.init, ...)``), allocates nothing and takes
-milliseconds even for billions of parameters. Every sharded leaf is counted
-with the `zero_jax.layout` the step uses, so the padding of uneven leaves
-(vocabularies like 50257, biases, scalars) is included exactly: the figures
-equal the bytes of one device's shards of a real `TrainState`.
-
-What is counted, per device (stage 0 is plain data parallelism):
-
-| part            | stage 0 | stage 1 | stage 2 | stage 3 |
-|-----------------|---------|---------|---------|---------|
-| params          | full    | full    | full    | 1/N     |
-| gradients       | full    | full    | 1/N     | 1/N     |
-| optimizer state | full    | 1/N     | 1/N     | 1/N     |
-| master copy     | full    | 1/N     | 1/N     | 1/N     |
-
-Parameters are counted in the policy's parameter dtype (under ``"fp32"``,
-and for frozen and non-float leaves, in their own dtype); the optimizer state
-as ``jax.eval_shape(optimizer.init, params)`` gives it, with the parameters in
-float32 under the mixed-precision policies; the master copy (``"bf16"`` and
-``"fp16"`` policies) in float32; gradients in the dtype they are reduced in
-(``comm_dtype``, by default the parameter dtype).
-With ``offload="optimizer"`` the optimizer state and master copy of stages
-1-3 are counted in the ``host`` column (pinned host memory, per device's
-share) and left out of ``device``; stage 0 (the plain data-parallel baseline)
-keeps everything on the devices.
-Gradients live only during a step, and the backward pass, activations and
-communication buffers add temporaries that depend on the model and batch:
-for those ask XLA with `compiled_memory`, which reads
-``step.lower(...).compile().memory_analysis()`` for the real program.
+`memory_report` counts parameters, gradients, optimizer state and master copy per stage with
+the layouts the step uses (padding included), from ``jax.ShapeDtypeStruct``s, in milliseconds;
+`compiled_memory` asks XLA about the compiled step (activations and temporaries included). See
+the docs' memory planning guide.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, zero_jax as zj

@@ -1,61 +1,10 @@
 """The thin NNX layer: a Flax NNX module trained by the pure-function step.
 
-``step.init(model)`` splits the module once, ``nnx.split(model, wrt, ...)``:
-the variables ``wrt`` selects (default ``nnx.Param``, as for
-``nnx.Optimizer``) are the parameters, trained, sharded and updated like any
-params pytree (an ``nnx.State`` is one); every other variable
-(``nnx.BatchStat``, custom variables, the ``nnx.RngKey`` and ``nnx.RngCount``
-of an ``nnx.Rngs`` the module holds) is model state that the step carries.
-The module's ``nnx.GraphDef`` goes into the state's static `StateMeta`
-(``meta.module``, a `ModuleDef`). ``trainable=`` and ``stacked=`` are then
-NNX filters over the ``wrt`` variables.
-
-Inside the step, on each device, `module_loss` merges the device's values into
-a new module (``nnx.merge(..., copy=True)``) and calls ``loss_fn(model,
-batch)``, which mutates it as NNX code does (BatchNorm in training mode
-updates its statistics, an ``nnx.Rngs`` advances its counters). The mutated
-module is split again: its non-``wrt`` variables are the new model state,
-which the step agrees on over the batch axes as for any model state (floats
-averaged, so BatchNorm statistics are the mean of the devices' own; integers
-the maximum; keys kept). ``step.get_model(state)`` merges the trained
-parameters and the current model state into a module again. The module keeps
-the mode it had at ``init`` (``model.train()``/``model.eval()``).
-
-Randomness, per device, step and micro-batch, and the same on a rerun: before
-each call of ``loss_fn`` every key of the model state (the ``nnx.RngKey`` of
-each stream of the module's ``nnx.Rngs``) is replaced by
-``fold_in(fold_in(fold_in(key, step), device), micro_batch)``, after which the
-stream draws ``fold_in(that, count)`` as NNX does. The stored key never
-changes and the counters keep counting. With ``step.init(model, rng=key)``,
-``loss_fn(model, batch, rng=...)`` also gets that per-device key, e.g. to
-call ``model(x, rngs=nnx.Rngs(dropout=rng))``.
-
-Stage 3 with a stacked block: create the layers with ``nnx.vmap`` (every
-variable of the block gets a leading layer axis), mark them ``stacked=``, loop
-over them with ``nnx.scan`` and call `zero_jax.gather` on the layer's module
-inside the body. Each device then holds 1/N of every layer and gathers one
-layer at a time; ``nnx.remat`` makes the backward pass gather it again.
-``zj.gather(block)`` returns the block with its parameters gathered and its
-other variables its own (BatchNorm statistics and Dropout streams inside the
-block stay updated); at stages 1-2 and outside the step it returns ``block``::
-
-  class Model(nnx.Module):
-    def __init__(self, rngs):
-      @nnx.split_rngs(splits=LAYERS)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def make(rngs):
-        return Block(rngs)
-      self.blocks = make(rngs)            # every Block variable: (LAYERS, ...)
-
-    def __call__(self, x):
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-      @nnx.remat                          # the backward pass gathers again
-      def layer(x, block):                # block: one layer of self.blocks
-        return zj.gather(block)(x)
-      return layer(x, self.blocks)
-
-  step = zj.make_sharded_train_step(loss_fn, tx, mesh=mesh, stage=3,
-                                    stacked=nnx.PathContains("blocks"))
+``step.init(model)`` splits the module once (``wrt`` variables train; the others, BatchNorm
+statistics and ``nnx.Rngs`` state, are model state); inside the step `module_loss` merges each
+device's values into a module for ``loss_fn(model, batch)`` and splits it again;
+``step.get_model(state)`` gives a module back, in the mode it had at ``init``. See the docs'
+NNX guide (``model.train()`` before ``init``, ``model.eval()`` after ``get_model``).
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
@@ -70,7 +19,9 @@ Example:
   ...   return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
   >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
   >>> step = zj.make_sharded_train_step(loss_fn, optax.adam(1e-2), mesh=mesh)  # wrt=nnx.Param
-  >>> state = step.init(Net(nnx.Rngs(0)))
+  >>> net = Net(nnx.Rngs(0))
+  >>> net.train()                     # Dropout, BatchNorm: train mode before init
+  >>> state = step.init(net)
   >>> batch = {"x": jnp.ones((jax.device_count(), 3)), "y": jnp.ones((jax.device_count(), 1))}
   >>> state, metrics = step(state, batch)
   >>> model = step.get_model(state)   # trained params, averaged statistics

@@ -1,33 +1,8 @@
 """Where the optimizer state and master copy live between steps, and how they move.
 
-With ``offload="optimizer"`` the optimizer state and the float32 master copy
-are kept in ``pinned_host`` memory between steps, sharded exactly as they
-would be on the devices (each device's block sits in its host's memory);
-the parameters (at stage 3 their blocks) stay on the devices. The update
-still runs on the devices: inside the step the host leaves are brought in,
-updated and written back a group at a time, so that only a small part of
-them is on a device at once.
-
-A group is found, not assumed. The update (the user's optax transformation,
-the skip on non-finite gradients, the casts and the moves) is traced once to
-a jaxpr, and every output is followed back to the host leaves it reads. Host
-leaves that meet in some output form one group: Adam's ``mu`` and ``nu`` of
-a weight and its master copy (LAMB's trust ratio reads only those too); a
-``clip_by_global_norm`` before Adam reads only gradients, which are on the
-devices already, so it joins no group. Scalar leaves (step counts, injected
-hyperparameters) are brought in once and shared. An optimizer whose outputs
-each read every leaf (e.g. a global norm taken *after* Adam) makes one group:
-exact, but then the whole state is on a device during the update. Then the
-traced equations are evaluated group by group, each exactly once: the same
-arithmetic as the update in one piece (XLA may fuse it differently, which can
-change a reduction's rounding).
-
-Consecutive groups are merged into buckets of at least `BUCKET_BYTES` per
-device (fewer, larger transfers), and a bucket is loaded only after the bucket
-`IN_FLIGHT` places before it has been written back: the loads of bucket
-``b`` pass through a ``lax.optimization_barrier`` together with the stores of
-bucket ``b - IN_FLIGHT``. XLA schedules freely within that bound, so one
-bucket can be computed and written back while the next one loads.
+With ``offload="optimizer"`` they stay in ``pinned_host`` memory, sharded as on the devices,
+and the update streams them to the devices and back in buckets of leaves found by tracing the
+update once (`BUCKET_BYTES`, `IN_FLIGHT`). Details: the docs' offload guide and "How it works".
 
 Example:
   >>> step = zj.make_sharded_train_step(loss_fn, optax.adamw(3e-4), mesh=mesh,

@@ -1,24 +1,8 @@
 """Precision policies: which dtype each copy of the parameters lives in.
 
-| policy          | params (compute)  | master copy            | loss scale default |
-|-----------------|-------------------|------------------------|--------------------|
-| ``"fp32"``      | each leaf's own   | none (params are it)   | none               |
-| ``"bf16"``      | bfloat16          | float32, sharded       | none               |
-| ``"fp16"``      | float16           | float32, sharded       | dynamic            |
-| ``"fp16_memory_efficient"`` | float16 | none                 | dynamic            |
-
-Under ``"fp32"`` no parameter is cast: each leaf keeps its dtype (float64 with
-``jax_enable_x64``, complex, bfloat16 ...) and the step is exactly plain optax.
-Under the mixed policies real floating leaves are cast; complex leaves keep
-their dtype (as under ``"fp32"``). Under the other policies the optimizer state and the
-update are float32 (the update is
-computed from the master copy, or from the fp16 values upcast to float32 in
-the memory-efficient mode, and rounded back to float16 once). Gradients are
-reduced in ``comm_dtype``, by default in the gradient's own dtype (the
-parameter dtype), except that a local accumulator of several micro-batches
-(``accumulate="local"``) is at least float32 and is reduced as such; the
-reduced blocks are promoted to at least float32 before unscaling and clipping.
-"""
+``"fp32"`` casts nothing; ``"bf16"`` and ``"fp16"`` keep a float32 master copy (sharded) and
+float32 optimizer state; ``"fp16_memory_efficient"`` keeps no master copy. fp16 defaults to
+dynamic loss scaling. The reduction's dtype rule is in the docs' precision guide."""
 
 from __future__ import annotations
 

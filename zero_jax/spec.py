@@ -1,22 +1,9 @@
 """The step's options, validated once into a small frozen, hashable description.
 
-Every mesh axis has one of three roles:
-
-* **data** (``axis_name=``, a name or a tuple): the global batch is split over
-  it, and the optimizer state, gradients (stage 2+) and parameters (stage 3)
-  are split over the product of the data axes (ZeRO);
-* **replica** (``replica_axis=``): the batch is split over it too, but the
-  sharded state is replicated along it (hybrid sharding: the reduce-scatter
-  and all-gather stay within a group of data axes, and only each device's
-  1/N gradient block is all-reduced across the replica axes);
-* **model**: every other axis belongs to the user (tensor parallelism). Inside
-  the step it stays under the compiler's automatic partitioning, and
-  ``param_specs=`` says how each parameter is split over it.
-
-A mesh with one data axis is the special case with no replica and no model
-axes; nothing else differs. Errors name the option, what was given and how to
-fix it, and are raised when the step is built.
-"""
+Each mesh axis gets a role: data (``axis_name=``: batch and state split over it), replica
+(``replica_axis=``: batch split, state replicated) or model (the user's, e.g. tensor
+parallelism via ``param_specs=``). Errors name the option, what was given and how to fix it,
+and are raised when the step is built. See the docs' "How it works" and meshes guide."""
 
 from __future__ import annotations
 

@@ -1,33 +1,9 @@
 """Gathering stacked layers one at a time inside ``loss_fn`` (stages 2 and 3).
 
-At stage 3 the step all-gathers every parameter leaf before calling
-``loss_fn``. For a deep model that means the whole model is resident at once,
-unless the compiler orders each gather next to its use and gathers again for
-the backward pass, which XLA does not promise (XLA:CPU hoists all gathers to
-the start of the step and merges the backward re-gathers into the forward ones;
-see BENCHMARKS.md, "stages"). A loop does order them: when the per-layer
-weights are stacked along a leading dimension and ``loss_fn`` scans over them,
-a gather inside the loop body runs once per layer, and a ``jax.checkpoint`` on
-the body makes the backward loop gather each layer again instead of keeping
-it. Then only a layer or two are whole at any time.
-
-Leaves marked ``stacked=`` in `make_sharded_train_step` are split along a
-dimension other than the stacking one and, at stage 3, reach ``loss_fn`` as a
-`ShardedParam`: the device's block, not yet gathered. ``loss_fn`` slices it
-like the array it stands for (``lax.scan`` over it, or index the first
-dimension) and calls `gather` on the slice where the layer uses it.
-
-At stage 2 the loop matters for the gradient: a backward ``lax.scan`` writes
-every layer's full gradient into one ``(L, ...)`` buffer before the step can
-reduce-scatter it, so the temp memory would not fall with N. There a stacked
-leaf reaches ``loss_fn`` as a `ShardedParam` holding the whole (replicated)
-slice too: `gather` returns it unchanged in the forward pass, and its
-transpose reduce-scatters that layer's gradient inside the backward loop, so
-the loop only ever accumulates the device's 1/N block (no recomputation, unlike
-stage 3). At stage 1, and outside the step (a single-device reference), the
-leaves are plain arrays and `gather` returns them unchanged, so one
-``loss_fn`` serves every stage.
-"""
+Leaves marked ``stacked=`` reach ``loss_fn`` as a `ShardedParam`; `gather` on one layer's slice
+inside a ``lax.scan`` (under ``jax.checkpoint``) keeps only a layer or two whole at stage 3, and
+at stage 2 reduce-scatters each layer's gradient inside the backward loop. At stage 1 and
+outside the step `gather` is the identity. See the docs' stage 3 guide."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """`TrainState`, its static description, and how a state is made and checked.
 
-The state is a registered pytree of arrays; everything static about it (the
-layout of every leaf, which leaves train, the step's signature: stage,
-precision, axes and their sizes, the optimizer) is `StateMeta`, carried as
-pytree metadata. A step runs only states whose meta it would have made
-itself (`check_state`), so a state from another step fails at once with an
-error that names what differs, instead of training on silently.
-"""
+The state is a registered pytree of arrays; everything static about it (layouts, trainable
+leaves, the step's signature) is `StateMeta`, carried as pytree metadata, and a step runs only
+states whose meta it would have made itself (`check_state`), naming what differs otherwise."""
 
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
 """`make_sharded_train_step`: ZeRO stages 1-3 as one compiled function.
 
-The step is assembled from the modules that do each part, in the order the
-data flows through it (all inside one ``jax.jit``):
-
-* `zero_jax.spec`: the options, validated once (the role of each mesh axis);
-* `zero_jax.state`: the `TrainState`, how it is made and checked;
-* `zero_jax.batch`: the global batch, checked and placed on the batch axes;
-* `zero_jax.grads`: inside ``shard_map``, each device's gradient reduced to
-  its block (reduce-scatter over the data axes, all-reduce over the replica
-  axes);
-* `zero_jax.update`: the optimizer on logical, still-sharded views, and the
-  parameters rebuilt.
-
-The user's mesh may have Explicit or Auto axes and the step may be called
-inside or outside ``jax.set_mesh``: the state and outputs live on the user's
-mesh, and the step computes in Auto mode inside (``jax.sharding.auto_axes``).
-"""
+It only assembles the parts, in the order the data flows through a step inside one
+``jax.jit``: the options (`zero_jax.spec`), the state (`zero_jax.state`), the batch
+(`zero_jax.batch`), each device's reduced gradient (`zero_jax.grads`) and the update
+(`zero_jax.update`). The docs' "How it works" page tells the whole story."""
 
 from __future__ import annotations
 

@@ -1,26 +1,10 @@
 """The update: the user's optimizer on logical, still-sharded views.
 
-The optimizer is never run on slices. Gradient blocks, optimizer state and
-master weights are viewed in their original (logical) shapes, still sharded
-over the data axes, and the user's optax transformation runs on those global
-views under XLA's SPMD partitioner. Elementwise math stays on each device's
-block; anything that needs a whole leaf or the whole tree (LAMB/LARS trust
-ratios, Adafactor's factored moments, ``clip_by_global_norm`` in a ``chain``,
-masks, labels, schedules) gets the exact cross-device reduction it needs from
-the compiler. So every ``GradientTransformation`` gives its single-device
-result by construction, while its state is stored 1/N per device.
-
-One pass over the gradient gives both its global norm and whether it is
-finite (the sum of squares is finite exactly when every element is, short of
-norms beyond float32's range). A step with non-finite gradients changes
-nothing but the loss scale and the skip counters: the update is a
-``lax.cond`` (a select would make XLA copy every donated state buffer).
-With ``offload="optimizer"`` the optimizer state and master copy are streamed
-from pinned host memory for the update and written back after it, a group of
-leaves at a time (`zero_jax.offload`); a skipped step then selects the old
-values on the device. `full_params` gives a state's parameters whole (for
-``get_params``).
-"""
+Gradient blocks, optimizer state and master weights are viewed in their original shapes, still
+sharded, and the optax transformation runs on those views under XLA's SPMD partitioner, so any
+``GradientTransformation`` gives its single-device result. A step with non-finite gradients
+changes only the loss scale and skip counters (a ``lax.cond``); `full_params` gives the whole
+parameters. Details: the docs' "How it works"."""
 
 from __future__ import annotations
 
