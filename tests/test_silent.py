@@ -101,10 +101,11 @@ def weighted_mean(p, b):  # the single-device reference
 
 
 @pytest.mark.parametrize("opt", sorted(OPTS))
-@pytest.mark.parametrize("stage,k", [(1, 1), (2, 2), (3, 1)])
-def test_weighted_step_of_weight_zero_is_skipped_and_counted(stage, k, opt, mesh):
+@pytest.mark.parametrize("stage,k,offload", [(1, 1, None), (2, 2, None), (3, 1, None),
+                                              (2, 1, "optimizer")])
+def test_weighted_step_of_weight_zero_is_skipped_and_counted(stage, k, offload, opt, mesh):
   step = zj.make_sharded_train_step(weighted, OPTS[opt](), mesh=mesh, stage=stage,
-                                    grad_accum_steps=k)
+                                    grad_accum_steps=k, offload=offload)
   state = step.init(init_params())
   good = [masked_batch(1, 5), masked_batch(3, 11)]
   state, ms = run(step, state, good[:1])
