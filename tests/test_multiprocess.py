@@ -146,7 +146,7 @@ def test_every_process_gets_the_same_params_and_python_metrics(two_processes):
     for variant, types in rep["metrics"].items():
       assert types == {"loss": "float", "grad_norm": "float", "grads_finite": "bool",
                        "loss_scale": "float", "skipped_steps": "int",
-                       "skipped_in_a_row": "int"}, variant
+                       "skipped_in_a_row": "int", "step": "int", "health": "int"}, variant
   assert rows == [[0, 8], [8, 16]]
 
 

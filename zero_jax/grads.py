@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from zero_jax import aux as aux_lib
 from zero_jax import collectives
 from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
@@ -102,11 +103,19 @@ def average_model_state(ms, original, batch_axes):
 
 
 class Local(NamedTuple):
-  """One device's results. grads: one per trainable leaf (reduced, or local)."""
+  """One device's results. grads: one per trainable leaf (reduced, or local).
+
+  aux: a `zero_jax.aux.Parts` inside the shard_map, the combined aux tree after it.
+  weight: for a `WeightedLoss`, ``(global weight, any device's weight < 0)``
+  of the whole step; None for a mean loss.
+  aux_specs: the PartitionSpecs of the combined aux (set by `sharded_grads`).
+  """
   grads: list
   loss: jax.Array
   aux: Any
   model_state: Any
+  weight: Any = None
+  aux_specs: Any = None
 
 
 def _gather_groups(spec: StepSpec, meta, idx) -> tuple:
@@ -289,16 +298,22 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
     # float32: an fp16 gradient of the sum overflows where that of the mean does not.
     if w is not None and k > 1:
       g = [x * (k * w).astype(x.dtype) for x in g]
-    aux = None if out.aux is None else jax.tree.map(lambda a: a.astype(jnp.float32), out.aux)
-    return g, out.value.astype(jnp.float32), w, aux, out.model_state
+    # (global weight, this device's negative weight), summed over micro-batches
+    ws = None if w is None else (w, jnp.minimum(out.weight, 0))
+    aux = None if not spec.has_aux else aux_lib.start(spec.aux_reduce, out.aux,
+                                                      jax.tree.leaves(mb)[0].shape[0])
+    return g, out.value.astype(jnp.float32), ws, aux, out.model_state
 
-  grads, total, weight, aux, ms = _micro_batches(micro, batch, model_state, k)
+  grads, total, ws, aux, ms = _micro_batches(micro, batch, model_state, k)
+  weight = None if ws is None else ws[0]
   if k > 1:
     if weight is not None:  # the global weight W of the whole step
       grads = [x / _nonzero(weight).astype(x.dtype) for x in grads]
     if not sharded_acc:
       grads = reduce_some(spec, layouts, grads, reduce_here, stacks)
-  return _agreed(grads, total, weight, aux, ms, model_state, k, axes)
+  if ws is not None:
+    ws = (weight, jax.lax.psum(ws[1], axes) < 0)
+  return _agreed(grads, total, ws, aux_lib.finish(aux, k, axes), ms, model_state, k, axes)
 
 
 def _nonzero(w):
@@ -307,8 +322,9 @@ def _nonzero(w):
 
 def _micro_batches(micro, batch, model_state, k: int):
   """``micro`` over the ``k`` micro-batches of ``batch`` in order (a ``lax.scan``), summing
-  its first four results and threading the model state; the first one runs before the
-  scan so that the carry has the types (and device variance) of a real iteration."""
+  its first three results, combining the aux (`zero_jax.aux.Parts`: per-example rows
+  kept in order) and threading the model state; the first one runs before the scan so
+  that the carry has the types (and device variance) of a real iteration."""
   if k == 1:
     return micro(batch, model_state, 0)
   mbs = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
@@ -317,23 +333,26 @@ def _micro_batches(micro, batch, model_state, k: int):
   def body(carry, xs):
     out = micro(xs[0], carry[4], xs[1])
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
-    return tuple(add(c, o) for c, o in zip(carry[:4], out[:4])) + (out[4],), None
+    return tuple(add(c, o) for c, o in zip(carry[:3], out[:3])) + (
+        aux_lib.merge(carry[3], out[3]), out[4]), aux_lib.rows(out[3])
 
   rest = jax.tree.map(lambda x: x[1:], mbs)
-  return jax.lax.scan(body, first, (rest, jnp.arange(1, k)))[0]
+  init = first[:3] + (aux_lib.carried(first[3]), first[4])
+  last, stacked = jax.lax.scan(body, init, (rest, jnp.arange(1, k)))
+  return last[:3] + (aux_lib.joined(last[3], first[3], stacked), last[4])
 
 
 def _agreed(grads, total, weight, aux, ms, model_state, k: int, axes) -> Local:
-  """The values every device agrees on: the global loss (weighted or mean), aux and
-  model state averaged over the batch axes; the gradients as they are."""
+  """The values every device agrees on: the global loss (weighted or mean: NaN for a
+  global weight of zero, as on one device) and model state averaged over the batch axes;
+  the gradients and aux as they are."""
   if weight is not None:
-    loss = jax.lax.psum(total, axes) / _nonzero(weight)
+    loss = jax.lax.psum(total, axes) / weight[0]
   else:
     loss = jax.lax.pmean(total / k, axes)
-  aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a / k, axes), aux)
   if ms is not None:
     ms = average_model_state(ms, model_state, axes)
-  return Local(grads, loss, aux, ms)
+  return Local(grads, loss, aux, ms, weight)
 
 
 def _stack_spec(spec: StepSpec, layout) -> P:
@@ -374,8 +393,9 @@ def sharded_grads(spec: StepSpec, loss_fn, state, batch) -> Local:
 
   Returns:
     A `Local` of global arrays: grads in their storage spec (stages 2-3) or
-    replicated over the data axes (stage 1); loss, aux and model state
-    replicated.
+    replicated over the data axes (stage 1); loss and model state
+    replicated; aux as `zero_jax.aux` combines it (per-example leaves split over
+    the batch axes).
   """
   axes, meta = spec.batch_axes, state.meta
   layouts = [meta.param_layouts[i] for i in meta.train_idx]
@@ -398,8 +418,12 @@ def sharded_grads(spec: StepSpec, loss_fn, state, batch) -> Local:
   in_specs = inputs.replace(step=P(), params=param_specs, loss_scale=P(), model_state=P(),
                             rng=P())
   local = jax.shard_map(body, mesh=spec.auto_mesh, axis_names=set(axes),
-                        in_specs=(in_specs, P(axes)), out_specs=Local(grad_specs, P(), P(), P()))
+                        in_specs=(in_specs, P(axes)),
+                        out_specs=Local(grad_specs, P(), P(axes), P(), P()))
   out = local(inputs, batch)
+  if out.aux is not None:
+    out = out._replace(aux=aux_lib.reduce_devices(out.aux, spec.constrain, axes),
+                       aux_specs=aux_lib.specs(out.aux, axes))
   if any(split_later):
     later = [j for j, s in enumerate(split_later) if s]
     reduced = reduce_model_split(spec, [layouts[j] for j in later],

@@ -168,7 +168,8 @@ def all_finite(tree, axis_name: str | None = None) -> jax.Array:
   return ok
 
 
-def adjust_loss_scale(state: LossScaleState, grads_finite: jax.Array) -> LossScaleState:
+def adjust_loss_scale(state: LossScaleState, grads_finite: jax.Array, *,
+                      applied: jax.Array | None = None) -> LossScaleState:
   """The state after a step whose gradients were (or were not) finite.
 
   Dynamic: a non-finite step divides the scale by ``factor`` (not below
@@ -179,13 +180,18 @@ def adjust_loss_scale(state: LossScaleState, grads_finite: jax.Array) -> LossSca
   Args:
     state: the `LossScaleState` the step used.
     grads_finite: bool scalar, whether that step's gradients were finite.
+    applied: bool scalar, whether the step was applied (default
+      ``grads_finite``); a finite step that was skipped for another reason
+      (a `WeightedLoss` of weight zero) counts as skipped but does not move
+      the scale.
 
   Returns:
     The next `LossScaleState` (same static fields).
   """
   grads_finite = jnp.asarray(grads_finite, bool)
-  skipped = state.skipped_steps + jnp.where(grads_finite, 0, 1).astype(jnp.int32)
-  in_a_row = jnp.where(grads_finite, 0, state.skipped_in_a_row + 1).astype(jnp.int32)
+  applied = grads_finite if applied is None else jnp.asarray(applied, bool)
+  skipped = state.skipped_steps + jnp.where(applied, 0, 1).astype(jnp.int32)
+  in_a_row = jnp.where(applied, 0, state.skipped_in_a_row + 1).astype(jnp.int32)
   if not state.dynamic:
     return state.replace(skipped_steps=skipped, skipped_in_a_row=in_a_row)
   good = jnp.where(grads_finite, state.good_steps + 1, 0)

@@ -159,13 +159,28 @@ def _entry(names):
   return None if not names else (names[0] if len(names) == 1 else tuple(names))
 
 
+def _check_divisible(spec: StepSpec, where: str, s, shape, dims) -> None:
+  """Raises ValueError when a dimension is split over model axes whose size does not divide it."""
+  sizes = spec.axis_sizes()
+  for d, axes in enumerate(dims):
+    m = int(np.prod([sizes[a] for a in axes]))
+    if axes and shape[d] % m:
+      named = _entry(list(axes))
+      raise ValueError(
+          f"{where} is {s}: it splits dimension {d} (size {shape[d]}) of the leaf of shape "
+          f"{tuple(shape)} over {named!r} (size {m}), which does not divide {shape[d]}. Pad "
+          f"that dimension to a multiple of {m} (e.g. {-(-shape[d] // m) * m}), split another "
+          f"dimension over {named!r}, or leave this leaf unsplit (None in param_specs).")
+
+
 def model_axes_per_leaf(spec: StepSpec, params, param_specs) -> list:
   """Per leaf: per dimension, the model axes it is split over (None: not split).
 
   Raises:
     ValueError: a spec names a data/replica axis or an unknown one, uses an
-      axis twice or has more entries than the leaf has dimensions; or a model
-      axis of size > 1 is used by no parameter.
+      axis twice, has more entries than the leaf has dimensions or splits a
+      dimension its axes' size does not divide; or a model axis of size > 1
+      is used by no parameter.
   """
   out, used = [], set()
   for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
@@ -193,6 +208,7 @@ def model_axes_per_leaf(spec: StepSpec, params, param_specs) -> list:
     if len(set(flat)) != len(flat):
       raise ValueError(f"{where} is {s}, which uses an axis twice.")
     used |= set(flat)
+    _check_divisible(spec, where, s, np.shape(x), dims)
     out.append(tuple(dims))
   sizes = spec.axis_sizes()
   unused = [a for a in spec.model_axes if sizes[a] > 1 and a not in used]

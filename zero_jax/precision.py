@@ -6,6 +6,7 @@ dynamic loss scaling. The reduction's dtype rule is in the docs' precision guide
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -66,3 +67,26 @@ def optimizer_dtype(policy: Policy, dtype) -> np.dtype:
 def has_master(policy: Policy, dtype) -> bool:
   """Whether a trainable leaf of ``dtype`` keeps a sharded float32 master copy."""
   return policy.master_dtype is not None and _cast(policy, dtype)
+
+
+def warn_without_master(policy: Policy, paths, dtypes, trainable) -> None:
+  """Warns when trainable leaves below float32 train without a float32 master copy.
+
+  Under ``"fp32"`` each leaf keeps its dtype, so a bfloat16 (or float16) leaf
+  is updated in that dtype: an update smaller than half its resolution (e.g.
+  ``adam(1e-4)`` on weights near 1) rounds away and the leaf never changes.
+  """
+  if policy.name != "fp32":
+    return
+  low = [f"params{p} ({jnp.dtype(d).name})" for p, d, t in zip(paths, dtypes, trainable)
+         if t and jnp.issubdtype(d, jnp.floating) and jnp.finfo(d).bits < 32]
+  if low:
+    more = f" and {len(low) - 6} more" if len(low) > 6 else ""
+    warnings.warn(
+        f"zero_jax: precision='fp32' trains every leaf in its own dtype, and "
+        f"{', '.join(low[:6])}{more} {'is' if len(low) == 1 else 'are'} below float32 with "
+        f"no float32 master copy: updates "
+        f"smaller than their resolution are lost (with a small learning rate most entries "
+        f"never change). Use precision='bf16' (bfloat16 compute with a sharded float32 "
+        f"master copy), or cast these leaves to float32 before init.",
+        RuntimeWarning, stacklevel=3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import layout as lay
+from zero_jax.aux import parse_aux_reduce
 from zero_jax import offload as offload_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES, Comm, Quantize
 
@@ -114,6 +116,7 @@ class StepSpec:
     offload, gather_once: the options of `make_sharded_train_step`.
     comm: the communication record (`zero_jax.collectives.Comm`): axes of
       each hop, ``comm_dtype``, ``bucket_bytes``, ``hpz_axis``, ``quantize``.
+    aux_reduce: ``aux_reduce=`` validated (`zero_jax.aux.parse_aux_reduce`).
     policy: the precision `Policy`.
   """
   mesh: Mesh
@@ -131,6 +134,7 @@ class StepSpec:
   offload: str | None
   comm: Comm
   gather_once: bool = False
+  aux_reduce: Any = None
 
   @property
   def comm_dtype(self) -> np.dtype | None:
@@ -241,7 +245,7 @@ def planning_spec(*, n_devices=None, mesh=None, axis_name="data", replica_axis=N
 def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_grad_norm,
               grad_accum_steps, accumulate, comm_dtype, donate, offload,
               bucket_bytes=DEFAULT_BUCKET_BYTES, gather_once=False, hpz_axis=None,
-              quantize=None) -> StepSpec:
+              quantize=None, aux_reduce=None) -> StepSpec:
   """Validates the options of `make_sharded_train_step` (see there)."""
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a concrete jax.sharding.Mesh (e.g. jax.make_mesh(("
@@ -300,7 +304,8 @@ def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_g
                   model_axes=model, stage=stage, policy=policy, has_aux=bool(has_aux),
                   max_grad_norm=max_grad_norm, grad_accum_steps=k, accumulate=accumulate,
                   donate=bool(donate), offload=offload, comm=comm,
-                  gather_once=bool(gather_once))
+                  gather_once=bool(gather_once),
+                  aux_reduce=parse_aux_reduce(aux_reduce, bool(has_aux)))
 
 
 def _hpz_axes(hpz_axis, mesh: Mesh, stage: int, data, replica, gather_once) -> tuple:

@@ -24,6 +24,7 @@ from zero_jax import grads as grads_lib
 from zero_jax import layers
 from zero_jax import loss_scale as ls_lib
 from zero_jax import nnx as nnx_lib
+from zero_jax import precision as prec
 from zero_jax import state as st
 from zero_jax import update as update_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES, Quantize
@@ -34,7 +35,7 @@ from zero_jax.signature import as_transformation
 from zero_jax.state import StateMeta, TrainState
 
 _METRICS = ("loss", "grad_norm", "grads_finite", "loss_scale", "skipped_steps",
-            "skipped_in_a_row")
+            "skipped_in_a_row", "step", "health")
 
 
 class ShardedTrainStep:
@@ -114,6 +115,8 @@ class ShardedTrainStep:
     treedef, meta = self._meta(params, module)
     check_model_state(model_state)
     check_rng(rng)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    prec.warn_without_master(self.spec.policy, paths, meta.param_dtypes, meta.trainable)
     if not any(meta.trainable):
       warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
                     "is floating); every step will leave the parameters unchanged.",
@@ -187,18 +190,23 @@ class ShardedTrainStep:
   def _step_fn(self, state: TrainState, batch):
     spec = self.spec
 
+    aux_specs = {}  # per-example aux leaves are split: their specs are known once traced
+
     def body(state, batch):
       local = grads_lib.sharded_grads(spec, self._loss_fn(state.meta), state, batch)
       new_state, metrics = update_lib.apply_update(spec, self.optimizer, state, local.grads,
-                                                   local.loss, local.aux)
+                                                   local.loss, local.aux, local.weight)
       metrics["skipped_in_a_row"] = new_state.loss_scale.skipped_in_a_row
-      model_state = update_lib.keep_if_skipped(metrics["grads_finite"], local.model_state,
-                                               state.model_state)
+      if "metrics" in aux_specs and spec.has_aux:
+        aux_specs["metrics"]["aux"] = local.aux_specs
+      applied = new_state.loss_scale.skipped_in_a_row == 0
+      model_state = update_lib.keep_if_skipped(applied, local.model_state, state.model_state)
       return new_state.replace(model_state=model_state), metrics
 
-    def out_specs(state, batch):  # metrics are replicated scalars (aux: a prefix)
+    def out_specs(state, batch):  # metrics are replicated scalars (aux: set by body)
       del batch
       metrics = dict.fromkeys(_METRICS + (("aux",) if spec.has_aux else ()), P())
+      aux_specs["metrics"] = metrics  # auto_axes reads it after tracing body
       return (self._specs(state.meta, jax.tree.structure(state.params), state.model_state,
                           state.rng, state.loss_scale), metrics)
     return context.in_auto(spec, body, out_specs)(state, batch)
@@ -221,7 +229,9 @@ class ShardedTrainStep:
       specs = self._specs(state.meta, jax.tree.structure(state.params), state.model_state,
                           state.rng, state.loss_scale)
       rep = st.sharding(self.spec, P())
-      metrics = dict.fromkeys(_METRICS + (("aux",) if self.spec.has_aux else ()), rep)
+      metrics = dict.fromkeys(_METRICS, rep)
+      if self.spec.has_aux:
+        metrics["aux"] = None  # as the step made it (per-example leaves split over the batch)
       fn = jax.jit(self._step_fn, donate_argnums=(0,) if self.spec.donate else (),
                    out_shardings=(st.state_shardings(self.spec, specs), metrics))
       self._jits[key] = fn
@@ -283,6 +293,7 @@ def make_sharded_train_step(
     param_specs=None,
     stage: int = 2,
     has_aux: bool = False,
+    aux_reduce=None,
     precision: str = "fp32",
     loss_scale=None,
     max_grad_norm: float | None = None,
@@ -361,8 +372,16 @@ def make_sharded_train_step(
       Linen ``nn.Partitioned`` boxes. Every other mesh axis
       of size > 1 must be used by some parameter.
     stage: 1, 2 or 3 (ZeRO stage).
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; floating ``aux``
-      leaves are averaged over devices (and micro-batches).
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``metrics["aux"]``
+      then equals ``loss_fn``'s aux on the whole global batch (see
+      ``aux_reduce``).
+    aux_reduce: how each aux leaf is combined over devices and micro-batches:
+      ``"mean"``, ``"sum"``, ``"max"``, ``"min"`` or ``"concat"`` (per-example
+      leaves in global batch order), as one rule, a pytree prefix of the aux
+      or a function ``(path, leaf) -> rule``. Default (None): per-example
+      leaves (leading dimension: the rows ``loss_fn`` is given) ``"concat"``,
+      other floating leaves ``"mean"``, integer leaves ``"sum"``; bool leaves
+      need a rule. See `zero_jax.aux`.
     precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"fp16_memory_efficient"``;
       see `zero_jax.precision`.
     loss_scale: ``None`` (dynamic for fp16, none otherwise), ``"dynamic"``,
@@ -434,7 +453,7 @@ def make_sharded_train_step(
                    grad_accum_steps=grad_accum_steps, accumulate=accumulate,
                    comm_dtype=comm_dtype, donate=donate, offload=offload,
                    bucket_bytes=bucket_bytes, gather_once=gather_once, hpz_axis=hpz_axis,
-                   quantize=quantize)
+                   quantize=quantize, aux_reduce=aux_reduce)
   return ShardedTrainStep(loss_fn, optimizer, spec,
                           loss_scale=parse_loss_scale(loss_scale, spec.policy),
                           trainable=trainable, stacked=stacked, param_specs=param_specs,

@@ -15,6 +15,7 @@ from zero_jax import collectives
 from zero_jax import context
 from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
+from zero_jax import monitor
 from zero_jax import offload
 from zero_jax import precision as prec
 from zero_jax.clipping import clip_with_norm
@@ -117,8 +118,14 @@ def _sources(spec: StepSpec, state: TrainState):
   return out
 
 
-def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss, aux):
-  """The new state and the metrics, from the reduced gradient blocks."""
+def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss, aux,
+                 weight=None):
+  """The new state and the metrics, from the reduced gradient blocks.
+
+  ``weight``: a `WeightedLoss`'s ``(global weight, any weight negative)`` (see
+  `zero_jax.grads.Local`); a step whose global weight is not positive (a fully
+  padded batch) is skipped like a non-finite one.
+  """
   meta = state.meta
   treedef = jax.tree.structure(state.params)
   leaves = jax.tree.leaves(state.params)
@@ -129,6 +136,7 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
     grads = [spec.to_logical(g, l) for g, l in zip(grads, t_layouts)]
   grads = ls.unscale_grads(state.loss_scale, grads)
   grad_norm, finite = norm_and_finite(grads)
+  ok = finite if weight is None else finite & (weight[0] > 0)  # whether the update applies
   if spec.max_grad_norm is not None:
     grads = clip_with_norm(grads, grad_norm, spec.max_grad_norm)
 
@@ -153,11 +161,11 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
 
   if spec.offload is not None:
     new_src, new_o, master = offload.streamed_update(
-        spec, meta, apply, _sources(spec, state), state.master, o_leaves, finite)
+        spec, meta, apply, _sources(spec, state), state.master, o_leaves, ok)
   else:
     src = _sources(spec, state)
     o_views = [spec.to_logical(x, l) for x, l in zip(o_leaves, meta.opt_layouts)]
-    new_src, new_o = jax.lax.cond(finite, lambda _: apply(src, o_views),
+    new_src, new_o = jax.lax.cond(ok, lambda _: apply(src, o_views),
                                   lambda _: (list(src), o_views), None)
     new_o = [spec.to_storage(x, l) for x, l in zip(new_o, meta.opt_layouts)]
     master = None
@@ -165,12 +173,13 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
       master = [spec.to_storage(s, l) if meta.master[i] else None
                 for s, i, l in zip(new_src, idx, t_layouts)]
   new_params = _new_params(spec, meta, leaves, new_src, t_layouts)
-  new_scale = ls.adjust_loss_scale(state.loss_scale, finite)
+  new_scale = ls.adjust_loss_scale(state.loss_scale, finite, applied=ok)
   new_state = state.replace(
       step=state.step + 1, params=jax.tree.unflatten(treedef, new_params), master=master,
       opt_state=jax.tree.unflatten(o_def, new_o), loss_scale=new_scale)
   metrics = {"loss": loss, "grad_norm": grad_norm, "grads_finite": finite,
-             "loss_scale": state.loss_scale.scale, "skipped_steps": new_scale.skipped_steps}
+             "loss_scale": state.loss_scale.scale, "skipped_steps": new_scale.skipped_steps,
+             "step": state.step, "health": monitor.health(ok, loss, finite, weight)}
   if spec.has_aux:
     metrics["aux"] = aux
   return new_state, metrics
