@@ -39,6 +39,7 @@ from zero_jax import precision as prec
 from zero_jax.layout import local_storage_shape, model_block_shape
 from zero_jax.spec import OFFLOAD_CHOICES, planning_spec
 from zero_jax.signature import as_transformation
+from zero_jax.options import LeafOptions
 from zero_jax.state import build_meta, masked_optimizer
 
 STAGE_NAMES = {0: "DP (replicated)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -229,8 +230,8 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [_shape_dtype(p, x) for p, x in paths_leaves]
   structs = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes])
-  _, meta = build_meta(spec, optimizer, structs, trainable=trainable, stacked=stacked,
-                       param_specs=param_specs)
+  _, meta = build_meta(spec, optimizer, structs, LeafOptions(trainable, stacked, param_specs,
+                                                             wrt))
   n, pol = spec.n_data, spec.policy
   src = jax.tree.unflatten(treedef, [
       jax.ShapeDtypeStruct(s, prec.optimizer_dtype(pol, dt) if t else dt)

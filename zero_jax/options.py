@@ -13,6 +13,9 @@ step's mesh, or boxed in Linen ``nn.Partitioned`` with mesh-axis names. Errors n
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,30 +27,49 @@ from zero_jax import precision as prec
 from zero_jax.spec import StepSpec
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class LeafOptions:
+  """The per-leaf options of `make_sharded_train_step`, as the user gave them.
+
+  Resolved to one value per parameter leaf by `trainable_flags`,
+  `stacked_flags` and `model_axes_per_leaf` when a state's meta is built.
+
+  Attributes:
+    trainable: ``trainable=`` (None: every floating leaf).
+    stacked: ``stacked=`` (None: no leaf).
+    param_specs: ``param_specs=`` (None: read from the arrays, else replicated).
+    wrt: ``wrt=``, the NNX filter of the variables that are parameters.
+  """
+  trainable: Any = None
+  stacked: Any = None
+  param_specs: Any = None
+  wrt: Any = None
+
+
 def _is_bool(m) -> bool:
   return isinstance(m, (bool, np.bool_)) or (
       getattr(m, "shape", None) == () and getattr(m, "dtype", None) == jnp.bool_)
 
 
-def leaf_flags(spec, params, name: str) -> list:
+def leaf_flags(value, params, name: str) -> list:
   """(flag, explicit) per params leaf from a per-leaf bool option.
 
   ``explicit`` is True only for a bool given for the leaf itself (not for a
   subtree, and not by a function, which sees every leaf).
   """
   paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  if spec is None:
+  if value is None:
     return [(False, False)] * len(paths_leaves)
   if nnx_lib.holds_variables(params):  # a module's variables: an NNX filter picks them
-    nnx_lib.check_filter(spec, name)
-    return [(f, False) for f in nnx_lib.filter_flags(spec, params)]
-  if nnx_lib.is_nnx_filter(spec):
-    raise TypeError(f"{name}={nnx_lib.filter_repr(spec)} is an NNX filter, which selects the "
+    nnx_lib.check_filter(value, name)
+    return [(f, False) for f in nnx_lib.filter_flags(value, params)]
+  if nnx_lib.is_nnx_filter(value):
+    raise TypeError(f"{name}={nnx_lib.filter_repr(value)} is an NNX filter, which selects the "
                     f"variables of a module given to step.init(model); these params are a plain "
                     f"pytree: pass a tree of bools or a function (path, leaf) -> bool.")
-  if callable(spec) and not isinstance(spec, (dict, list, tuple)):
-    return [(bool(spec(path, x)), False) for path, x in paths_leaves]
-  for path, m in jax.tree_util.tree_flatten_with_path(spec)[0]:
+  if callable(value) and not isinstance(value, (dict, list, tuple)):
+    return [(bool(value(path, x)), False) for path, x in paths_leaves]
+  for path, m in jax.tree_util.tree_flatten_with_path(value)[0]:
     if not _is_bool(m):
       raise TypeError(f"{name}{jax.tree_util.keystr(path)} is {m!r}; every leaf of a "
                       f"{name}= tree must be True or False (or pass a function "
@@ -55,7 +77,7 @@ def leaf_flags(spec, params, name: str) -> list:
   expand = lambda m, sub: jax.tree.map(
       lambda _: (bool(m), jax.tree_util.treedef_is_leaf(jax.tree.structure(sub))), sub)
   try:
-    full = jax.tree.map(expand, spec, params)
+    full = jax.tree.map(expand, value, params)
   except (ValueError, TypeError) as e:
     raise ValueError(f"{name}= must be a pytree of bools with the structure of the "
                      f"params (or a prefix of it), or a function (path, leaf) -> bool; it "
@@ -64,14 +86,14 @@ def leaf_flags(spec, params, name: str) -> list:
                          isinstance(x[0], bool))
 
 
-def trainable_flags(spec, params) -> tuple:
+def trainable_flags(value, params) -> tuple:
   """One bool per params leaf: does it train (``trainable=``, see `make_sharded_train_step`)."""
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   ok = [prec.is_trainable_dtype(jnp.result_type(x)) for _, x in leaves]
-  if spec is None:
+  if value is None:
     return tuple(ok)
   flags = []
-  for (f, explicit), (path, x), can in zip(leaf_flags(spec, params, "trainable"), leaves, ok):
+  for (f, explicit), (path, x), can in zip(leaf_flags(value, params, "trainable"), leaves, ok):
     if f and explicit and not can:
       raise ValueError(f"trainable marks the leaf params{jax.tree_util.keystr(path)} of "
                        f"dtype {jnp.result_type(x)} as trainable, but only floating (and "
@@ -81,10 +103,10 @@ def trainable_flags(spec, params) -> tuple:
   return tuple(flags)
 
 
-def stacked_flags(spec, params) -> tuple:
+def stacked_flags(value, params) -> tuple:
   """One bool per params leaf: is it a stack of layers (``stacked=``)."""
   flags = []
-  for (f, _), (path, x) in zip(leaf_flags(spec, params, "stacked"),
+  for (f, _), (path, x) in zip(leaf_flags(value, params, "stacked"),
                                jax.tree_util.tree_flatten_with_path(params)[0]):
     if f and not np.shape(x):
       raise ValueError(f"stacked marks params{jax.tree_util.keystr(path)} as a stack of "

@@ -7,6 +7,7 @@ states whose meta it would have made itself (`check_state`), naming what differs
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -20,7 +21,8 @@ from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
 from zero_jax import offload
 from zero_jax import precision as prec
-from zero_jax.options import model_axes_per_leaf, stacked_flags, trainable_flags
+from zero_jax.options import (LeafOptions, model_axes_per_leaf, stacked_flags,
+                              trainable_flags)
 from zero_jax.signature import optimizer_signature
 from zero_jax.spec import StepSpec
 
@@ -68,6 +70,8 @@ class StateMeta:
     signature: the `StepSignature` of the step that made the state.
     module: for a state made from an ``nnx.Module``, how to rebuild it
       (see `zero_jax.nnx`); None otherwise.
+    opt_treedef: the tree structure of the optimizer state (derived from the
+      optimizer and the trainable leaves once, when the meta is built).
   """
   param_layouts: tuple
   trainable: tuple
@@ -77,10 +81,11 @@ class StateMeta:
   param_dtypes: tuple
   signature: StepSignature
   module: Any = None
+  opt_treedef: Any = None
 
   def _key(self):
     return (self.param_layouts, self.trainable, self.opt_layouts, self.stacked, self.master,
-            self.param_dtypes, self.signature, self.module)
+            self.param_dtypes, self.signature, self.module, self.opt_treedef)
 
   def __post_init__(self):  # jit hashes the meta on every call: compute it once
     object.__setattr__(self, "_hash", hash(self._key()))
@@ -131,7 +136,16 @@ class TrainState:
 
 # ------------------------------------------------------------------- the meta
 def masked_optimizer(optimizer, treedef, trainable) -> optax.GradientTransformation:
-  """``optimizer``, wrapped in ``optax.masked`` when some leaves are frozen."""
+  """``optimizer``, wrapped in ``optax.masked`` when some leaves are frozen (made once per
+  optimizer, tree and flags: the step, its init and its checks share it)."""
+  try:
+    return _masked(optimizer, treedef, tuple(trainable))
+  except TypeError:  # an unhashable optimizer object: made afresh each time
+    return _masked.__wrapped__(optimizer, treedef, tuple(trainable))
+
+
+@functools.lru_cache(maxsize=64)
+def _masked(optimizer, treedef, trainable) -> optax.GradientTransformation:
   if all(trainable):
     return optimizer
   return optax.masked(optimizer, jax.tree.unflatten(treedef, list(trainable)))
@@ -150,16 +164,16 @@ def _opt_layouts(opt_abstract, params_paths, param_layouts, n) -> tuple:
   return tuple(out)
 
 
-def build_meta(spec: StepSpec, optimizer, params, *, trainable=None, stacked=None,
-               param_specs=None, module=None) -> tuple[Any, StateMeta]:
+def build_meta(spec: StepSpec, optimizer, params, options: LeafOptions,
+               module=None) -> tuple[Any, StateMeta]:
   """(treedef, StateMeta) for a params tree (arrays or shape structs)."""
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
   leaves = [x for _, x in paths_leaves]
   dtypes = [jnp.result_type(x) for x in leaves]
-  flags = trainable_flags(trainable, params)
-  stacks = stacked_flags(stacked, params)
-  models = model_axes_per_leaf(spec, params, param_specs)
+  flags = trainable_flags(options.trainable, params)
+  stacks = stacked_flags(options.stacked, params)
+  models = model_axes_per_leaf(spec, params, options.param_specs)
   sizes = spec.axis_sizes()
   layouts = []
   for x, s, m in zip(leaves, stacks, models):
@@ -174,7 +188,8 @@ def build_meta(spec: StepSpec, optimizer, params, *, trainable=None, stacked=Non
   stored = tuple(prec.param_dtype(spec.policy, d) if t else jnp.dtype(d)
                  for t, d in zip(flags, dtypes))
   meta = StateMeta(tuple(layouts), flags, _opt_layouts(opt_abstract, paths, layouts, spec.n_data),
-                   stacks, master, stored, step_signature(spec, optimizer), module)
+                   stacks, master, stored, step_signature(spec, optimizer), module,
+                   jax.tree.structure(opt_abstract))
   return treedef, meta
 
 
@@ -190,9 +205,10 @@ def param_spec(spec: StepSpec, layout: lay.Layout) -> P:
   return layout.spec(spec.gather_axes) if spec.stage == 3 else layout.model_spec()
 
 
-def state_specs(spec: StepSpec, meta: StateMeta, treedef, o_def, model_state, rng,
-                loss_scale) -> TrainState:
+def partition_specs(spec: StepSpec, meta: StateMeta, treedef, model_state, rng,
+                    loss_scale) -> TrainState:
   """A TrainState of PartitionSpecs (the user's mesh): where each part lives."""
+  o_def = meta.opt_treedef
   store = lambda l: l.spec(spec.data_axes)
   master = None
   if any(meta.master):
@@ -212,13 +228,6 @@ def state_shardings(spec: StepSpec, specs: TrainState) -> TrainState:
   host = offload.host_resident(specs)
   return jax.tree.map(lambda p, h: sharding(spec, p, offload.memory_kind(spec, h)), specs, host,
                       is_leaf=lambda x: isinstance(x, P))
-
-
-def opt_treedef(optimizer, meta: StateMeta, treedef):
-  src = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(l.shape, jnp.float32)
-                                     for l in meta.param_layouts])
-  return jax.tree.structure(jax.eval_shape(
-      masked_optimizer(optimizer, treedef, meta.trainable).init, src))
 
 
 # ------------------------------------------------------------------- making it
@@ -293,12 +302,12 @@ def check_meta(expected: StateMeta, state_meta: StateMeta, paths) -> None:
         "precision and trainable leaves must match).")
 
 
-def check_state(spec: StepSpec, optimizer, state, what: str, *, trainable, stacked,
-                param_specs, known: dict) -> None:
+def check_state(spec: StepSpec, optimizer, state, what: str, options: LeafOptions, *,
+                known: dict) -> None:
   """Raises unless ``state`` is a live `TrainState` that a step with these options makes.
 
   Args:
-    spec, optimizer, trainable, stacked, param_specs: the step's.
+    spec, optimizer, options: the step's.
     state: what the user passed.
     what: the caller, for messages ("the step", "get_params", ...).
     known: ``{id(meta): meta}`` of metas already checked (updated): the
@@ -311,11 +320,10 @@ def check_state(spec: StepSpec, optimizer, state, what: str, *, trainable, stack
   meta = state.meta
   if known.get(id(meta)) is meta:
     return
-  if param_specs is None:  # as the state holds them (read from the arrays at its init)
-    param_specs = jax.tree.unflatten(jax.tree.structure(state.params),
-                                     [l.model_spec() for l in meta.param_layouts])
-  expected = build_meta(spec, optimizer, logical_params(meta, state.params),
-                        trainable=trainable, stacked=stacked, param_specs=param_specs,
+  if options.param_specs is None:  # as the state holds them (read from the arrays at init)
+    options = dataclasses.replace(options, param_specs=jax.tree.unflatten(
+        jax.tree.structure(state.params), [l.model_spec() for l in meta.param_layouts]))
+  expected = build_meta(spec, optimizer, logical_params(meta, state.params), options,
                         module=meta.module)[1]
   paths = [jax.tree_util.keystr(p) for p, _ in
            jax.tree_util.tree_flatten_with_path(state.params)[0]]

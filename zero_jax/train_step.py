@@ -30,6 +30,7 @@ from zero_jax import update as update_lib
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES, Quantize
 from zero_jax.loss import check_model_state, check_rng
 from zero_jax.monitor import StallWatch
+from zero_jax.options import LeafOptions
 from zero_jax.spec import StepSpec, make_spec, parse_loss_scale
 from zero_jax.signature import as_transformation
 from zero_jax.state import StateMeta, TrainState
@@ -48,21 +49,19 @@ class ShardedTrainStep:
     optimizer: the optax transformation.
   """
 
-  def __init__(self, loss_fn, optimizer, spec: StepSpec, *, loss_scale, trainable, stacked,
-               param_specs, wrt=nnx.Param):
+  def __init__(self, loss_fn, optimizer, spec: StepSpec, *, loss_scale,
+               leaf_options: LeafOptions):
     if isinstance(optimizer, nnx.Optimizer):
       raise TypeError(nnx_lib.OPTIMIZER_ERROR)
     optimizer = as_transformation(optimizer)
-    nnx_lib.check_filter(wrt, "wrt")
+    nnx_lib.check_filter(leaf_options.wrt, "wrt")
     self.loss_fn = loss_fn
-    self.wrt = wrt
+    self.wrt = leaf_options.wrt
     self.optimizer = optimizer
     self.spec = spec
     self.mesh = spec.mesh
     self.initial_loss_scale = loss_scale
-    self.trainable = trainable
-    self.stacked = stacked
-    self.param_specs = param_specs
+    self.leaf_options = leaf_options
     self._jits: dict = {}  # (meta, in the user's context) -> the jitted step
     self._get_params = jax.jit(functools.partial(update_lib.full_params, spec))
     self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
@@ -83,15 +82,13 @@ class ShardedTrainStep:
                         f"array; every parameter leaf must be a jax or numpy array "
                         f"(wrap Python numbers with jnp.asarray).")
     layers.check_boxes(self.spec, params)
-    treedef, meta = st.build_meta(self.spec, self.optimizer, params, trainable=self.trainable,
-                                  stacked=self.stacked, param_specs=self.param_specs,
+    treedef, meta = st.build_meta(self.spec, self.optimizer, params, self.leaf_options,
                                   module=module)
     self._metas[id(meta)] = meta
     return treedef, meta
 
-  def _specs(self, meta, treedef, model_state, rng, loss_scale=None) -> TrainState:
-    o_def = st.opt_treedef(self.optimizer, meta, treedef)
-    return st.state_specs(self.spec, meta, treedef, o_def, model_state, rng,
+  def _partition_specs(self, meta, treedef, model_state, rng, loss_scale=None) -> TrainState:
+    return st.partition_specs(self.spec, meta, treedef, model_state, rng,
                           self.initial_loss_scale if loss_scale is None else loss_scale)
 
   def init(self, params, *, model_state=None, rng=None) -> TrainState:
@@ -125,7 +122,7 @@ class ShardedTrainStep:
     placed = [jax.device_put(x, st.sharding(spec, l.model_spec()))
               for x, l in zip(jax.tree.leaves(params), meta.param_layouts)]
     extras = context.device_put((model_state, rng, self.initial_loss_scale), st.sharding(spec, P()))
-    specs = self._specs(meta, treedef, model_state, rng)
+    specs = self._partition_specs(meta, treedef, model_state, rng)
     body = functools.partial(st.init_state, spec, self.optimizer, meta, treedef)
     init = jax.jit(context.in_auto(spec, body, lambda *_: specs),
                    out_shardings=st.state_shardings(spec, specs))
@@ -148,7 +145,7 @@ class ShardedTrainStep:
     treedef, meta = self._meta(params, module)
     leaves = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
     body = functools.partial(st.init_state, self.spec, self.optimizer, meta, treedef)
-    specs = self._specs(meta, treedef, model_state, rng)
+    specs = self._partition_specs(meta, treedef, model_state, rng)
     with context.mesh_context(self.spec):
       shape = jax.eval_shape(context.in_auto(self.spec, body, lambda *_: specs), leaves, model_state,
                              rng, self.initial_loss_scale)
@@ -169,8 +166,8 @@ class ShardedTrainStep:
     return jax.tree.map(move, state)
 
   def _check_state(self, state, what: str = "the step") -> None:
-    st.check_state(self.spec, self.optimizer, state, what, trainable=self.trainable,
-                   stacked=self.stacked, param_specs=self.param_specs, known=self._metas)
+    st.check_state(self.spec, self.optimizer, state, what, self.leaf_options,
+                   known=self._metas)
     ls_lib.check_same_policy(self.initial_loss_scale, state.loss_scale)
 
   def _loss_fn(self, meta: StateMeta):
@@ -207,7 +204,7 @@ class ShardedTrainStep:
       del batch
       metrics = dict.fromkeys(_METRICS + (("aux",) if spec.has_aux else ()), P())
       aux_specs["metrics"] = metrics  # auto_axes reads it after tracing body
-      return (self._specs(state.meta, jax.tree.structure(state.params), state.model_state,
+      return (self._partition_specs(state.meta, jax.tree.structure(state.params), state.model_state,
                           state.rng, state.loss_scale), metrics)
     return context.in_auto(spec, body, out_specs)(state, batch)
 
@@ -226,7 +223,7 @@ class ShardedTrainStep:
     key = (state.meta, self.spec.in_user_context())
     fn = self._jits.get(key)
     if fn is None:
-      specs = self._specs(state.meta, jax.tree.structure(state.params), state.model_state,
+      specs = self._partition_specs(state.meta, jax.tree.structure(state.params), state.model_state,
                           state.rng, state.loss_scale)
       rep = st.sharding(self.spec, P())
       metrics = dict.fromkeys(_METRICS, rep)
@@ -456,5 +453,4 @@ def make_sharded_train_step(
                    quantize=quantize, aux_reduce=aux_reduce)
   return ShardedTrainStep(loss_fn, optimizer, spec,
                           loss_scale=parse_loss_scale(loss_scale, spec.policy),
-                          trainable=trainable, stacked=stacked, param_specs=param_specs,
-                          wrt=wrt)
+                          leaf_options=LeafOptions(trainable, stacked, param_specs, wrt))
