@@ -145,6 +145,21 @@ def test_quantize_errors_name_the_option_and_the_fix():
     make(stage=3, quantize=zj.Quantize(across_only=True))
   with pytest.raises(TypeError, match=r"zero_jax.Quantize"):
     make(quantize={"weights": True})
+  one = jax.make_mesh((1, 8), ("data", "model"))
+  with pytest.raises(ValueError, match=r"one device: nothing is sent"):
+    zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=one, quantize=zj.Quantize())
+
+
+def test_hpz_with_stacked_layers_equals_single_device_reference():
+  import test_stacked as ts
+  bs = ts.make_batches(3)
+  step = zj.make_sharded_train_step(ts.loss_fn, optax.sgd(0.1), mesh=_mesh((2, 4)), stage=3,
+                                    axis_name=("replica", "data"), hpz_axis="data",
+                                    stacked=ts.STACKED)
+  state, losses = run(step, ts.make_params(), bs)
+  ref, ref_losses, _ = reference_run(ts.loss_fn, optax.sgd(0.1), ts.make_params(), bs)
+  assert_tree_close(step.get_params(state), ref[-1])
+  np.testing.assert_allclose(losses, [float(x) for x in ref_losses], rtol=1e-5)
 
 
 def test_memory_report_counts_the_secondary_copy_like_the_real_shards():

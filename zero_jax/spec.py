@@ -297,7 +297,8 @@ def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_g
   auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
   model = tuple(a for a in mesh.axis_names if a not in data + replica)
   inner = _hpz_axes(hpz_axis, mesh, stage, data, replica, gather_once)
-  quantize = _quantize(quantize, stage, policy, inner != data, replica, offload)
+  quantize = _quantize(quantize, stage, policy, inner != data, replica,
+                       [mesh.shape[a] for a in data + replica])
   comm = Comm(inner, tuple(a for a in data if a not in inner), replica,
               _comm_dtype(comm_dtype, stage), int(bucket_bytes), quantize)
   return StepSpec(mesh=mesh, auto_mesh=auto, data_axes=comm.data_axes, replica_axes=replica,
@@ -334,7 +335,7 @@ def _hpz_axes(hpz_axis, mesh: Mesh, stage: int, data, replica, gather_once) -> t
   return inner
 
 
-def _quantize(quantize, stage: int, policy: Policy, hpz: bool, replica, offload):
+def _quantize(quantize, stage: int, policy: Policy, hpz: bool, replica, sizes):
   """``quantize=`` -> a validated `Quantize` record, or None."""
   if quantize is None:
     return None
@@ -349,6 +350,10 @@ def _quantize(quantize, stage: int, policy: Policy, hpz: bool, replica, offload)
     raise ValueError(f"Quantize(grad_bits={bits!r}): choose 8 or 4.")
   if not (quantize.weights or quantize.grads):
     return None
+  if not any(mesh_size > 1 for mesh_size in sizes):
+    raise ValueError("quantize= changes what the collectives send, and this step's data and "
+                     "replica axes have one device: nothing is sent. Drop quantize=, or "
+                     "build the mesh over several devices.")
   if quantize.grads and stage == 1:
     raise ValueError("Quantize(grads=True) quantizes the gradient reduce-scatter, and stage 1 "
                      "all-reduces whole gradients: use stage=2 or 3, or grads=False.")
