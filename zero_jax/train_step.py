@@ -418,18 +418,13 @@ def make_sharded_train_step(
       master copy in pinned host memory between steps; the update streams
       them through the devices a bucket of leaves at a time (see
       `zero_jax.offload`). Needs a backend with ``pinned_host`` memory.
-    bucket_bytes: leaves whose padded storage is smaller than this are
-      reduce-scattered and all-gathered together, packed into buffers of at
-      most this many bytes per dtype (one collective per bucket, like
-      DeepSpeed's ``reduce_bucket_size``); larger leaves move alone so their
-      collectives can overlap the backward pass. 0: one collective per leaf.
-    gather_once: stage 3 only: all-gather the parameters once per step and
-      keep them whole through every micro-batch and the backward pass (like
-      FSDP's ``reshard_after_forward=False``), instead of gathering them for
-      each micro-batch's forward and again for its backward pass. Peak memory
-      is stage 2's during the step (the state at rest stays stage 3's); the
-      parameter all-gather traffic falls from 2k to 1 per step for
-      ``grad_accum_steps=k``.
+    bucket_bytes: leaves smaller than this move together, packed into buffers
+      of at most this many bytes per dtype (one collective per bucket); 0:
+      one collective per leaf. See the speed guide.
+    gather_once: stage 3: all-gather the parameters once per step and keep
+      them whole through every micro-batch (FSDP's
+      ``reshard_after_forward=False``): stage 2's peak memory during the
+      step, one parameter gather per step instead of 2k.
     hpz_axis: stage 3, ZeRO++ hpZ: the data axes within a host (a proper
       subset of ``axis_name``). The optimizer state and master copy stay split
       over every data axis; the parameters the loss gathers are a secondary
