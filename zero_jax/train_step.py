@@ -414,10 +414,9 @@ def make_sharded_train_step(
       (stages 1-2), e.g. ``jnp.bfloat16``; default the gradient's dtype (with
       ``accumulate="local"`` and ``grad_accum_steps > 1``, the float32
       accumulator's).
-    offload: ``None`` or ``"optimizer"``: keep the optimizer state and the
-      master copy in pinned host memory between steps; the update streams
-      them through the devices a bucket of leaves at a time (see
-      `zero_jax.offload`). Needs a backend with ``pinned_host`` memory.
+    offload: ``None`` or ``"optimizer"``: the optimizer state and master copy
+      in pinned host memory between steps, streamed through the devices for
+      the update (`zero_jax.offload`; needs ``pinned_host`` memory).
     bucket_bytes: leaves smaller than this move together, packed into buffers
       of at most this many bytes per dtype (one collective per bucket); 0:
       one collective per leaf. See the speed guide.
