@@ -17,24 +17,11 @@ import pytest
 import zero_jax as zj
 from _feature_helpers import assert_tree_close, reference_run, shapes_in
 from _small_mlp import init_params, loss_fn
+from test_meshes import batches, train as run
 from zero_jax import hlo as hlo_lib
 
 OPTS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
 MESHES = {"2x4": (2, 4), "4x2": (4, 2)}
-
-
-def batches(n=4, rows=16, fin=9, fout=5, seed=1):
-  r = np.random.default_rng(seed)
-  return [{"x": r.normal(size=(rows, fin)).astype(np.float32),
-           "y": r.normal(size=(rows, fout)).astype(np.float32)} for _ in range(n)]
-
-
-def run(step, params, bs):
-  state, losses = step.init(params), []
-  for b in bs:
-    state, m = step(state, b)
-    losses.append(float(m["loss"]))
-  return state, losses
 
 
 def hpz_step(shape, opt, **kw):
