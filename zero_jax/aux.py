@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from zero_jax.collectives import varying_axes
+from zero_jax.axes import make_varying
 
 RULES = ("mean", "sum", "max", "min", "concat")
 _HOW = (f"pass make_sharded_train_step(..., aux_reduce=) one of {RULES} for every leaf, a "
@@ -207,8 +207,7 @@ def finish(p: Parts | None, k: int, axes) -> Parts | None:
   out = []
   for r, c, e in zip(p.rules, p.values, p.rows):
     x = e if r == "concat" else (c / k if r == "mean" else c)[None]
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    out.append(make_varying(x, axes))
   return Parts(out, [None] * len(out), p.rules, p.treedef)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zero_jax.train_step import TrainState
+from zero_jax.state import TrainState
 
 FORMAT = "zero_jax.checkpoint/1"
 GROUPS = ("step", "params", "master", "opt_state", "loss_scale", "model_state", "rng")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zero_jax.collectives import varying_axes
+from zero_jax.axes import varying_axes
 
 
 def _check_tracks_variance(axis_name) -> None:

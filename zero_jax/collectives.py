@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from zero_jax import quantize
+from zero_jax.axes import as_tuple as _axes, axes_size, varying_axes  # noqa: F401
 from zero_jax.layout import Layout, pad, unpad
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20
@@ -107,24 +109,6 @@ class Comm:
     return hops
 
 
-def varying_axes(x) -> frozenset:
-  """The manual mesh axes ``x`` varies over inside ``shard_map`` (its "vma")."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # jax >= 0.9: ManualAxisType(varying=...)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
-
-
-def _axes(names) -> tuple[str, ...]:
-  return (names,) if isinstance(names, str) else tuple(names)
-
-
-def axes_size(names) -> int:
-  """Devices along ``names`` (inside ``shard_map``)."""
-  return math.prod(jax.lax.axis_size(a) for a in _axes(names))
-
-
 def _wide(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
@@ -134,7 +118,6 @@ def scatter_rows(rows: jax.Array, axes, wire: Wire | None) -> jax.Array:
   """``(n, L)`` rows -> this device's row summed over ``axes`` (n = their size)."""
   if wire is None:
     return jax.lax.psum_scatter(rows, _axes(axes), scatter_dimension=0, tiled=True)[0]
-  from zero_jax import quantize  # pylint: disable=g-import-not-at-top
   return quantize.psum_scatter_rows(rows, (_axes(axes),), block_size=wire.block_size,
                                     bits=wire.bits).astype(_wide(rows.dtype))
 
@@ -143,7 +126,6 @@ def gather_rows(row: jax.Array, axes, wire: Wire | None, *, to: str) -> jax.Arra
   """This device's row -> ``(n, L)``, every device's row (int8 on the wire if ``wire``)."""
   if wire is None:
     return jax.lax.all_gather(row, _axes(axes), axis=0, tiled=False, to=to)
-  from zero_jax import quantize  # pylint: disable=g-import-not-at-top
   out = quantize.all_gather_rows(row, _axes(axes), block_size=wire.block_size,
                                  bits=wire.bits, to=to)
   return out.astype(row.dtype)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax.collectives import varying_axes
+from zero_jax.axes import make_varying as _varying
 
 QMAX = {8: 127, 4: 7}
 _SCALE_BYTES = 4  # float32 scales, bit-cast to 4 int8 bytes on the wire
@@ -178,12 +178,6 @@ def mesh_order(axes) -> tuple[str, ...]:
 
 def _size(axes) -> int:
   return math.prod(jax.lax.axis_size(a) for a in axes)
-
-
-def _varying(x: jax.Array, axes) -> jax.Array:
-  """``x`` marked device-varying over ``axes`` (a collective that sums or splits needs it)."""
-  missing = tuple(a for a in axes if a not in varying_axes(x))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def all_gather_rows(row: jax.Array, axes, *, block_size: int, bits: int = 8,

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax import layout as lay
 from zero_jax.aux import parse_aux_reduce
-from zero_jax import offload as offload_lib
+from zero_jax import placement
 from zero_jax.collectives import DEFAULT_BUCKET_BYTES, Comm, Quantize
 
 from zero_jax import loss_scale as ls
@@ -98,7 +98,7 @@ def _check_offload(offload, mesh: Mesh):
                      f"'optimizer' (optimizer state and master copy in pinned host memory "
                      f"between steps).")
   if offload is not None:
-    offload_lib.check_backend(mesh)
+    placement.check_backend(mesh)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
-from zero_jax import offload
+from zero_jax import placement
 from zero_jax import precision as prec
 from zero_jax.options import (LeafOptions, model_axes_per_leaf, stacked_flags,
                               trainable_flags)
@@ -225,8 +225,8 @@ def partition_specs(spec: StepSpec, meta: StateMeta, treedef, model_state, rng,
 
 def state_shardings(spec: StepSpec, specs: TrainState) -> TrainState:
   """NamedShardings for a TrainState of PartitionSpecs (memory kinds: `zero_jax.offload`)."""
-  host = offload.host_resident(specs)
-  return jax.tree.map(lambda p, h: sharding(spec, p, offload.memory_kind(spec, h)), specs, host,
+  host = placement.host_resident(specs)
+  return jax.tree.map(lambda p, h: sharding(spec, p, placement.memory_kind(spec, h)), specs, host,
                       is_leaf=lambda x: isinstance(x, P))
 
 

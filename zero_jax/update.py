@@ -17,6 +17,7 @@ from zero_jax import layout as lay
 from zero_jax import loss_scale as ls
 from zero_jax import monitor
 from zero_jax import offload
+from zero_jax import placement
 from zero_jax import precision as prec
 from zero_jax.clipping import clip_with_norm
 from zero_jax.spec import StepSpec
@@ -208,7 +209,7 @@ def full_params(spec: StepSpec, state: TrainState):
   masters = state.master or [None] * len(meta.train_idx)
   for m, i in zip(masters, meta.train_idx):
     if m is not None:
-      leaves[i] = offload.to_memory(spec, m, meta.param_layouts[i], offload.DEVICE)
+      leaves[i] = placement.to_memory(spec, m, meta.param_layouts[i], placement.DEVICE)
   specs = [l.model_spec() for l in meta.param_layouts]
 
   def body(leaves):
