@@ -1,61 +1,10 @@
-"""Checkpoints of a `TrainState` with Orbax, restorable onto a mesh of any size.
+"""Checkpoints of a `TrainState` with Orbax, restorable onto a mesh of any size or stage.
 
-Every device writes its own shards (Orbax/TensorStore, OCDBT format); nothing
-is gathered on one host. A checkpoint is one directory per step holding two
-Orbax items:
-
-* ``state``: every array of the `TrainState`, in its storage view (padded for
-  the number of devices N it was saved on), as a dict
-  ``{group: {"0000": leaf, ...}}`` with groups ``step``, ``params``,
-  ``master``, ``opt_state``, ``loss_scale``, ``model_state`` and ``rng``
-  (empty groups are left out);
-* ``zero_jax``: a small JSON document (see `describe`): for every leaf its
-  path in its tree, logical shape, dtype and stored shape; which parameters
-  train; how they are stored (dtype, master copy); the node types of the
-  optimizer state and the optimizer's update rule
-  (`zero_jax.signature.optimizer_signature`); the step and the number of
-  devices that wrote it;
-
-and ``zero_jax.files.json``, the record of the step's files and their sizes
-(see `zero_jax.checkpoint_integrity`).
-
-Restoring onto another N or stage is exact: padding is only ever zeros at the
-end of one dimension, and a leaf's logical content is at the start of every
-dimension, so Orbax reads each leaf straight into the *target's* storage shape
-and sharding (``ArrayRestoreArgs(global_shape=..., strict=False)`` pads with
-zeros or drops the trailing padding, per dimension). The JSON is checked first,
-so a checkpoint whose trees, shapes, precision or optimizer differ from the
-step's is refused with the names of the leaves that differ, instead of being
-silently padded or truncated. The number of devices and the ZeRO stage may
-change; the precision, the optimizer (its hyperparameters may change, its
-update rule may not: adam, nadam, radam and yogi share one state type) and the
-trainable leaves may not. The loss-scale *values* are restored; whether the
-scale is dynamic is the new step's setting.
-
-A checkpoint is complete or absent, and a damaged one is named, never loaded.
-Orbax writes a step into a temporary directory and renames it when every item
-of every process is written, so a crash in the middle of a save leaves no step
-directory (old checkpoints are deleted only after the new one is complete; the
-next writer removes the leftover). A step directory whose files are not those
-its save wrote (an item or file deleted, a file truncated or overwritten, a
-read error) is damaged: ``all_steps`` leaves it out, ``restore()`` takes the
-newest intact step with a `DamagedCheckpointWarning` naming the damaged one,
-``restore(step=...)`` raises `DamagedCheckpointError`. One manager writes a
-directory at a time (`zero_jax.checkpoint_writer`); saves in flight finish
-before the interpreter exits.
-
-Restoring reads TensorStore arrays and JSON; it never unpickles anything.
-
-In a training loop (see `CheckpointManager` for a complete example)::
-
-  mngr = zj.CheckpointManager("/tmp/run1/ckpt", max_to_keep=3)
-  for batch in batches:
-    state, metrics = step(state, batch)
-    if int(state.step) % 1000 == 0:
-      mngr.save(state)                       # returns while it writes
-  mngr.close()                               # waits for the last write
-  # Later, in another process, on a mesh of another size or at another stage:
-  state = mngr.restore(step, params_like)    # the latest intact checkpoint
+Every device writes its own shards (nothing is gathered); each step directory holds the
+arrays in their storage view and a JSON description checked before anything is read, so a
+checkpoint that does not fit the step is refused naming the leaves, and a damaged one is
+named, never loaded. The format, the integrity record and the writer's lock are explained
+in the docs' checkpoints guide; `CheckpointManager` has a complete example.
 """
 
 from __future__ import annotations
@@ -69,6 +18,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from zero_jax import _compat
+from zero_jax import checkpoint_hyperparams as hyperparams_lib
 from zero_jax import checkpoint_integrity as integrity
 from zero_jax import checkpoint_writer as writer
 from zero_jax.checkpoint_export import export_params  # noqa: F401  (re-exported)
@@ -79,7 +30,7 @@ from zero_jax.checkpoint_integrity import (  # noqa: F401  (re-exported)
 from zero_jax.checkpoint_writer import DirectoryInUseError  # noqa: F401  (re-exported)
 from zero_jax.distributed import all_processes_agree
 from zero_jax.signature import optimizer_signature
-from zero_jax.state import check_alive
+from zero_jax.state import check_alive, masked_optimizer
 from zero_jax.train_step import ShardedTrainStep, TrainState
 
 _STATE_ITEM, _META_ITEM = "state", "zero_jax"
@@ -108,13 +59,10 @@ class CheckpointManager:
   trainable leaves; training then continues with the results it would have
   had without the interruption.
 
-  Writing is exclusive: the first ``save`` takes the directory's lock file
-  (on the primary process of a multi-process job), which a second manager's
-  ``save`` finds and refuses with `DirectoryInUseError` naming the holder;
-  ``close()``, the end of a ``with`` block or the end of the process releases
-  it. Reading (``restore``, ``all_steps``, ``metadata``) takes no lock, so an
-  evaluation job may restore from a directory a training job writes. A save
-  still in flight when the interpreter exits is finished first.
+  One manager writes a directory at a time (`DirectoryInUseError` names the
+  holder of its lock); readers take no lock. A save still in flight when the
+  interpreter exits is finished first; a failed one is reported, naming its
+  step, by the next ``save``, ``wait_until_finished`` or ``close``.
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp, optax, zero_jax as zj
@@ -155,6 +103,7 @@ class CheckpointManager:
     self.async_save = async_save
     self._lock: writer.DirectoryLock | None = None
     self._claimed = self._closed = False
+    self._pending: int | None = None  # the step of a save that may still be writing
     self._unreadable: dict[int, str] = {}  # steps whose arrays failed to read, and how
     local = writer.is_local(self.directory)
     if local:
@@ -202,7 +151,7 @@ class CheckpointManager:
     item and file its save wrote, as it wrote them, is left out (``restore``
     names what is wrong with it).
     """
-    self._mngr.wait_until_finished()
+    self._finish()
     self._mngr.reload()
     return [s for s in self._step_dirs() if self._problem(s) is None]
 
@@ -280,9 +229,10 @@ class CheckpointManager:
       raise TypeError(f"save needs the TrainState returned by step.init or step(...), got "
                       f"{type(state).__name__}.")
     check_alive(state, "CheckpointManager.save")
+    self._check_open("save")
     step = int(state.step)
     self._claim()
-    self._mngr.wait_until_finished()
+    self._finish()
     if (self.directory / str(step)).exists():
       problem = self._problem(step)
       if problem is None and not force:
@@ -296,9 +246,35 @@ class CheckpointManager:
     desc.update({"step": step, integrity.RECORD_KEY: integrity.RECORD})
     if optimizer is not None:
       desc["optimizer"] = optimizer_signature(optimizer)
-    return bool(self._mngr.save(step, force=True, args=ocp.args.Composite(**{
-        _STATE_ITEM: ocp.args.PyTreeSave(to_items(state)),
-        _META_ITEM: ocp.args.JsonSave(desc)})))
+    try:
+      started = bool(self._mngr.save(step, force=True, args=ocp.args.Composite(**{
+          _STATE_ITEM: ocp.args.PyTreeSave(to_items(state)),
+          _META_ITEM: ocp.args.JsonSave(desc)})))
+    except Exception as e:  # a synchronous failure: the same report as an async one
+      self._pending = step
+      self._lost(e)
+    self._pending = step if started else None
+    return started
+
+  def _check_open(self, what: str) -> None:
+    if self._closed:
+      raise RuntimeError(f"CheckpointManager.{what}: this manager of {self.directory} is "
+                         f"closed (close() or the end of its with block); make a new one: "
+                         f"zj.CheckpointManager({os.fspath(self.directory)!r}).")
+
+  def _finish(self) -> None:
+    """Waits for the pending save; if it failed, says which step was lost and why."""
+    try:
+      self._mngr.wait_until_finished()
+    except Exception as e:  # raised in the writer's thread, reported here
+      self._lost(e)
+    self._pending = None
+
+  def _lost(self, e: BaseException):
+    step, self._pending = self._pending, None
+    if jax.process_index() == 0:
+      self._remove_interrupted_saves()
+    raise writer.save_failed(self.directory, step, e) from e
 
   def _claim(self) -> None:
     """Before the first save: the directory is writable, ours (locked) and cleaned up."""
@@ -316,7 +292,7 @@ class CheckpointManager:
 
   def _remove_interrupted_saves(self) -> None:
     """Deletes the temporary directories that saves cut short by a crash left."""
-    suffix = ocp.path.step.TMP_DIR_SUFFIX
+    suffix = _compat.orbax_tmp_dir_suffix()
     for p in self.directory.iterdir():
       if suffix in p.name and p.name.split(".", 1)[0].isdigit():
         shutil.rmtree(os.fspath(p), ignore_errors=True)
@@ -331,7 +307,7 @@ class CheckpointManager:
 
   # --------------------------------------------------------------- restore
   def restore(self, train_step: ShardedTrainStep, params_like, *, step: int | None = None,
-              model_state=None, rng=None) -> TrainState:
+              model_state=None, rng=None, hyperparams: str | None = None) -> TrainState:
     """Reads a checkpoint into the state ``train_step`` would make.
 
     Without ``step``, the newest checkpoint that is intact: a damaged newer
@@ -351,6 +327,10 @@ class CheckpointManager:
         saved run (arrays or shape structs), or None if it had none (or
         ``params_like`` is a module).
       rng: shaped like the saved run's ``rng``, or None.
+      hyperparams: for an optimizer made with ``optax.inject_hyperparams``,
+        whose state holds its hyperparameters: None keeps the checkpoint's and
+        warns where they differ from the step optimizer's; ``"checkpoint"``
+        keeps them silently; ``"step"`` takes the step optimizer's.
 
     Returns:
       The `TrainState`, sharded for ``train_step``'s mesh and stage.
@@ -363,15 +343,28 @@ class CheckpointManager:
       ValueError: the checkpoint does not match ``train_step`` and
         ``params_like`` (the message names the leaves that differ).
     """
+    if not isinstance(train_step, ShardedTrainStep):
+      raise TypeError(
+          f"restore's first argument is the ShardedTrainStep to continue with (the function "
+          f"make_sharded_train_step returned), then the params' shapes; got "
+          f"{type(train_step).__name__} {train_step!r:.60}. Call "
+          f"mngr.restore(step_fn, params_like, step=N) (the checkpoint's step is a keyword).")
+    self._check_open("restore")
+    hyperparams_lib.check_choice(hyperparams)
     target = train_step.abstract_state(params_like, model_state=model_state, rng=rng)
     mine = describe(target)
     mine["optimizer"] = optimizer_signature(_step_optimizer(train_step))
-    self._mngr.wait_until_finished()
+    self._finish()
     self._mngr.reload()
     damaged = []
     for s in self._candidates(step):
       state, problem = self._restore_step(s, target, mine)
       if problem is None:
+        opt = masked_optimizer(_step_optimizer(train_step), jax.tree.structure(target.params),
+                               state.meta.trainable)
+        state = state.replace(opt_state=hyperparams_lib.reconcile(
+            state.opt_state, opt, target.params, hyperparams,
+            f"the checkpoint of step {s} in {self.directory}"))
         for d, why in damaged:
           warnings.warn(f"the checkpoint of step {d} in {self.directory} is damaged ({why}); "
                         f"restored step {s}, the newest intact one.", DamagedCheckpointWarning,
@@ -426,8 +419,13 @@ class CheckpointManager:
 
   # ---------------------------------------------------------------- finish
   def wait_until_finished(self) -> None:
-    """Blocks until the background write (if any) is complete."""
-    self._mngr.wait_until_finished()
+    """Blocks until the background write (if any) is complete.
+
+    Raises:
+      OSError: the pending save failed (the message names its step and why, e.g. a
+        full disk); its temporary directory is removed.
+    """
+    self._finish()
 
   def close(self) -> None:
     """Waits for pending writes, releases Orbax's resources and the directory's lock."""
@@ -435,6 +433,12 @@ class CheckpointManager:
       return
     self._closed = True
     writer.forget_at_exit(self)
+    try:
+      self._finish()
+    finally:
+      self._close_orbax()
+
+  def _close_orbax(self) -> None:
     try:
       self._mngr.close()
     finally:

@@ -36,6 +36,8 @@ from typing import Sequence
 import orbax.checkpoint as ocp
 from etils import epath
 
+from zero_jax import _compat
+
 RECORD = "zero_jax.files.json"
 """The record of a step's files, at the top of the step directory."""
 RECORD_KEY = "files_record"
@@ -99,7 +101,7 @@ def recording_temporary_path_class(directory: epath.Path) -> type:
   finalize (the one whose final path is directly under ``directory``) the
   record is written into the still-temporary directory, then Orbax commits.
   """
-  base = ocp.path.atomicity_defaults.get_default_temporary_path_class(directory)
+  base = _compat.orbax_temporary_path_class(directory)
 
   class RecordingTemporaryPath(base):  # pylint: disable=missing-class-docstring
     async def finalize(self, *args, **kwargs):

@@ -31,15 +31,15 @@ file locks: there, nothing stops a second writer.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import errno
 import json
 import os
 import socket
 import sys
-import threading
 import uuid
+
+from zero_jax import _compat
 
 try:
   import fcntl
@@ -210,6 +210,19 @@ _pending: dict[int, object] = {}  # managers that saved and are not closed yet
 _hook_registered = False
 
 
+def save_failed(directory, step: int | None, e: BaseException) -> OSError:
+  """The error a failed save is reported with: its step, why (a full disk named as such)."""
+  text = f"{type(e).__name__}: {first_line(e)}"
+  full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in text
+  why = "the disk is full (no space left on the device)" if full else text
+  what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
+  err = OSError(errno.ENOSPC if full else getattr(e, "errno", None),
+                f"saving {what} into {directory} failed: {why}. That step is not saved (its "
+                f"temporary directory was removed); earlier checkpoints are intact. Free space "
+                f"or choose another directory, then save again.")
+  return err
+
+
 def first_line(e: BaseException) -> str:
   """``"KindOfError: its first line"``, for messages that quote an error."""
   lines = str(e).strip().splitlines()
@@ -238,7 +251,7 @@ def finish_at_exit(mngr) -> None:
   """
   global _hook_registered
   if not _hook_registered:
-    getattr(threading, "_register_atexit", atexit.register)(_finish_all)
+    _compat.register_before_thread_pools_exit(_finish_all)
     _hook_registered = True
   _pending[id(mngr)] = mngr
 

@@ -64,6 +64,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from zero_jax import _compat
+
 LOST_PEER_EXIT_CODE = 3
 """Exit status of a process that stops because a peer process was lost."""
 FAILED_PEER_GRACE_S = 10.0
@@ -166,9 +168,8 @@ def initialize_distributed(coordinator_address: str | None = None,
 
 
 def _coordination_client():
-  """The ``jax.distributed`` key-value client (JAX has no public accessor)."""
-  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-  return jax_distributed.global_state.client
+  """The ``jax.distributed`` key-value client (`zero_jax._compat`)."""
+  return _compat.coordination_client()
 
 
 # ------------------------------------------------------------------ host side

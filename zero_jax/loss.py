@@ -69,7 +69,7 @@ def _expected(has_aux: bool, has_ms: bool) -> str:
                                (["new_model_state"] if has_ms else [])) + ")"
 
 
-def _split(out, has_aux: bool, has_ms: bool):
+def split_output(out, has_aux: bool, has_ms: bool):
   n_out = 1 + has_aux + has_ms
   if n_out == 1:
     if isinstance(out, (tuple, list)):
@@ -159,7 +159,7 @@ def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_
     if err is None:
       raise
     raise err from e
-  loss, aux, new_ms = _split(out, has_aux, model_state is not None)
+  loss, aux, new_ms = split_output(out, has_aux, model_state is not None)
   if isinstance(loss, WeightedLoss):
     _scalar(loss.total, "WeightedLoss.total")
     weight = jax.lax.stop_gradient(jnp.asarray(loss.weight, jnp.float32))

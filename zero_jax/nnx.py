@@ -37,7 +37,7 @@ import jax
 from flax import nnx
 from flax.nnx import filterlib
 
-from zero_jax.loss import _split as split_loss_output
+from zero_jax.loss import split_output as split_loss_output
 
 OPTIMIZER_ERROR = (
     "optimizer is an nnx.Optimizer, which holds the model and an unsharded optimizer state; "

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 
+from zero_jax import _compat
 from zero_jax import layout as lay
 from zero_jax.placement import device_bytes, load, store
 from zero_jax.spec import StepSpec
@@ -202,9 +203,7 @@ def _evaluate(closed, args: list, buckets, n_dev_out: int, in_flight: int) -> li
       stack += [v for v in jaxpr.eqns[i].invars if not isinstance(v, Literal)]
     for i in sorted(todo):
       eqn = jaxpr.eqns[i]
-      with eqn.ctx.manager:
-        ans = eqn.primitive.bind(*map(read, eqn.invars),
-                                 **eqn.primitive.get_bind_params(eqn.params))
+      ans = _compat.eval_equation(eqn, list(map(read, eqn.invars)))
       env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]))
       done.add(i)
 
