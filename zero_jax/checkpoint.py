@@ -15,11 +15,10 @@ import warnings
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 
-from zero_jax import _compat
 from zero_jax import checkpoint_hyperparams as hyperparams_lib
+from zero_jax import checkpoint_store as store_lib
 from zero_jax import checkpoint_integrity as integrity
 from zero_jax import checkpoint_writer as writer
 from zero_jax.checkpoint_export import export_params  # noqa: F401  (re-exported)
@@ -33,13 +32,8 @@ from zero_jax.signature import optimizer_signature
 from zero_jax.state import check_alive, masked_optimizer
 from zero_jax.train_step import ShardedTrainStep, TrainState
 
-_STATE_ITEM, _META_ITEM = "state", "zero_jax"
-# What every complete save writes (the record, when there is one, lists the rest).
-_REQUIRED = ("_CHECKPOINT_METADATA", f"{_STATE_ITEM}/_METADATA", f"{_META_ITEM}/metadata")
-# A failed read of a damaged checkpoint: TensorStore raises ValueError, JSON
-# ValueError, Orbax KeyError (a missing item) or OSError.
-_READ_ERRORS = (OSError, ValueError, KeyError, EOFError)
-_CONCURRENT_GB = 96  # in-flight bytes per process while writing or reading (one shard must fit)
+_META_ITEM = store_lib.META_ITEM
+_READ_ERRORS = store_lib.READ_ERRORS
 
 
 # ------------------------------------------------------------------- manager
@@ -88,13 +82,16 @@ class CheckpointManager:
     directory: where the step directories go (created if missing).
     max_to_keep: how many of the latest checkpoints to keep (None: all).
     async_save: write in a background thread.
+    store: the storage class (`zero_jax.checkpoint_store`): `OrbaxStore` by
+      default, or `DirectoryStore` (plain ``.npz`` files, one process).
 
   Raises:
     OSError: ``directory`` cannot be created, or it can be written to no more
       than it can be read from (it holds no checkpoint and is not writable).
   """
 
-  def __init__(self, directory, *, max_to_keep: int | None = 3, async_save: bool = True):
+  def __init__(self, directory, *, max_to_keep: int | None = 3, async_save: bool = True,
+               store: type | None = None):
     if max_to_keep is not None and not (isinstance(max_to_keep, int) and max_to_keep >= 1):
       raise ValueError(f"max_to_keep must be a positive int or None (keep all), got "
                        f"{max_to_keep!r}.")
@@ -108,24 +105,8 @@ class CheckpointManager:
     local = writer.is_local(self.directory)
     if local:
       self._check_directory()
-    policy = None if max_to_keep is None else ocp.checkpoint_managers.LatestN(n=max_to_keep)
-    options = ocp.CheckpointManagerOptions(
-        preservation_policy=policy, enable_async_checkpointing=async_save, create=True,
-        # Leftovers of interrupted saves are removed by the writer (`_claim`), not
-        # by every manager: a reader must not delete a save in progress.
-        cleanup_tmp_directories=not local,
-        # Directories are made before save() returns, so that a failure raises
-        # there instead of stranding Orbax's threads that wait for them.
-        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
-        temporary_path_class=integrity.recording_temporary_path_class(self.directory))
-    # A byte limit (Orbax's StandardCheckpointHandler default) makes each array's
-    # write stream to disk instead of buffering the whole state in one OCDBT
-    # transaction until the commit: about 1/3 of the extra host memory.
-    arrays = ocp.PyTreeCheckpointHandler(save_concurrent_gb=_CONCURRENT_GB,
-                                         restore_concurrent_gb=_CONCURRENT_GB)
-    self._mngr = ocp.CheckpointManager(
-        self.directory, options=options,
-        item_handlers={_STATE_ITEM: arrays, _META_ITEM: ocp.JsonCheckpointHandler()})
+    self._store = (store or store_lib.OrbaxStore)(
+        self.directory, max_to_keep=max_to_keep, async_save=async_save, local=local)
 
   def _check_directory(self) -> None:
     """Creates the directory; refuses one that can be neither written nor read from."""
@@ -141,8 +122,10 @@ class CheckpointManager:
 
   def _problem(self, step: int) -> str | None:
     """What is damaged in the checkpoint of ``step`` (see `checkpoint_integrity`), or None."""
+    step_dir = self.directory / str(step)
     return self._unreadable.get(step) or integrity.problem(
-        self.directory / str(step), required=_REQUIRED, description=f"{_META_ITEM}/metadata")
+        step_dir, required=self._store.REQUIRED, description=self._store.DESCRIPTION,
+        extra=self._store.step_problem)
 
   def all_steps(self) -> list[int]:
     """The steps of the complete, intact checkpoints on disk, ascending.
@@ -152,7 +135,7 @@ class CheckpointManager:
     names what is wrong with it).
     """
     self._finish()
-    self._mngr.reload()
+    self._store.refresh()
     return [s for s in self._step_dirs() if self._problem(s) is None]
 
   def latest_step(self) -> int | None:
@@ -172,9 +155,7 @@ class CheckpointManager:
   def _meta_or_problem(self, step: int) -> tuple[dict | None, str | None]:
     """The zero_jax description of ``step``, or None and why it cannot be had."""
     try:
-      out = self._mngr.restore(step, args=ocp.args.Composite(
-          **{_META_ITEM: ocp.args.JsonRestore()}))
-      meta = out[_META_ITEM]
+      meta = self._store.read_description(step)
     except _READ_ERRORS as e:
       return None, (f"its zero_jax description (item {_META_ITEM!r}) is unreadable ("
                     f"{writer.first_line(e)}); was it written by zero_jax.CheckpointManager?")
@@ -247,9 +228,7 @@ class CheckpointManager:
     if optimizer is not None:
       desc["optimizer"] = optimizer_signature(optimizer)
     try:
-      started = bool(self._mngr.save(step, force=True, args=ocp.args.Composite(**{
-          _STATE_ITEM: ocp.args.PyTreeSave(to_items(state)),
-          _META_ITEM: ocp.args.JsonSave(desc)})))
+      started = self._store.write(step, to_items(state), desc)
     except Exception as e:  # a synchronous failure: the same report as an async one
       self._pending = step
       self._lost(e)
@@ -265,7 +244,7 @@ class CheckpointManager:
   def _finish(self) -> None:
     """Waits for the pending save; if it failed, says which step was lost and why."""
     try:
-      self._mngr.wait_until_finished()
+      self._store.wait()
     except Exception as e:  # raised in the writer's thread, reported here
       self._lost(e)
     self._pending = None
@@ -292,18 +271,14 @@ class CheckpointManager:
 
   def _remove_interrupted_saves(self) -> None:
     """Deletes the temporary directories that saves cut short by a crash left."""
-    suffix = _compat.orbax_tmp_dir_suffix()
+    suffix = self._store.tmp_suffix()
     for p in self.directory.iterdir():
       if suffix in p.name and p.name.split(".", 1)[0].isdigit():
         shutil.rmtree(os.fspath(p), ignore_errors=True)
 
   def _remove(self, step: int) -> None:
     """Deletes the checkpoint of ``step`` (every process calls it)."""
-    self._mngr.reload()
-    if step in self._mngr.all_steps():
-      self._mngr.delete(step)
-    elif jax.process_index() == 0:  # too damaged for Orbax to list it
-      shutil.rmtree(os.fspath(self.directory / str(step)), ignore_errors=True)
+    self._store.delete(step, self.directory / str(step))
 
   # --------------------------------------------------------------- restore
   def restore(self, train_step: ShardedTrainStep, params_like, *, step: int | None = None,
@@ -355,7 +330,7 @@ class CheckpointManager:
     mine = describe(target)
     mine["optimizer"] = optimizer_signature(_step_optimizer(train_step))
     self._finish()
-    self._mngr.reload()
+    self._store.refresh()
     damaged = []
     for s in self._candidates(step):
       state, problem = self._restore_step(s, target, mine)
@@ -401,16 +376,11 @@ class CheckpointManager:
     """``(state, None)`` or ``(None, problem)``; ``added`` leaves are not read but zero."""
     items = to_items(target)
     fill = {(g, k): items[g].pop(k) for g, k in added}
-    restore_args = jax.tree.map(
-        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
-                                       dtype=s.dtype, strict=False), items)
     try:
-      out = self._mngr.restore(step, args=ocp.args.Composite(**{
-          _STATE_ITEM: ocp.args.PyTreeRestore(item=items, restore_args=restore_args)}))
+      out = self._store.read_arrays(step, items)
     except _READ_ERRORS as e:
       self._unreadable[step] = f"reading its arrays failed: {writer.first_line(e)}"
       return None, self._unreadable[step]
-    out = out[_STATE_ITEM]
     for (g, k), like in fill.items():
       out[g][k] = jax.make_array_from_callback(like.shape, like.sharding,
                                                lambda i, like=like: np.zeros(like.shape,
@@ -436,11 +406,11 @@ class CheckpointManager:
     try:
       self._finish()
     finally:
-      self._close_orbax()
+      self._close_store()
 
-  def _close_orbax(self) -> None:
+  def _close_store(self) -> None:
     try:
-      self._mngr.close()
+      self._store.close()
     finally:
       if self._lock is not None:
         self._lock.release()

@@ -9,12 +9,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-_CONCURRENT_GB = 96  # in-flight bytes per process while writing (one shard must fit)
-
-
-def _abs_path(directory) -> epath.Path:
-  s = os.fspath(directory)
-  return epath.Path(s if "://" in s else os.path.abspath(s))
+from zero_jax.checkpoint_store import CONCURRENT_GB as _CONCURRENT_GB
+from zero_jax.checkpoint_writer import abs_path
 
 
 def _export_registry():
@@ -59,4 +55,4 @@ def export_params(directory, params, *, force: bool = False) -> None:
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_export_registry(),
                                         save_concurrent_gb=_CONCURRENT_GB)
   with ocp.Checkpointer(handler) as ckptr:
-    ckptr.save(_abs_path(directory), args=ocp.args.PyTreeSave(params), force=force)
+    ckptr.save(epath.Path(abs_path(directory)), args=ocp.args.PyTreeSave(params), force=force)

@@ -170,7 +170,7 @@ def _missing_items(step_dir: epath.Path, names: Sequence[str]) -> list[str]:
   return [t for t in tops if not (step_dir / t).exists()]
 
 
-def _orbax_metadata_problem(step_dir: epath.Path) -> str | None:
+def orbax_metadata_problem(step_dir: epath.Path) -> str | None:
   try:
     json.loads((step_dir / _ORBAX_STEP_METADATA).read_text())
   except FileNotFoundError:
@@ -189,7 +189,8 @@ def _legacy_problem(step_dir: epath.Path, description: str, record_problem: str)
   return record_problem if isinstance(meta, dict) and meta.get(RECORD_KEY) else None
 
 
-def problem(step_dir: epath.Path, *, required: Sequence[str], description: str) -> str | None:
+def problem(step_dir: epath.Path, *, required: Sequence[str], description: str,
+            extra=orbax_metadata_problem) -> str | None:
   """What is wrong with the checkpoint in ``step_dir``, or None if it is intact.
 
   Args:
@@ -197,6 +198,7 @@ def problem(step_dir: epath.Path, *, required: Sequence[str], description: str) 
     required: files every complete save writes, relative to ``step_dir``.
     description: the zero_jax JSON (relative to ``step_dir``); its
       ``files_record`` entry says that the save wrote a record.
+    extra: the store's own check of an intact-looking step (Orbax's metadata).
 
   Returns:
     None, or a phrase naming the damage, e.g. ``"the item directory state/ is
@@ -215,8 +217,7 @@ def problem(step_dir: epath.Path, *, required: Sequence[str], description: str) 
   if missing:
     return "missing " + ", ".join(missing)
   if files is None:
-    return _legacy_problem(step_dir, description, record_problem) or (
-        _orbax_metadata_problem(step_dir))
+    return _legacy_problem(step_dir, description, record_problem) or extra(step_dir)
   bad = []
   for name, (size, digest) in files.items():
     why = _file_problem(step_dir / name, size, digest)
@@ -224,7 +225,7 @@ def problem(step_dir: epath.Path, *, required: Sequence[str], description: str) 
       bad.append(f"{name}: {why}")
   if bad:
     return _named(bad)
-  return _orbax_metadata_problem(step_dir)
+  return extra(step_dir)
 
 
 def step_dirs(directory: epath.Path) -> list[int]:
