@@ -1,41 +1,12 @@
-"""Multi-process training: start-up, the global batch, host metrics, a peer watchdog.
+"""Multi-process training: start-up, host metrics and a peer watchdog.
 
-With ``jax.distributed`` every process runs the same script and owns some of
-the mesh's devices. The step, ``init``, ``get_params`` and checkpoints work
-unchanged on a mesh that spans processes; what changes is the host side:
-
-* **Start-up.** `initialize_distributed` calls ``jax.distributed.initialize``
-  (cluster auto-detection on SLURM, Open MPI, Kubernetes and Cloud TPU; or the
-  variables set by `launch_local`), selects gloo collectives on CPU and starts
-  a peer watchdog (below).
-* **The batch.** Each process loads only its rows of the global batch
-  (`zero_jax.global_batch`: `process_batch_slice` says which rows, and
-  `make_global_batch` assembles them into one global ``jax.Array``).
-* **Parameters.** ``step.init(params)`` must get the *same* params on every
-  process (initialise them from the same seed); it places them without
-  communication.
-* **Metrics and logs.** `metrics_to_host` turns the step's metrics into
-  Python floats and bools on every process; only the main process
-  (`is_main_process`) should print (`print_main`) and write logs.
-* **A lost peer.** A process blocked in a collective waits for its peers. The
-  watchdog started by `initialize_distributed` publishes a heartbeat through
-  the JAX coordination service and watches the others' heartbeats; when a
-  peer stops (killed, out of memory, machine lost) or fails with an uncaught
-  exception, every survivor prints a ``zero_jax:`` line naming that process
-  and exits with `LOST_PEER_EXIT_CODE` within ``peer_timeout_seconds`` (plus
-  one poll interval), instead of hanging; the process that raised exits with
-  code 1 once its peers have stopped. A peer that raised is reported sooner,
-  after `FAILED_PEER_GRACE_S`: before gloo's own 30 s read timeout would end a
-  survivor blocked in a collective with it (exit 1, no zero_jax line); and a
-  survivor whose collective fails first all the same still names the peer that
-  failed before it. If process 0, which hosts the coordination service, dies,
-  JAX itself terminates the others at once (SIGABRT) with "Failed to send RPC
-  to coordination service. Either the leader task was
-  preempted/died/restarted unexpectedly ...".
-
-Trying it on one machine: `zero_jax.launch.launch_local` (or ``python examples/launch_local.py
--n 2 -d 4 your_script.py``) starts ``n`` local processes with a few CPU
-devices each, wired together over gloo.
+Every process runs the same script and owns some of the mesh's devices; the step, ``init``,
+``get_params`` and checkpoints work unchanged. `initialize_distributed` starts
+``jax.distributed`` (gloo collectives on CPU) and a watchdog that makes every survivor exit
+with `LOST_PEER_EXIT_CODE`, naming the process, when a peer dies or raises, instead of
+hanging in a collective; `metrics_to_host`, `is_main_process` and `print_main` are the host
+side. The batch helpers are in `zero_jax.global_batch`, the local launcher in
+`zero_jax.launch`; the docs' multi-process guide explains the rest.
 
 Example (each process runs this):
   import jax, optax, zero_jax as zj
