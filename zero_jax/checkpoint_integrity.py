@@ -1,28 +1,10 @@
 """Whether a checkpoint on disk is the one that was written: a record of its files.
 
-`CheckpointManager` saves through Orbax, which writes a step into a temporary
-directory and commits it with a rename. Just before that commit, the primary
-process writes ``zero_jax.files.json`` into the step directory (see
-`recording_temporary_path_class`): every file of the step with its size, and a
-SHA-256 of each file up to `HASHED_BYTES` (the descriptions, Orbax's metadata,
-the OCDBT manifests and B-tree nodes, small arrays). The rename publishes the
-record together with the files, so every complete step written by this
-version has one; the step's zero_jax JSON names it (``files_record``), so a
-deleted record is noticed too.
-
-`problem` checks a step directory against its record: the files every save
-writes are there, every recorded file has its recorded size, and every small
-one its recorded hash (each process hashes a file once while its size and
-modification time stay the same, so listing steps again costs one ``stat``
-per file); and Orbax's step metadata parses. This finds deleted items and
-files, truncated or extended files, and overwritten descriptions and metadata.
-
-Large array files are checked by size only, so that neither a save nor a
-listing reads the whole checkpoint back; their content is covered by the
-checksums TensorStore keeps and verifies while reading (OCDBT manifests and
-B-tree nodes, zarr shard indices): a read error during a restore is damage
-too (the manager reports it and goes on to an older step). Checkpoints
-written before the record existed get the structural check only.
+Just before a save commits (the rename of its temporary directory) the primary process
+writes ``zero_jax.files.json``: every file's size and a SHA-256 of the small ones.
+`problem` checks a step directory against it (missing items and files, truncated or
+overwritten ones, the store's own metadata); large array files are checked by size and
+by TensorStore's checksums on read. The checkpoints guide explains the design.
 """
 
 from __future__ import annotations

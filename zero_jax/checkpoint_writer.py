@@ -1,32 +1,11 @@
 """The one writer of a checkpoint directory: writable, locked, finished at exit.
 
-Any number of `CheckpointManager`s may *read* a directory (an evaluation job
-restoring the latest checkpoint of a running training job, say), but only one
-may *write* it: two writers would each delete the other's checkpoints to keep
-their own ``max_to_keep``, and each would clean up the other's save in
-progress as a leftover of a crash. So a manager's first ``save`` checks that
-the directory can be written (`check_writable`) and takes the lock file
-``<directory>/.zero_jax.lock`` (`DirectoryLock`), which it keeps until
-``close()`` or the end of the process.
-
-The lock is an exclusive ``flock`` on that file, which names its holder
-(pid, host, start time, command) for the error message of the next writer.
-The kernel drops the ``flock`` when the holder's process ends, however it
-ends (``SIGKILL`` included), so a lock left by a dead process is stale and is
-taken over without anyone deleting files (a child forked without ``exec``
-shares the descriptor, and so holds the lock while it outlives its parent).
-The file's content only names the holder. On a file system without ``flock``
-the file's content alone decides: a holder on this host whose pid is no
-longer running is stale; one on another host cannot be checked and is
-reported (delete the file if that process is gone).
-
-A manager that saved has its pending saves finished when the interpreter
-exits (`finish_at_exit`), unless it was closed before.
-
-In a multi-process job every process constructs a manager on the same
-directory and calls ``save``; only the primary process (``jax.process_index()
-== 0``) takes the lock, for the whole job. Object stores (``gs://...``) have no
-file locks: there, nothing stops a second writer.
+Any number of managers may read a directory, one may write it: its first ``save`` checks
+that the directory is writable and takes ``<directory>/.zero_jax.lock`` (an exclusive
+``flock`` naming its holder, dropped by the kernel when the holder dies) on the primary
+process, until ``close()``. Pending saves finish when the interpreter exits, and a failed
+one is reported naming its step (`save_failed`). Object stores have no file locks. The
+checkpoints guide has the details.
 """
 
 from __future__ import annotations
