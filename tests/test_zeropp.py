@@ -415,3 +415,17 @@ def test_flax_mnist_cnn_trains_with_zeropp_within_tolerance_of_the_exact_step():
   _, le = run(make(optax.sgd(0.05, momentum=0.9), None), params, data)
   _, lq = run(make(optax.sgd(0.05, momentum=0.9), zj.Quantize()), params, data)
   np.testing.assert_allclose(lq, le, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kw", [dict(axis_name=("replica", "data"), hpz_axis="data"),
+                                dict(axis_name="data", replica_axis="replica")],
+                         ids=["hpz", "hybrid"])
+def test_stage3_across_hosts_with_accumulation_equals_reference(kw):
+  """The explicit cross-host reduction runs once per micro-batch (sharded accumulation)."""
+  params, bs = init_params(), batches(3)
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=_mesh((2, 4)), stage=3,
+                                    grad_accum_steps=2, **kw)
+  state, losses = run(step, params, bs)
+  ref, ref_losses, _ = reference_run(loss_fn, optax.sgd(0.1), params, bs)
+  assert_tree_close(step.get_params(state), ref[-1])
+  np.testing.assert_allclose(losses, [float(x) for x in ref_losses], rtol=1e-5)
