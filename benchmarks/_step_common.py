@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import zero_jax as zj  # noqa: E402,F401
-from zero_jax import hlo as hlo_lib  # noqa: E402
+from zero_jax.comm import hlo as hlo_lib  # noqa: E402
 
 AXIS = "data"
 MIB = 2.0**20

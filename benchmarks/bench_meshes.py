@@ -30,7 +30,7 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import hlo as hlo_lib  # noqa: E402
+from zero_jax.comm import hlo as hlo_lib  # noqa: E402
 
 HOSTS = ({0, 1, 2, 3}, {4, 5, 6, 7})
 

@@ -28,7 +28,7 @@ import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
 from bench_meshes import crosses_hosts, ring_sent  # noqa: E402
-from zero_jax import hlo as hlo_lib  # noqa: E402
+from zero_jax.comm import hlo as hlo_lib  # noqa: E402
 
 BASE = "hybrid fp32"
 INTER_GBPS, INTRA_GBPS = 50.0, 900.0  # 400 Gb/s between hosts; NVLink-class within

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zero_jax import hlo as hlo_lib
-from zero_jax.hlo import replica_groups, shapes_in  # noqa: F401 (re-exported)
+from zero_jax.comm import hlo as hlo_lib
+from zero_jax.comm.hlo import replica_groups, shapes_in  # noqa: F401 (re-exported)
 
 N = 8
 RTOL = 1e-5

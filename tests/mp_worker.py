@@ -108,7 +108,7 @@ def make_step(variant):
 
 def collective_groups(step, state, batch):
   """[(op, groups)] of the compiled step, groups as mesh positions -> process indices."""
-  from zero_jax import hlo  # pylint: disable=g-import-not-at-top
+  from zero_jax.comm import hlo  # pylint: disable=g-import-not-at-top
   owner = [d.process_index for d in step.mesh.devices.flat]
   text = step.lower(state, batch).compile().as_text()
   return [(c.op, [[owner[i] for i in g] for g in c.groups or []], c.shape_text)

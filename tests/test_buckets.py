@@ -15,8 +15,8 @@ from jax.sharding import Mesh
 import zero_jax as zj
 from _feature_helpers import assert_tree_close, collectives, reference_run
 from _small_mlp import init_params, loss_fn
-from zero_jax.collectives import plan_buckets
-from zero_jax.layout import leaf_layout
+from zero_jax.comm.collectives import plan_buckets
+from zero_jax.comm.layout import leaf_layout
 
 STEPS = 4
 OPTS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}

@@ -681,7 +681,7 @@ def test_unwritable_directory_is_refused_at_once_naming_it_and_never_hangs(tmp_p
 
 _HOLD_LOCK = r"""
 import sys, time
-from zero_jax.checkpoint_writer import DirectoryLock
+from zero_jax.checkpoint.writer import DirectoryLock
 DirectoryLock(sys.argv[1]).acquire()
 print("holding", flush=True)
 time.sleep(120)
@@ -748,7 +748,7 @@ def test_checkpoint_without_optimizer_signature_restores_with_a_warning(steps, t
   step = steps["adam4"]
   state, _ = step(step.init(init_params()), BATCHES[0])
   # As an older zero_jax wrote it: no signature (today every state's meta carries one).
-  from zero_jax import checkpoint_format
+  from zero_jax.checkpoint import format as checkpoint_format
   monkeypatch.setattr(checkpoint_format, "_optimizer_signature_of_state", lambda state: None)
   with zj.CheckpointManager(tmp_path) as mngr:
     assert mngr.save(state)
@@ -772,7 +772,7 @@ def test_checkpoint_from_before_skipped_in_a_row_restores_it_as_zero(steps, tmp_
     good_steps: jax.Array
     skipped_steps: jax.Array
 
-  from zero_jax import checkpoint_format
+  from zero_jax.checkpoint import format as checkpoint_format
   groups = checkpoint_format._groups
   monkeypatch.setattr(checkpoint_format, "_groups", lambda s: {**groups(s), "loss_scale":
       LossScaleBeforeIt(s.loss_scale.scale, s.loss_scale.good_steps, s.loss_scale.skipped_steps)})

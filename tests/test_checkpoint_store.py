@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import zero_jax as zj
-from zero_jax.checkpoint_store import DirectoryStore, OrbaxStore
+from zero_jax.checkpoint.store import DirectoryStore, OrbaxStore
 
 STORES = {"orbax": OrbaxStore, "directory": DirectoryStore}
 

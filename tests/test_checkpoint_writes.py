@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import zero_jax as zj
-from zero_jax import checkpoint_integrity
+from zero_jax.checkpoint import integrity as checkpoint_integrity
 
 MESH = None
 

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import layout
+from zero_jax.comm import layout
 from _small_mlp import init_params, loss_fn
 
 N = 8

@@ -24,12 +24,23 @@ def test_the_layers_point_down_the_way_data_flows():
       "placement": {"spec", "state", "offload", "update", "train_step"},
       "spec": {"offload", "state", "grads", "update", "train_step"},
       "state": {"offload", "grads", "update", "train_step"},
-      "collectives": {"spec", "state", "grads", "update", "train_step"},
-      "quantize": {"collectives", "spec", "state", "grads"},
-      "checkpoint_format": {"train_step"},
+      "comm.collectives": {"spec", "state", "grads", "update", "train_step"},
+      "comm.quantize": {"comm.collectives", "spec", "state", "grads"},
+      "checkpoint.format": {"train_step"},
   }
   for name, above in below.items():
     assert not edges[name] & above, (name, edges[name] & above)
+
+
+def test_the_folders_point_one_way_comm_at_the_bottom_checkpoint_at_the_top():
+  mod, edges = _graph()
+  folders = mod.folder_edges(edges)
+  assert folders["comm"] == set(), folders["comm"]        # imports nothing of the step
+  assert "checkpoint" not in folders[""]                  # the step never imports it
+  assert mod.cycles(folders) == []
+  # The package's __init__ re-exports; no module of the step imports the checkpoint family.
+  users = {m for m, deps in edges.items() if any(d.startswith("checkpoint") for d in deps)}
+  assert all(m.startswith("checkpoint") for m in users), users
 
 
 def test_the_cycle_finder_finds_a_cycle():

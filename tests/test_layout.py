@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import zero_jax as zj
-from zero_jax import layout as lay
+from zero_jax.comm import layout as lay
 
 
 @pytest.mark.parametrize("shape,n,dim,padded", [

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import collectives
-from zero_jax.layout import leaf_layout
+from zero_jax.comm import collectives
+from zero_jax.comm.layout import leaf_layout
 
 N = 8
 

@@ -22,7 +22,7 @@ from _feature_helpers import (assert_tree_close, collective_groups, reference_ru
                               shapes_in, shard_bytes)
 from _small_mlp import init_params, loss_fn
 from zero_jax import batch as batching
-from zero_jax.layout import local_storage_shape
+from zero_jax.comm.layout import local_storage_shape
 
 STEPS = 5
 OPTS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}

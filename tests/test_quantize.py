@@ -1,4 +1,4 @@
-"""Block quantization and the quantized collectives (zero_jax.quantize) against numpy and lax.
+"""Block quantization and the quantized collectives (zero_jax.comm.quantize) against numpy and lax.
 
 References are computed without sharding (numpy sums of every device's rows) or
 with the exact lax collectives; the error bounds asserted are the ones stated in
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import hlo
-from zero_jax import quantize as zq
+from zero_jax.comm import hlo
+from zero_jax.comm import quantize as zq
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESHES = [((8,), ("data",)), ((2, 4), ("replica", "data")), ((4, 2), ("replica", "data"))]

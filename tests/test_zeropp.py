@@ -18,7 +18,7 @@ import zero_jax as zj
 from _feature_helpers import assert_tree_close, reference_run, shapes_in
 from _small_mlp import init_params, loss_fn
 from test_meshes import batches, train as run
-from zero_jax import hlo as hlo_lib
+from zero_jax.comm import hlo as hlo_lib
 
 OPTS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
 MESHES = {"2x4": (2, 4), "4x2": (4, 2)}

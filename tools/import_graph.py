@@ -1,10 +1,13 @@
 """Prints the import graph of the ``zero_jax`` package and any cycle in it.
 
-Every ``import zero_jax.x`` / ``from zero_jax[.x] import ...`` counts, wherever it stands
-(module level, inside a function, under ``TYPE_CHECKING``). Usage::
+Modules are named by their path inside the package: ``train_step``, ``comm.collectives``,
+``checkpoint.manager``. Every ``import zero_jax.x`` / ``from zero_jax[.x] import ...``
+counts, wherever it stands (module level, inside a function, under ``TYPE_CHECKING``); a
+package's ``__init__`` counts as the package. Usage::
 
-  python tools/import_graph.py          # one line per module: what it imports
-  python tools/import_graph.py --check  # exit 1 if there is a cycle
+  python tools/import_graph.py            # one line per module: what it imports
+  python tools/import_graph.py --check    # exit 1 if there is a cycle
+  python tools/import_graph.py --folders  # the graph between the subpackages and the top
 """
 
 import ast
@@ -14,19 +17,49 @@ import sys
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zero_jax"
 
 
+def _name(path: pathlib.Path) -> str:
+  parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+  if parts[-1] == "__init__":
+    parts = parts[:-1]
+  return ".".join(parts)
+
+
+def _targets(node, here: str, modules: set[str]) -> set[str]:
+  """The modules of the package an import statement names."""
+  if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zero_jax"):
+    base = node.module[len("zero_jax"):].lstrip(".")
+    found = set()
+    for a in node.names:  # `from zero_jax.comm import layout`: the module comm.layout
+      sub = f"{base}.{a.name}" if base else a.name
+      found.add(sub if sub in modules else base)
+    return found
+  if isinstance(node, ast.Import):
+    return {a.name[len("zero_jax."):] for a in node.names if a.name.startswith("zero_jax.")}
+  return set()
+
+
 def graph() -> dict[str, set[str]]:
-  modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+  files = {_name(p): p for p in PACKAGE.rglob("*.py")}
+  modules = set(files) - {""}
   edges = {}
   for name in sorted(modules):
     deps = set()
-    for node in ast.walk(ast.parse((PACKAGE / f"{name}.py").read_text())):
-      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zero_jax"):
-        parts = node.module.split(".")
-        deps |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
-      elif isinstance(node, ast.Import):
-        deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("zero_jax.")}
-    edges[name] = (deps & modules) - {name}
+    for node in ast.walk(ast.parse(files[name].read_text())):
+      deps |= _targets(node, name, modules)
+    edges[name] = {d for d in deps if d in modules} - {name}
   return edges
+
+
+def folder(module: str) -> str:
+  """The subpackage a module belongs to, or "" for the top level."""
+  return module.split(".")[0] if "." in module or module in ("comm", "checkpoint") else ""
+
+
+def folder_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+  out: dict[str, set[str]] = {}
+  for name, deps in edges.items():
+    out.setdefault(folder(name), set()).update(folder(d) for d in deps)
+  return {k: v - {k} for k, v in out.items()}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -34,7 +67,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
   found, seen = [], set()
 
   def walk(node, path):
-    for nxt in sorted(edges[node]):
+    for nxt in sorted(edges.get(node, ())):
       if nxt in path:
         cyc = path[path.index(nxt):]
         key = frozenset(cyc)
@@ -50,6 +83,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def main(argv) -> int:
   edges = graph()
+  if "--folders" in argv:
+    edges = {k or "(top)": {d or "(top)" for d in v} for k, v in folder_edges(edges).items()}
   for name, deps in edges.items():
     print(f"{name}: {', '.join(sorted(deps)) or '-'}")
   found = cycles(edges)

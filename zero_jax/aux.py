@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from zero_jax.axes import make_varying
+from zero_jax.comm.axes import make_varying
 
 RULES = ("mean", "sum", "max", "min", "concat")
 _HOW = (f"pass make_sharded_train_step(..., aux_reduce=) one of {RULES} for every leaf, a "

@@ -6,7 +6,7 @@ squared norms of leaves that vary over the axis (slices) are summed across it;
 leaves that every device holds whole (replicated) are counted once. Which is
 which comes from jax's tracking of device variance, so the ``shard_map`` must
 have ``check_vma=True`` (the default; otherwise a ValueError says so). Padding
-must be zero, as `zero_jax.layout` makes it, so it adds nothing.
+must be zero, as `zero_jax.comm.layout` makes it, so it adds nothing.
 
 Example:
   >>> import jax.numpy as jnp, zero_jax as zj
@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zero_jax.axes import varying_axes
+from zero_jax.comm.axes import varying_axes
 
 
 def _check_tracks_variance(axis_name) -> None:

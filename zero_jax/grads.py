@@ -16,8 +16,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from zero_jax import aux as aux_lib
-from zero_jax import collectives
-from zero_jax import layout as lay
+from zero_jax.comm import collectives
+from zero_jax.comm import layout as lay
 from zero_jax import loss_scale as ls
 from zero_jax.loss import call_loss
 from zero_jax.spec import StepSpec

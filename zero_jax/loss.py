@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from zero_jax.axes import varying_axes
+from zero_jax.comm.axes import varying_axes
 
 
 @struct.dataclass

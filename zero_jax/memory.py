@@ -36,7 +36,7 @@ from flax import nnx
 
 from zero_jax import nnx as nnx_lib
 from zero_jax import precision as prec
-from zero_jax.layout import local_storage_shape, model_block_shape
+from zero_jax.comm.layout import local_storage_shape, model_block_shape
 from zero_jax.spec import OFFLOAD_CHOICES, planning_spec
 from zero_jax.signature import as_transformation
 from zero_jax.options import LeafOptions

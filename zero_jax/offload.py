@@ -26,7 +26,7 @@ from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 
 from zero_jax import _compat
-from zero_jax import layout as lay
+from zero_jax.comm import layout as lay
 from zero_jax.placement import device_bytes, load, store
 from zero_jax.spec import StepSpec
 from zero_jax.state import StateMeta

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from zero_jax import layout as lay
+from zero_jax.comm import layout as lay
 
 HOST = "pinned_host"
 DEVICE = "device"

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import layout as lay
+from zero_jax.comm import layout as lay
 from zero_jax.aux import parse_aux_reduce
 from zero_jax import placement
-from zero_jax.collectives import DEFAULT_BUCKET_BYTES, Comm, Quantize
+from zero_jax.comm.collectives import DEFAULT_BUCKET_BYTES, Comm, Quantize
 
 from zero_jax import loss_scale as ls
 from zero_jax.precision import Policy, get_policy
@@ -114,7 +114,7 @@ class StepSpec:
     model_axes: the user's axes (left to the compiler inside the step).
     stage, has_aux, max_grad_norm, grad_accum_steps, accumulate, donate,
     offload, gather_once: the options of `make_sharded_train_step`.
-    comm: the communication record (`zero_jax.collectives.Comm`): axes of
+    comm: the communication record (`zero_jax.comm.collectives.Comm`): axes of
       each hop, ``comm_dtype``, ``bucket_bytes``, ``hpz_axis``, ``quantize``.
     aux_reduce: ``aux_reduce=`` validated (`zero_jax.aux.parse_aux_reduce`).
     policy: the precision `Policy`.

@@ -13,10 +13,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zero_jax.collectives import (Comm, axes_size, gather_in_loss, plan_buckets,
+from zero_jax.comm.collectives import (Comm, axes_size, gather_in_loss, plan_buckets,
                                   reduce_scatter_many)
 from zero_jax import nnx as nnx_lib
-from zero_jax.layout import Layout, local_storage_shape, unpad
+from zero_jax.comm.layout import Layout, local_storage_shape, unpad
 
 
 @jax.tree_util.register_pytree_node_class

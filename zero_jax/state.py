@@ -17,7 +17,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zero_jax import layout as lay
+from zero_jax.comm import layout as lay
 from zero_jax import loss_scale as ls
 from zero_jax import placement
 from zero_jax import precision as prec

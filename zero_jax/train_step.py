@@ -27,7 +27,7 @@ from zero_jax import nnx as nnx_lib
 from zero_jax import precision as prec
 from zero_jax import state as st
 from zero_jax import update as update_lib
-from zero_jax.collectives import DEFAULT_BUCKET_BYTES, Quantize
+from zero_jax.comm.collectives import DEFAULT_BUCKET_BYTES, Quantize
 from zero_jax.loss import check_model_state, check_rng
 from zero_jax.monitor import StallWatch
 from zero_jax.options import LeafOptions

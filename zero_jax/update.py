@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zero_jax import collectives
+from zero_jax.comm import collectives
 from zero_jax import context
-from zero_jax import layout as lay
+from zero_jax.comm import layout as lay
 from zero_jax import loss_scale as ls
 from zero_jax import monitor
 from zero_jax import offload
@@ -49,7 +49,7 @@ def keep_if_skipped(finite, new, old):
 def gather_params(spec: StepSpec, layouts, blocks, stacked, old):
   """Storage blocks (split over data and model axes) -> logical leaves split over model only.
 
-  Bucketed (see `zero_jax.collectives`; stacked leaves alone); on one device the
+  Bucketed (see `zero_jax.comm.collectives`; stacked leaves alone); on one device the
   blocks are the leaves. A stacked leaf is gathered one layer at a time into
   its ``old`` value's buffer (donated with the state): gathering the whole stack
   along a dimension behind the layers would leave a transposed copy of it in

@@ -4,7 +4,7 @@ They run inside ``shard_map`` and receive the step's communication record,
 `Comm`, whole: which axes a parameter is gathered over, which further axes
 its gradient is reduced over, the dtype and buckets on the wire, and whether
 weights and gradients travel as block-quantized integers (ZeRO++: see
-`zero_jax.quantize`). A new wire format is a change to this module and to
+`zero_jax.comm.quantize`). A new wire format is a change to this module and to
 `Comm` only. Buckets (small leaves moved as one buffer, one row per device)
 and the hops of a reduction are explained in the docs ("How it works").
 """
@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zero_jax import quantize
-from zero_jax.axes import as_tuple as _axes, axes_size, varying_axes  # noqa: F401
-from zero_jax.layout import Layout, pad, unpad
+from zero_jax.comm import quantize
+from zero_jax.comm.axes import as_tuple as _axes, axes_size, varying_axes  # noqa: F401
+from zero_jax.comm.layout import Layout, pad, unpad
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20
 
@@ -284,7 +284,7 @@ def all_gather_many(blocks, layouts, groups, comm: Comm, *, axes=None, to: str =
   """`all_gather` of every block of ``blocks``, one collective per group of ``groups``.
 
   With quantized weights (`Comm.wire`) the blocks travel as int8
-  (`zero_jax.quantize`), every device's own block included, so that all
+  (`zero_jax.comm.quantize`), every device's own block included, so that all
   devices see the same values.
   """
   axes = comm.gather_axes if axes is None else _axes(axes)

@@ -17,16 +17,16 @@ import jax
 import numpy as np
 from etils import epath
 
-from zero_jax import checkpoint_hyperparams as hyperparams_lib
-from zero_jax import checkpoint_store as store_lib
-from zero_jax import checkpoint_integrity as integrity
-from zero_jax import checkpoint_writer as writer
-from zero_jax.checkpoint_export import export_params  # noqa: F401  (re-exported)
-from zero_jax.checkpoint_format import (  # noqa: F401  (FORMAT, describe: re-exported)
+from zero_jax.checkpoint import hyperparams as hyperparams_lib
+from zero_jax.checkpoint import store as store_lib
+from zero_jax.checkpoint import integrity
+from zero_jax.checkpoint import writer
+from zero_jax.checkpoint.export import export_params  # noqa: F401  (re-exported)
+from zero_jax.checkpoint.format import (  # noqa: F401  (FORMAT, describe: re-exported)
     FORMAT, added_since, check_compatible, describe, from_items, to_items)
-from zero_jax.checkpoint_integrity import (  # noqa: F401  (re-exported)
+from zero_jax.checkpoint.integrity import (  # noqa: F401  (re-exported)
     DamagedCheckpointError, DamagedCheckpointWarning)
-from zero_jax.checkpoint_writer import DirectoryInUseError  # noqa: F401  (re-exported)
+from zero_jax.checkpoint.writer import DirectoryInUseError  # noqa: F401  (re-exported)
 from zero_jax.distributed import all_processes_agree
 from zero_jax.signature import optimizer_signature
 from zero_jax.state import check_alive, masked_optimizer
@@ -82,7 +82,7 @@ class CheckpointManager:
     directory: where the step directories go (created if missing).
     max_to_keep: how many of the latest checkpoints to keep (None: all).
     async_save: write in a background thread.
-    store: the storage class (`zero_jax.checkpoint_store`): `OrbaxStore` by
+    store: the storage class (`zero_jax.checkpoint.store`): `OrbaxStore` by
       default, or `DirectoryStore` (plain ``.npz`` files, one process).
 
   Raises:

@@ -4,7 +4,7 @@ An array is flattened, padded to whole blocks of ``block_size`` elements, and
 each block is stored as int8 values (or int4, two to a byte) with one float32
 scale: symmetric absmax, ``scale = max|block| / qmax`` (qmax 127 or 7). The
 collectives run inside ``shard_map`` on the "rows" form of
-`zero_jax.collectives`: row ``d`` belongs to device ``d``, numbered row-major
+`zero_jax.comm.collectives`: row ``d`` belongs to device ``d``, numbered row-major
 over the axes in mesh order. Values and scales travel as one int8 buffer.
 `all_gather_rows` is qwZ; `psum_scatter_rows` is qgZ: per hop an all-to-all of
 quantized pieces, dequantized and summed in float32, never in int8. Over axes
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax.axes import make_varying as _varying
+from zero_jax.comm.axes import make_varying as _varying
 
 QMAX = {8: 127, 4: 7}
 _SCALE_BYTES = 4  # float32 scales, bit-cast to 4 int8 bytes on the wire
@@ -98,7 +98,7 @@ def _quantize_last(x: jax.Array, block_size: int, bits: int):
 @_quantize_last.defjvp
 def _no_derivative(block_size, bits, primals, tangents):
   raise TypeError(
-      "zero_jax.quantize: rounding to int8/int4 has a zero derivative almost everywhere, so "
+      "zero_jax.comm.quantize: rounding to int8/int4 has a zero derivative almost everywhere, so "
       "differentiating through quantize, all_gather_rows, all_gather, psum_scatter_rows or "
       "psum_scatter would silently give zero gradients. Differentiate gather_rows_vjp "
       "instead (its backward pass is the reduce-scatter you choose), or apply "
@@ -322,7 +322,7 @@ def psum_scatter(x: jax.Array, hops, *, scatter_dimension: int = 0, block_size: 
   if x.ndim == 0 or x.shape[scatter_dimension] % n:
     raise ValueError(f"psum_scatter of shape {x.shape} along dimension {scatter_dimension}: "
                      f"its size must be a multiple of the {n} devices of the hops' axes; pad "
-                     f"it first (zero_jax.layout.pad).")
+                     f"it first (zero_jax.comm.layout.pad).")
   moved = jnp.moveaxis(x, scatter_dimension, 0)
   mine = psum_scatter_rows(moved.reshape(n, -1), hops, block_size=block_size, bits=bits)
   return jnp.moveaxis(mine.reshape((moved.shape[0] // n,) + moved.shape[1:]), 0,

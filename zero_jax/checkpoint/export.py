@@ -9,8 +9,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zero_jax.checkpoint_store import CONCURRENT_GB as _CONCURRENT_GB
-from zero_jax.checkpoint_writer import abs_path
+from zero_jax.checkpoint.store import CONCURRENT_GB as _CONCURRENT_GB
+from zero_jax.checkpoint.writer import abs_path
 
 
 def _export_registry():

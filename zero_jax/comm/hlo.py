@@ -8,7 +8,7 @@ or runs inside the backward loop.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
-  >>> from zero_jax.hlo import collectives
+  >>> from zero_jax.comm.hlo import collectives
   >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
   >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1),
   ...                                   mesh=jax.make_mesh((8,), ("data",)))

@@ -6,7 +6,7 @@ directories under one directory. `OrbaxStore` (the default) writes TensorStore a
 with Orbax, each device its own shards; `DirectoryStore` is a plain ``.npz`` store for
 single-process use and tests, and shows what another store needs: the methods below,
 atomic commits (a temporary directory renamed when complete, the integrity record of
-`zero_jax.checkpoint_integrity` written just before), and ``REQUIRED``/``DESCRIPTION``.
+`zero_jax.checkpoint.integrity` written just before), and ``REQUIRED``/``DESCRIPTION``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from zero_jax import _compat
-from zero_jax import checkpoint_integrity as integrity
+from zero_jax.checkpoint import integrity
 
 STATE_ITEM, META_ITEM = "state", "zero_jax"
 # A failed read of a damaged checkpoint: TensorStore raises ValueError, JSON

@@ -1,0 +1,23 @@
+"""Checkpoints and weights on disk: every file is written from the shards where they lie.
+
+One module a job: `manager` (`CheckpointManager`: save, restore, keep the last few),
+`format` (what a checkpoint holds and whether it fits a step), `store` (the storage seam:
+Orbax or plain files), `writer` (the directory's lock, temporary names, failed writes),
+`integrity` (the record that tells a complete checkpoint from a damaged one),
+`hyperparams` (restored ``inject_hyperparams`` values) and `export` (full parameters as a
+plain Orbax checkpoint). It sits above the step and imports it; nothing of the step
+imports it.
+"""
+
+from zero_jax.checkpoint.export import export_params
+from zero_jax.checkpoint.integrity import DamagedCheckpointError, DamagedCheckpointWarning
+from zero_jax.checkpoint.manager import CheckpointManager
+from zero_jax.checkpoint.writer import DirectoryInUseError
+
+__all__ = [
+    "CheckpointManager",
+    "DamagedCheckpointError",
+    "DamagedCheckpointWarning",
+    "DirectoryInUseError",
+    "export_params",
+]

@@ -1,0 +1,8 @@
+"""Communication: how leaves are laid out over the mesh and moved between devices.
+
+One module a job: `layout` (which dimension of a leaf is split, padding), `axes` (axis
+tuples, sizes, varying axes), `collectives` (reduce-scatter and all-gather of leaves and
+buckets over the hops of a `Comm` record), `quantize` (ZeRO++'s block-quantized
+primitives) and `hlo` (reading the collectives out of a compiled program). It sits at the
+bottom: it imports nothing of the step.
+"""
