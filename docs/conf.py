@@ -31,7 +31,8 @@ extensions = [
     "sphinx.ext.viewcode",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build", "README.md", "**/.ipynb_checkpoints"]
+# pypi_description.md is the package's long description (pyproject.toml's readme), not a page.
+exclude_patterns = ["_build", "README.md", "pypi_description.md", "**/.ipynb_checkpoints"]
 myst_enable_extensions = ["colon_fence", "deflist", "dollarmath"]
 myst_heading_anchors = 3
 
