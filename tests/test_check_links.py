@@ -19,7 +19,8 @@ def _site(tmp_path, links):
   (tmp_path / "index.html").write_text(
       '<h1 id="top">t</h1><a name="old"></a><link rel="stylesheet" href="_static/style.css">'
       + "".join(f'<a href="{l}">x</a>' for l in links))
-  (tmp_path / "api.html").write_text('<dt id="zero_jax.gather">gather</dt><p id="réf"></p>', encoding="utf-8")
+  (tmp_path / "api.html").write_text('<dt id="zero_jax.gather">gather</dt><p id="réf"></p>',
+                                     encoding="utf-8")
   (tmp_path / "guides" / "index.html").write_text('<a href="../api.html#zero_jax.gather">g</a>')
   return tmp_path
 
@@ -38,7 +39,8 @@ def test_each_missing_file_and_anchor_is_reported_with_its_page_and_why(tmp_path
   broken = check_links.broken_links(site)
   assert broken == [
       "guides/index.html:1: ../_images/plot.png (no file _images/plot.png)",
-      "index.html:1: api.html#zero_jax.hlo.collectives (no anchor #zero_jax.hlo.collectives in api.html)",
+      "index.html:1: api.html#zero_jax.hlo.collectives "
+      "(no anchor #zero_jax.hlo.collectives in api.html)",
       "index.html:1: nothere.html (no file nothere.html)",
       "index.html:1: #nowhere (no anchor #nowhere in index.html)",
       "index.html:1: guides/missing/ (no file guides/missing/index.html)",

@@ -120,7 +120,7 @@ def test_readme_install_lines_work_in_a_fresh_venv(dist, tmp_path):
   from importlib import metadata
   sdist, _ = dist
   with tarfile.open(sdist) as t:
-    t.extractall(tmp_path, filter="data")
+    t.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
   src = tmp_path / sdist.name.removesuffix(".tar.gz")
   env = tmp_path / "venv"
   venv.create(env, with_pip=True)
@@ -136,7 +136,8 @@ def test_readme_install_lines_work_in_a_fresh_venv(dist, tmp_path):
            "PATH": f"{env / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(env),
            "PIP_NO_DEPS": "1", "PIP_QUIET": "1"}
   code = ("import zero_jax as zj, pathlib; f = pathlib.Path(zj.__file__).parent;"
-          "print(zj.__version__, f.parent, (f / 'py.typed').is_file(), zj.DamagedCheckpointError.__name__)")
+          "print(zj.__version__, f.parent, (f / 'py.typed').is_file(),"
+          " zj.DamagedCheckpointError.__name__)")
   blocks = _install_blocks()
   assert blocks[0][0] == "pip install -e ." and "python -m build" in blocks[1][0], blocks
   # The wheel's block first: with the same version installed editable, pip would keep that one.
@@ -147,7 +148,8 @@ def test_readme_install_lines_work_in_a_fresh_venv(dist, tmp_path):
       continue
     proc = subprocess.run(["bash", "-c", line], cwd=src, env=shell, capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode == 0, f"README install line failed: {line}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"README install line failed: {line}\n"
+                                  f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     if not re.search(r"pip install (-e |\S+\.whl)", line):
       continue
     out = subprocess.check_output([py, "-c", code], text=True, cwd=tmp_path, env=shell,
