@@ -65,10 +65,20 @@ def _barrier(tree):
   return jax.tree.unflatten(treedef, leaves)
 
 
+def _vma(x) -> tuple:
+  """The axes an array, or a struct from ``jax.eval_shape`` inside ``shard_map``, varies over."""
+  if isinstance(x, jax.ShapeDtypeStruct):  # (its aval cannot always be rebuilt: model axes)
+    return tuple(sorted(getattr(x.manual_axis_type, "varying", ())))
+  return tuple(sorted(varying_axes(x)))
+
+
+def _zeros(s, lead: tuple = ()):
+  """Zeros shaped ``lead + s.shape`` with the device variance of ``s``."""
+  return make_varying(jnp.zeros(lead + tuple(s.shape), s.dtype), _vma(s))
+
+
 def _stacked_zeros(s, length: int):
-  """``(length, *s.shape)`` zeros with the device variance of ``s`` (an array or a struct)."""
-  return make_varying(jnp.zeros((length,) + tuple(s.shape), s.dtype),
-                      tuple(sorted(varying_axes(s))))
+  return _zeros(s, (length,))
 
 
 # ----------------------------------------------------------------- the layers
@@ -274,91 +284,83 @@ def _ct(x):
   return None if isinstance(x, jax.custom_derivatives.SymbolicZero) else x
 
 
+class _Sharded:
+  """The stack's `ShardedParam`s as flat stacked leaves (blocks, and at stage 2 the values).
+
+  At stage 3 a layer's values are gathered one iteration ahead and carried (``ahead``);
+  at stage 2 they are this device's own, taken where they are used.
+  """
+
+  def __init__(self, sps: list):
+    self.leaves, self.treedef = jax.tree.flatten(sps)
+    self.ahead = all(x.full is None for x in sps)
+    self.block_pos = np.cumsum([0] + [1 + (x.full is not None) for x in sps])[:-1].tolist()
+
+  def at(self, leaves, i) -> list:
+    """Layer ``i``'s `ShardedParam`s."""
+    return jax.tree.unflatten(self.treedef, [_at(x, i) for x in leaves])
+
+  def fetch(self, leaves, i):
+    """What a loop carries for layer ``i``: its gathered values (stage 3), or None."""
+    return _gather_many(self.at(leaves, i)) if self.ahead else None
+
+  def use(self, leaves, i, w) -> list:
+    """Layer ``i``'s values for ``f``: the carried ``w``, or taken here (stage 2)."""
+    return w if self.ahead else _gather_many(self.at(leaves, i))
+
+
 def _scan_prefetched(f, init, layers: _Layers):
   """The schedule of the module docstring; see `scan`."""
   n, length = len(layers.leaves), layers.length
   plain_idx = [i for i in range(n) if i not in set(layers.sharded)]
-  sp_leaves, sp_def = jax.tree.flatten([layers.leaves[i] for i in layers.sharded])
+  sharded = _Sharded([layers.leaves[i] for i in layers.sharded])
   plain = [layers.leaves[i] for i in plain_idx]
   init_leaves, init_def = jax.tree.flatten(init)
-
-  def sharded_at(leaves, i):  # layer i's ShardedParams
-    return jax.tree.unflatten(sp_def, [_at(x, i) for x in leaves])
-
-  def merged(w, x):
-    leaves: list = [None] * n
-    for i, v in zip(layers.sharded, w):
-      leaves[i] = v
-    for i, v in zip(plain_idx, x):
-      leaves[i] = v
-    return leaves
-
   changed: list = []
   body, defs = _layer_fn(f, layers, changed), {}
 
   def flat(c, w, x):
-    carry, y, new = body(jax.tree.unflatten(init_def, c), merged(w, x))
+    leaves: list = [None] * n
+    for i, v in zip(layers.sharded + plain_idx, list(w) + list(x)):
+      leaves[i] = v
+    carry, y, new = body(jax.tree.unflatten(init_def, c), leaves)
     c_out, defs["carry"] = jax.tree.flatten(carry)
     y_out, defs["y"] = jax.tree.flatten(y)
     return c_out, y_out, list(new)
 
-  ex_w = jax.eval_shape(lambda ls: _gather_many(sharded_at(ls, 0)), sp_leaves)
-  ex_x = jax.eval_shape(lambda xs: [x[0] for x in xs], plain)
-  init_leaves = _carry_like(init_leaves, init_def, jax.eval_shape(flat, init_leaves, ex_w, ex_x)[0],
-                            defs)
+  ex_w = [_zeros(s) for s in jax.eval_shape(lambda ls: _gather_many(sharded.at(ls, 0)),
+                                             sharded.leaves)]
+  ex_x = [_zeros(s) for s in jax.eval_shape(lambda xs: [x[0] for x in xs], plain)]
+  init_leaves = _carry_like(init_leaves, init_def, defs,
+                            jax.eval_shape(flat, init_leaves, ex_w, ex_x)[0])
   conv, consts = jax.closure_convert(flat, init_leaves, ex_w, ex_x)
-  c_s, y_s, new_s = jax.eval_shape(conv, init_leaves, ex_w, ex_x, *consts)
+  out_s = jax.eval_shape(conv, init_leaves, ex_w, ex_x, *consts)
   perturbed: dict = {}
-
-  def forward(c, sp, xs, ks, save: bool):
-    """Layer i+1 gathered while layer i computes; the input carries kept if ``save``."""
-    bufs = ([_stacked_zeros(s, length) for s in y_s], [_stacked_zeros(s, length) for s in new_s],
-            [_stacked_zeros(s, length) for s in c_s] if save else [])
-
-    def compute(i, c, w, bufs):
-      ys, news, saved = bufs
-      saved = [_put(b, x, i) for b, x in zip(saved, c)]
-      c, y, new = conv(c, w, [_at(x, i) for x in xs], *ks)
-      return c, ([_put(b, v, i) for b, v in zip(ys, y)],
-                 [_put(b, v, i) for b, v in zip(news, new)], saved)
-
-    def step(i, st):
-      c, w, bufs = st
-      w_next = _gather_many(sharded_at(sp, i + 1))  # issued before layer i's compute
-      c, bufs = compute(i, c, w, bufs)
-      w_next, c = _barrier((w_next, c))
-      return c, w_next, bufs
-
-    w = _gather_many(sharded_at(sp, 0))
-    if length > 1:
-      c, w, bufs = jax.lax.fori_loop(0, length - 1, step, (c, w, bufs))
-    c, (ys, news, saved) = compute(length - 1, c, w, bufs)
-    return (c, ys, news), saved
 
   @jax.custom_vjp
   def run(c, sp, xs, ks):
-    return forward(c, sp, xs, ks, save=False)[0]
+    return _forward(conv, sharded, length, out_s, c, sp, xs, ks, save=False)[0]
 
   def run_fwd(c, sp, xs, ks):
     value = lambda t: [a.value for a in t]
     perturbed.update(sp=[a.perturbed for a in sp], xs=[a.perturbed for a in xs],
                      ks=[a.perturbed for a in ks])
     c, sp, xs, ks = value(c), value(sp), value(xs), value(ks)
-    out, saved = forward(c, sp, xs, ks, save=True)
+    out, saved = _forward(conv, sharded, length, out_s, c, sp, xs, ks, save=True)
     return out, (saved, sp, xs, ks)
 
   def run_bwd(res, cts):
     saved, sp, xs, ks = res
-    return tuple(_backward(conv, sharded_at, length, saved, sp, xs, ks, perturbed,
+    return tuple(_backward(conv, sharded, length, saved, sp, xs, ks, perturbed,
                            [[_ct(x) for x in part] for part in cts]))
 
   run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
-  c, ys, new = run(init_leaves, sp_leaves, plain, list(consts))
+  c, ys, new = run(init_leaves, sharded.leaves, plain, list(consts))
   layers.write_back(changed, new)
   return jax.tree.unflatten(init_def, c), jax.tree.unflatten(defs["y"], ys)
 
 
-def _carry_like(init_leaves, init_def, out_s, defs) -> list:
+def _carry_like(init_leaves, init_def, defs, out_s) -> list:
   """``init``'s leaves, checked against ``f``'s carry and as device-varying as it."""
   if defs["carry"] != init_def or any(
       np.shape(a) != s.shape or jnp.result_type(a) != s.dtype for a, s in zip(init_leaves, out_s)):
@@ -367,39 +369,70 @@ def _carry_like(init_leaves, init_def, out_s, defs) -> list:
     raise TypeError(f"zero_jax.scan: f(carry, layer) must return a carry of the same structure, "
                     f"shapes and dtypes as init, as for jax.lax.scan; init is {init_def} with "
                     f"{have}, f returned {defs['carry']} with {got}.")
-  return [make_varying(a, tuple(sorted(varying_axes(s)))) for a, s in zip(init_leaves, out_s)]
+  return [make_varying(a, _vma(s)) for a, s in zip(init_leaves, out_s)]
 
 
-def _backward(conv, sharded_at, length: int, saved, sp, xs, ks, perturbed: dict, cts) -> list:
+def _forward(conv, sharded: _Sharded, length: int, out_s, c, sp, xs, ks, save: bool):
+  """Layer i+1 gathered while layer i computes; with ``save``, each layer's input carry
+  kept for the backward pass. Returns ``((carry, ys, new states), saved carries)``."""
+  c_s, y_s, new_s = out_s
+  bufs = ([_stacked_zeros(s, length) for s in y_s], [_stacked_zeros(s, length) for s in new_s],
+          [_stacked_zeros(s, length) for s in c_s] if save else [])
+
+  def compute(i, c, w, bufs):
+    ys, news, saved = bufs
+    saved = [_put(b, x, i) for b, x in zip(saved, c)]
+    c, y, new = conv(c, sharded.use(sp, i, w), [_at(x, i) for x in xs], *ks)
+    return c, ([_put(b, v, i) for b, v in zip(ys, y)],
+               [_put(b, v, i) for b, v in zip(news, new)], saved)
+
+  def step(i, st):
+    c, w, bufs = st
+    w_next = sharded.fetch(sp, i + 1)  # issued before layer i's compute
+    c, bufs = compute(i, c, w, bufs)
+    w_next, c = _barrier((w_next, c))
+    return c, w_next, bufs
+
+  w = sharded.fetch(sp, 0)
+  if length > 1:
+    c, w, bufs = jax.lax.fori_loop(0, length - 1, step, (c, w, bufs))
+  c, (ys, news, saved) = compute(length - 1, c, w, bufs)
+  return (c, ys, news), saved
+
+
+def _backward(conv, sharded: _Sharded, length: int, saved, sp, xs, ks, perturbed: dict,
+              cts) -> list:
   """Layer i-1 re-gathered and layer i+1's gradient reduced while layer i's backward runs.
 
   Returns the cotangents of ``run``'s inputs (init, sharded leaves, per-layer arrays,
   closed-over values); None where nothing flows.
   """
-  layer_sps = sharded_at(sp, 0)
-  block_pos = np.cumsum([0] + [1 + (x.full is not None) for x in layer_sps])[:-1].tolist()
+  layer_sps, pos = sharded.at(sp, 0), sharded.block_pos
   masks = ([_is_float(x) for x in saved],
-           [_is_float(x.block) and perturbed["sp"][p] for x, p in zip(layer_sps, block_pos)],
+           [_is_float(x.block) and perturbed["sp"][p] for x, p in zip(layer_sps, pos)],
            [_is_float(x) and p for x, p in zip(xs, perturbed["xs"])],
            [_is_float(k) and p for k, p in zip(ks, perturbed["ks"])])
   red = [j for j, m in enumerate(masks[1]) if m]
-  gathered = lambda i: _gather_many(sharded_at(sp, i))
   add = lambda a, b: [None if x is None else x + y for x, y in zip(a, b)]
   put = lambda bufs, vals, i: [None if b is None else _put(b, v, i) for b, v in zip(bufs, vals)]
 
   def back(i, dc, w):  # layer i's backward, recomputing its forward from its input carry
     at = lambda bufs: [None if b is None else _at(b, i) for b in bufs]
-    return _pullback(lambda c, w, x, k: conv(c, w, x, *k), [at(saved), w, at(xs), list(ks)],
-                     list(masks), dc + at(cts[1]) + at(cts[2]))
+    return _pullback(lambda c, w, x, k: conv(c, w, x, *k),
+                     [at(saved), sharded.use(sp, i, w), at(xs), list(ks)], list(masks),
+                     dc + at(cts[1]) + at(cts[2]))
 
   def reduce(i, g):  # gather's transpose for layer i's gradient
-    layer = sharded_at(sp, i)
+    layer = sharded.at(sp, i)
     return scatter_many([layer[j] for j in red], [g[j] for j in red])
 
   top = length - 1
-  w = gathered(top)
-  w_prev = gathered(top - 1) if length > 1 else None  # issued before layer L-1's backward
-  dc, g, dx, dk = back(top, list(cts[0]), w)
+  # The first gathers wait for the backward pass to start (XLA:GPU schedules with the
+  # barrier; XLA:CPU drops barriers before scheduling and may hoist them).
+  first, dc = _barrier((list(sp), list(cts[0])))
+  w = sharded.fetch(first, top)
+  w_prev = sharded.fetch(first, top - 1) if length > 1 else None  # before layer L-1's backward
+  dc, g, dx, dk = back(top, dc, w)
   dxb = put([None if d is None else _stacked_zeros(d, length) for d in dx], dx, top)
   dbl = [_stacked_zeros(s, length) for s in jax.eval_shape(lambda g: reduce(top, g), g)]
   if length == 1:
@@ -410,8 +443,8 @@ def _backward(conv, sharded_at, length: int, saved, sp, xs, ks, perturbed: dict,
     def step(k, st):
       i = top - 1 - k
       dc, w, pending, dk, dxb, dbl = st
-      w_prev = gathered(i - 1)         # layer i-1, before layer i's backward
-      r = reduce(i + 1, pending)       # layer i+1's gradient, one iteration late
+      w_prev = sharded.fetch(sp, i - 1)  # layer i-1, before layer i's backward
+      r = reduce(i + 1, pending)         # layer i+1's gradient, one iteration late
       dc, g, dx, dk_i = back(i, dc, w)
       w_prev, r, dc = _barrier((w_prev, r, dc))
       return dc, w_prev, g, add(dk, dk_i), put(dxb, dx, i), put(dbl, r, i + 1)
@@ -426,6 +459,6 @@ def _backward(conv, sharded_at, length: int, saved, sp, xs, ks, perturbed: dict,
     dbl = put(dbl, reduce(0, g), 0)
   d_sp: list = [None] * len(sp)
   for j, b in zip(red, dbl):
-    d_sp[block_pos[j]] = _match_vma(b, sp[block_pos[j]])
+    d_sp[pos[j]] = _match_vma(b, sp[pos[j]])
   return [[_match_vma(d, _at(s, 0)) for d, s in zip(dc, saved)], d_sp,
           [_match_vma(d, x) for d, x in zip(dxb, xs)], [_match_vma(d, k) for d, k in zip(dk, ks)]]
