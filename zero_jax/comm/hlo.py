@@ -211,8 +211,8 @@ class LoopCollective(NamedTuple):
       iterations carried in).
     used_by_compute: whether a ``dot`` or ``convolution`` of the same iteration
       reads its result.
-    carried_to: the loop tuple indices its result flows into (what the next
-      iteration receives).
+    carried_to: the loop tuple indices its result reaches only moved (sliced,
+      copied, bitcast): what it hands the next iteration as it is.
   """
   op: str
   shapes: list
@@ -259,6 +259,14 @@ def _closure(start, edges: dict) -> set:
   return seen
 
 
+def _moves(instrs: dict, name: str) -> bool:
+  """Whether an instruction only moves one array (a slice, copy, bitcast, tuple element):
+  it has at most one operand that is not a scalar."""
+  arrays = [o for o in instrs[name].operands
+            if o in instrs and shapes_in(instrs[o].shape_text) not in ([()], [])]
+  return instrs[name].op == "tuple" or len(arrays) <= 1
+
+
 def _loop(comps: dict, ins: Instruction) -> Loop:
   body = re.search(r"body=%?([\w.\-]+)", ins.line).group(1)
   instrs = {i.name: i for i in map(parse_instruction, comps.get(body, [])) if i}
@@ -277,7 +285,8 @@ def _loop(comps: dict, ins: Instruction) -> Loop:
       continue
     before = _closure(i.operands, {n: x.operands for n, x in instrs.items()})
     after = _closure(users.get(name, []), users)
-    carried = [k for k, o in enumerate(root.operands) if o in after | {name}] if root else []
+    passed = _closure([name], {n: [u for u in us if _moves(instrs, u)] for n, us in users.items()})
+    carried = [k for k, o in enumerate(root.operands) if o in passed] if root else []
     out.append(LoopCollective(kind, shapes_in(i.shape_text), bool(before & compute),
                               bool(after & compute), carried))
   trips = _TRIPS.search(ins.line)
@@ -293,6 +302,21 @@ def loops(hlo: str) -> list[Loop]:
   (``used_by_compute`` False, ``carried_to`` not empty), and a delayed
   reduce-scatter reads a gradient the previous iteration carried in
   (``operand_from_compute`` False).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+    >>> from zero_jax.comm.hlo import loops
+    >>> def loss_fn(p, b):
+    ...   h, _ = zj.scan(lambda h, w: (jnp.tanh(h @ w), None), b["x"], p["w"])
+    ...   return jnp.mean(h ** 2)
+    >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), stage=3, stacked=True,
+    ...                                   mesh=jax.make_mesh((8,), ("data",)))
+    >>> state = step.init({"w": jnp.ones((4, 16, 16)) / 16})
+    >>> text = step.lower(state, {"x": jnp.ones((8, 16))}).compile().as_text()
+    >>> [(l.trip_count, [(c.op, c.used_by_compute, c.operand_from_compute)
+    ...                  for c in l.collectives]) for l in loops(text)]  # doctest: +NORMALIZE_WHITESPACE
+    [(3, [('all-gather', False, False)]),
+     (2, [('reduce-scatter', False, False), ('all-gather', False, False)])]
   """
   comps = _computations(hlo)
   return [_loop(comps, i) for lines in comps.values() for i in map(parse_instruction, lines)
