@@ -77,9 +77,6 @@ def _zeros(s, lead: tuple = ()):
   return make_varying(jnp.zeros(lead + tuple(s.shape), s.dtype), _vma(s))
 
 
-def _stacked_zeros(s, length: int):
-  return _zeros(s, (length,))
-
 
 # ----------------------------------------------------------------- the layers
 class _Layers:
@@ -376,8 +373,8 @@ def _forward(conv, sharded: _Sharded, length: int, out_s, c, sp, xs, ks, save: b
   """Layer i+1 gathered while layer i computes; with ``save``, each layer's input carry
   kept for the backward pass. Returns ``((carry, ys, new states), saved carries)``."""
   c_s, y_s, new_s = out_s
-  bufs = ([_stacked_zeros(s, length) for s in y_s], [_stacked_zeros(s, length) for s in new_s],
-          [_stacked_zeros(s, length) for s in c_s] if save else [])
+  bufs = ([_zeros(s, (length,)) for s in y_s], [_zeros(s, (length,)) for s in new_s],
+          [_zeros(s, (length,)) for s in c_s] if save else [])
 
   def compute(i, c, w, bufs):
     ys, news, saved = bufs
@@ -433,8 +430,8 @@ def _backward(conv, sharded: _Sharded, length: int, saved, sp, xs, ks, perturbed
   w = sharded.fetch(first, top)
   w_prev = sharded.fetch(first, top - 1) if length > 1 else None  # before layer L-1's backward
   dc, g, dx, dk = back(top, dc, w)
-  dxb = put([None if d is None else _stacked_zeros(d, length) for d in dx], dx, top)
-  dbl = [_stacked_zeros(s, length) for s in jax.eval_shape(lambda g: reduce(top, g), g)]
+  dxb = put([None if d is None else _zeros(d, (length,)) for d in dx], dx, top)
+  dbl = [_zeros(s, (length,)) for s in jax.eval_shape(lambda g: reduce(top, g), g)]
   if length == 1:
     dbl = put(dbl, reduce(0, g), 0)
   else:

@@ -268,8 +268,9 @@ def _moves(instrs: dict, name: str) -> bool:
 
 
 def _loop(comps: dict, ins: Instruction) -> Loop:
-  body = re.search(r"body=%?([\w.\-]+)", ins.line).group(1)
-  instrs = {i.name: i for i in map(parse_instruction, comps.get(body, [])) if i}
+  body = re.search(r"body=%?([\w.\-]+)", ins.line)
+  instrs = {i.name: i for i in map(parse_instruction, comps.get(body.group(1) if body else "", []))
+            if i}
   users: dict = {}
   for i in instrs.values():
     for o in i.operands:
