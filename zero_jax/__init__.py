@@ -16,6 +16,7 @@ from zero_jax.loss_scale import (LossScaleState, adjust_loss_scale, all_finite,
                                  static_loss_scale, unscale_grads)
 from zero_jax.memory import CompiledMemory, MemoryReport, compiled_memory, memory_report
 from zero_jax.precision import POLICIES, Policy
+from zero_jax.prefetch import scan
 from zero_jax.stacked import ShardedParam, gather
 from zero_jax.state import StateMeta, TrainState
 from zero_jax.train_step import ShardedTrainStep, make_sharded_train_step
@@ -60,6 +61,7 @@ __all__ = [
     "print_main",
     "process_batch_slice",
     "scale_loss",
+    "scan",
     "stack_layers",
     "static_loss_scale",
     "unscale_grads",
