@@ -18,8 +18,7 @@ import os
 import struct
 from typing import Callable, NamedTuple
 
-import jax
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 
 SINGLE = "model.safetensors"
@@ -28,8 +27,8 @@ MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64),
+    "BF16": np.dtype(jnp.bfloat16), "F8_E4M3": np.dtype(jnp.float8_e4m3fn),
+    "F8_E5M2": np.dtype(jnp.float8_e5m2), "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
     "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32), "U16": np.dtype(np.uint16),
     "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
@@ -141,11 +140,12 @@ def split_files(tensors: list[Tensor], max_bytes: int) -> list[list[Tensor]]:
 def header(tensors: list[Tensor], metadata: dict | None = None) -> tuple[bytes, dict[str, int]]:
   """``(the 8-byte length and the JSON header, {name: offset of its data in the file})``.
 
-  Tensors are laid out by decreasing item size, then in the given order (as the
-  safetensors library does, so that each tensor stays aligned); the JSON is padded
-  with spaces to a multiple of 8 bytes.
+  Tensors are laid out by decreasing item size (each stays aligned), then by name, and
+  the JSON is padded with spaces to a multiple of 8 bytes: the bytes the safetensors
+  library's ``save_file`` writes for the same tensors.
   """
-  order = sorted(range(len(tensors)), key=lambda i: (-tensors[i].dtype.itemsize, i))
+  order = sorted(range(len(tensors)), key=lambda i: (-tensors[i].dtype.itemsize,
+                                                     tensors[i].name))
   entries: dict = {}
   if metadata:
     entries["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -267,7 +267,3 @@ def read_entries(path) -> dict[str, Entry]:
       out[name] = e
   return out
 
-
-def abstract_leaves(tree) -> list:
-  """``jax.ShapeDtypeStruct``s of the leaves of ``tree`` (arrays or shape structs)."""
-  return [jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(tree)]

@@ -29,6 +29,7 @@ from zero_jax.train_step import ShardedTrainStep, TrainState
 
 MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
 CHUNK_BYTES = 16 << 20
+HOST_VIEWS = True  # read CPU devices' blocks through numpy views (tests turn it off)
 _SHARDS = re.compile(r"model-\d{5}-of-\d{5}\.safetensors$")
 
 
@@ -71,11 +72,23 @@ def _slicer(sizes: tuple[int, ...], transpose: bool, dtype: np.dtype) -> Callabl
   return jax.jit(piece)
 
 
-def _on_device(x: jax.Array) -> jax.Array:
-  kind = getattr(x.sharding, "memory_kind", None)
-  if kind in (None, "device"):
-    return x
-  return jax.device_put(x, x.sharding.with_memory_kind("device"))  # offloaded: one block
+def _reader(x: jax.Array, transpose: bool, dtype: np.dtype) -> Callable:
+  """``piece(box) -> host array``: a box of one device's block, transposed and converted,
+  in the file's row-major order. CPU devices share their buffers with numpy (the box is
+  a view; one copy makes it contiguous); elsewhere the box is sliced on its device (one
+  small program per piece shape and device) and copied to the host alone."""
+  if next(iter(x.devices())).platform == "cpu" and HOST_VIEWS:
+    block = np.asarray(x)
+    return lambda box: np.ascontiguousarray(
+        _t(block[tuple(slice(a, b) for a, b in box)], transpose), dtype=dtype)
+  if getattr(x.sharding, "memory_kind", None) not in (None, "device"):
+    x = jax.device_put(x, x.sharding.with_memory_kind("device"))  # offloaded: one block
+  return lambda box: np.asarray(_slicer(tuple(b - a for a, b in box), transpose, dtype)(
+      x, tuple(np.int32(a) for a, _ in box)))
+
+
+def _t(a: np.ndarray, transpose: bool) -> np.ndarray:
+  return a.T if transpose else a
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -97,12 +110,10 @@ def _write_leaf(fd: int, base: int, leaf: _Leaf, chunk_bytes: int) -> int:
     if part is None:
       continue
     origin = [s.indices(n)[0] for s, n in zip(shard.index, x.shape)]
-    data = _on_device(shard.data)
+    piece = _reader(shard.data, t.transpose, t.dtype)
     max_elems = max(1, chunk_bytes // max(x.dtype.itemsize, t.dtype.itemsize))
     for c in blocks.chunks(part, max_elems, order):
-      sizes = tuple(b - a for a, b in c)
-      starts = tuple(np.int32(a - o) for (a, _), o in zip(c, origin))
-      host = np.asarray(_slicer(sizes, t.transpose, t.dtype)(data, starts))
+      host = piece(tuple((a - o, b - o) for (a, b), o in zip(c, origin)))
       raw = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
       offsets, length = blocks.runs(t.shape, blocks.transpose_box(c, t.transpose))
       n = length * t.dtype.itemsize
