@@ -240,3 +240,101 @@ def test_two_processes_write_the_bytes_of_one(tmp_path):
     if variant == "stage3_bf16":  # loaded by two processes, each its blocks; exported again
       for f in files:
         assert (out / "reloaded" / f).read_bytes() == (tmp_path / variant / f).read_bytes(), f
+
+
+def test_blocks_sliced_on_their_devices_give_the_same_bytes(tmp_path, monkeypatch):
+  """The path for accelerators (each piece sliced, transposed and converted on its device),
+  forced on CPU: the same file as through numpy views."""
+  params = {k: make_params()[k] for k in ("big", "odd")}
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), stage=3,
+                                    mesh=jax.make_mesh((8,), ("data",)))
+  state = step.init(params)
+  for views in (True, False):
+    monkeypatch.setattr(safetensors_write, "HOST_VIEWS", views)
+    zj.export_safetensors(step, state, tmp_path / str(views), rename=rename, dtype=jnp.bfloat16,
+                          chunk_bytes=100)
+  assert (tmp_path / "True" / "model.safetensors").read_bytes() == \
+      (tmp_path / "False" / "model.safetensors").read_bytes()
+
+
+# ------------------------------------------------------------------ bad input
+def test_rename_mapping_two_leaves_to_one_name_is_refused(exports, tmp_path):
+  e = exports["stage1_fp32_8"]
+  with pytest.raises(ValueError, match=r"params\['col'\] and params\['odd'\] both map to the "
+                                       r"tensor name 'w'"):
+    zj.export_safetensors(e["step"], e["state"], tmp_path,
+                          rename=lambda n: "w" if n in ("odd", "col") else n)
+  with pytest.raises(ValueError, match=r"transpose the leaf params\['bias'\], which has 1"):
+    zj.export_safetensors(e["step"], e["state"], tmp_path, rename=lambda n: (n, True))
+  assert os.listdir(tmp_path) == []
+
+
+def test_missing_unexpected_misshapen_and_mistyped_tensors_are_named(exports):
+  e = exports["stage1_fp32_8"]
+  step, like = e["step"], like_of(e["params"])
+  with pytest.raises(KeyError, match=r"'model.extra.weight' \(for params\['extra'\]\)"):
+    zj.load_safetensors(e["dir"], {**like, "extra": like["odd"]}, step=step, rename=rename)
+  fewer = {k: v for k, v in like.items() if k != "bias"}
+  with pytest.raises(ValueError, match=r"1 tensor\(s\) that no leaf of `like` reads: "
+                                       r"'model.bias.weight'.*strict=False"):
+    zj.load_safetensors(e["dir"], fewer, step=step, rename=rename)
+  assert sorted(zj.load_safetensors(e["dir"], fewer, step=step, rename=rename,
+                                    strict=False)) == sorted(fewer)
+  with pytest.raises(ValueError, match=r"'model.big.weight' .* has shape \[24, 16\], and the "
+                                       r"leaf params\['big'\] needs \[16, 24\] \(the transpose"):
+    zj.load_safetensors(e["dir"], like, step=step, rename=lambda n: (rename(n)[0], False))
+  half = {**like, "odd": jax.ShapeDtypeStruct((5, 9), jnp.bfloat16)}
+  with pytest.raises(TypeError, match=r"'model.odd.weight' .* is float32, and the leaf "
+                                      r"params\['odd'\] in `like` is bfloat16; pass cast=True"):
+    zj.load_safetensors(e["dir"], half, step=step, rename=rename)
+  cast = zj.load_safetensors(e["dir"], half, step=step, rename=rename, cast=True)
+  np.testing.assert_array_equal(np.asarray(cast["odd"]),
+                                e["params"]["odd"].astype(jnp.bfloat16))
+
+
+def test_truncated_files_and_offsets_past_the_end_are_refused(exports, tmp_path):
+  src = (exports["stage1_fp32_8"]["dir"] / "model.safetensors").read_bytes()
+  like, step = like_of(exports["stage1_fp32_8"]["params"]), exports["stage1_fp32_8"]["step"]
+  cases = {"cut.safetensors": (src[:-10], "ends at byte .* holds .* bytes of data"),
+           "head.safetensors": (src[:100], "header length says"),
+           "tiny.safetensors": (src[:5], "fewer than the 8-byte header length")}
+  n = int.from_bytes(src[:8], "little")  # an offset pointing past the end, same length
+  header = src[8:8 + n].replace(b'"data_offsets":[0,', b'"data_offsets":[9,', 1)
+  cases["offsets.safetensors"] = (src[:8] + header + src[8 + n:], "do not hold|ends at byte")
+  for name, (data, message) in cases.items():
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=f"not a complete safetensors file: .*({message})"):
+      zj.load_safetensors(tmp_path / name, like, step=step, rename=rename)
+
+
+def test_an_existing_export_an_unwritable_directory_and_a_failed_write(exports, tmp_path,
+                                                                        monkeypatch):
+  e = exports["stage1_fp32_8"]
+  step, state = e["step"], e["state"]
+  with pytest.raises(FileExistsError, match=r"already holds \['model.safetensors'\].*force"):
+    zj.export_safetensors(step, state, e["dir"], rename=rename)
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  with pytest.raises(OSError, match=r"a_file/sub is not writable"):
+    zj.export_safetensors(step, state, blocker / "sub")
+  before = (e["dir"] / "model.safetensors").read_bytes()
+  calls = []
+
+  def fail(*args):
+    calls.append(1)
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(safetensors_write, "_write_leaf", fail)
+  with pytest.raises(OSError, match="No space left"):
+    zj.export_safetensors(step, state, e["dir"], rename=rename, force=True)
+  assert calls and sorted(os.listdir(e["dir"])) == ["model.safetensors"]  # no temporaries
+  assert (e["dir"] / "model.safetensors").read_bytes() == before  # the old export stands
+
+
+def test_export_params_refuses_the_padded_storage_view(exports, tmp_path):
+  e = exports["stage3_fp32_hybrid_2x4"]
+  with pytest.raises(ValueError, match=r"params\['bias'\] has shape \(12,\): it is a stage-3 "
+                                       r"state's padded, split storage.*shape \(9,\)"):
+    zj.export_params(tmp_path / "p", e["state"].params)
+  with pytest.raises(TypeError, match="not a TrainState"):
+    zj.export_params(tmp_path / "p", e["state"])
+  assert not os.path.exists(tmp_path / "p")
