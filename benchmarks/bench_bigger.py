@@ -26,8 +26,6 @@ Usage: python benchmarks/bench_bigger.py [--sizes-mb 256 1024] [--reps 3]
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import pathlib
@@ -38,26 +36,12 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_checkpoint import _reset_peak, _status, machine  # pylint: disable=g-import-not-at-top
 N_DEVICES = 8
 LEAF = (2048, 2048)
 # Variants left out above this model size: they hold 8 copies (about 10x the model).
 REPLICATING = {"init_eager", "init_split", "export_lib", "import_lib"}
-
-
-def _status(field: str) -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1]) * 1024
-  raise KeyError(field)
-
-
-def _reset_peak() -> int:
-  gc.collect()
-  ctypes.CDLL("libc.so.6").malloc_trim(0)
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-  return _status("VmRSS")
 
 
 def _measure(fn) -> tuple:
@@ -238,17 +222,8 @@ def write(args, runs, elapsed):
   ]
   text = "\n".join(lines)
   print(text)
-  sys.path.insert(0, str(ROOT / "benchmarks"))
   from _report import write_section  # pylint: disable=g-import-not-at-top
   write_section("bigger", text)
-
-
-def machine() -> str:
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_num_cpu_devices", N_DEVICES)
-  from _report import machine as m  # pylint: disable=g-import-not-at-top
-  return m()
 
 
 if __name__ == "__main__":

@@ -100,15 +100,15 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, zero_jax as zj
     >>> from safetensors.numpy import save_file
     >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
-    >>> save_file({"dense.weight": np.ones((5, 3), np.float32)}, path)   # (out, in)
+    >>> save_file({"dense.weight": np.ones((16, 8), np.float32)}, path)   # (out, in)
     >>> loss_fn = lambda p, b: jnp.mean((b @ p["dense"]["kernel"]) ** 2)
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3)
-    >>> like = {"dense": {"kernel": jax.ShapeDtypeStruct((3, 5), jnp.float32)}}
+    >>> like = {"dense": {"kernel": jax.ShapeDtypeStruct((8, 16), jnp.float32)}}
     >>> params = zj.load_safetensors(path, like, step=step,
     ...     rename=lambda name: (name.replace("kernel", "weight"), True))
     >>> params["dense"]["kernel"].sharding.spec   # split over "data", as at stage 3
-    PartitionSpec(None, 'data')
+    P(None, 'data')
     >>> state = step.init(params)
 
   Args:
