@@ -388,3 +388,17 @@ def test_export_and_load_hold_a_chunk_not_the_model_in_host_memory():
   print(f"export +{r['export'] / r['model']:.2f}x, load +{r['load'] / r['model']:.2f}x")
   assert r["export"] < 0.5 * r["model"], r
   assert r["load"] < 1.3 * r["model"], r
+
+
+def test_an_abstract_module_whose_other_variables_have_no_values_is_refused(exports):
+  from flax import nnx
+
+  class Noisy(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(np.zeros((5, 9), np.float32))
+      self.rngs = nnx.Rngs(0)  # model state: the files cannot give it values
+  e = exports["stage1_fp32_8"]
+  with pytest.raises(ValueError, match=r"abstract module whose variables outside wrt= have "
+                                       r"no values \(\['rngs'\]\['default'\]\['count'\],"):
+    zj.load_safetensors(e["dir"], nnx.eval_shape(Noisy), step=e["step"], strict=False,
+                        rename=lambda n: rename("odd"))

@@ -76,11 +76,12 @@ def _split_like(like, wrt):
   """``(module def or None, params, other variables)`` of ``like``."""
   module, params, rest = nnx_lib.as_params(like, None, wrt)
   if module is not None:
-    abstract = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(rest)[0]
+    abstract = [jax.tree_util.keystr(p).removesuffix(".value")
+                for p, x in jax.tree_util.tree_flatten_with_path(rest)[0]
                 if isinstance(x, jax.ShapeDtypeStruct)]
     if abstract:
       raise ValueError(f"`like` is an abstract module whose variables outside wrt= have no "
-                       f"values ({_listing(abstract, 4)}); the files hold parameters only. "
+                       f"values ({', '.join(abstract[:4])}); the files hold parameters only. "
                        f"Pass a module with concrete values for them, or give those "
                        f"variables their values in __init__ from arguments, not rngs.")
   return module, params, rest

@@ -40,7 +40,7 @@ class _Leaf:
     self.tensor, self.array, self.shape = tensor, array, shape
 
 
-def _plan(state: TrainState, rename, dtype, what: str) -> list[_Leaf]:
+def _plan(state: TrainState, rename, dtype) -> list[_Leaf]:
   """The tensors to write, in the params' order: the master copy where there is one."""
   meta = state.meta
   paths = jax.tree_util.tree_flatten_with_path(state.params)[0]
@@ -294,7 +294,7 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
   """
   _check_args(step, state, max_shard_bytes, chunk_bytes)
   state = step._prepare(state, "export_safetensors")  # pylint: disable=protected-access
-  leaves = _plan(state, rename, dtype, "export_safetensors")
+  leaves = _plan(state, rename, dtype)
   files = fmt.split_files([l.tensor for l in leaves], max_shard_bytes)
   names = fmt.file_names(len(files))
   meta = {"format": "pt"} if metadata is None else metadata
