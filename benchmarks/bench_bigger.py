@@ -185,6 +185,15 @@ LABELS = {"init_eager": "init, eager (host numpy arrays)",
           "import_lib": "import: `safetensors.numpy.load_file` + `step.init`"}
 
 
+INIT_NOTE = (
+    "The init rows and the import-then-init rows measure this branch's `step.init`, which "
+    "places every leaf replicated over the data axes before splitting it (each device briefly "
+    "holds the whole model: about +8x), from host arrays and from split arrays alike; "
+    "`load_safetensors` itself stays at the +1x of the arrays it returns. The \"gather\" "
+    "export baseline is `get_params`, whose result is replicated on every device. Rerun with "
+    "`--replicating-up-to-mb 1024` once `step.init` keeps split arrays where they are.")
+
+
 def write(args, runs, elapsed):
   header = "| | " + " | ".join(f"{s} MB: peak extra host memory | {s} MB: MB/s"
                                 for s in args.sizes_mb) + " |"
@@ -220,6 +229,8 @@ def write(args, runs, elapsed):
       header,
       "|---|" + "---:|" * (2 * len(args.sizes_mb)),
       *rows,
+      "",
+      INIT_NOTE,
   ]
   text = "\n".join(lines)
   print(text)
