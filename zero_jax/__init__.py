@@ -1,7 +1,8 @@
 """zero_jax: ZeRO-style sharded data parallelism for JAX."""
 
 from zero_jax.checkpoint import (CheckpointManager, DamagedCheckpointError,
-                                 DamagedCheckpointWarning, DirectoryInUseError, export_params)
+                                 DamagedCheckpointWarning, DirectoryInUseError, export_params,
+                                 export_safetensors, load_safetensors)
 from zero_jax.clipping import clip_by_global_norm, global_norm
 from zero_jax.comm.collectives import Quantize
 from zero_jax.comm.layout import Layout, leaf_layout
@@ -47,12 +48,14 @@ __all__ = [
     "compiled_memory",
     "dynamic_loss_scale",
     "export_params",
+    "export_safetensors",
     "gather",
     "global_norm",
     "initialize_distributed",
     "is_main_process",
     "launch_local",
     "leaf_layout",
+    "load_safetensors",
     "make_global_batch",
     "make_sharded_train_step",
     "memory_report",
