@@ -68,7 +68,7 @@ def test_wheel_holds_the_package_license_and_metadata(dist):
   assert meta.split("\n\n", 1)[1].strip() == _long_description().strip()
   requires = [l.split(":", 1)[1].strip() for l in meta.splitlines() if l.startswith("Requires-Dist")]
   core = sorted(r.split(">")[0].split("[")[0] for r in requires if "extra ==" not in r)
-  assert core == ["etils", "flax", "jax", "numpy", "optax", "orbax-checkpoint"]
+  assert core == ["etils", "flax", "jax", "numpy", "optax", "orbax-checkpoint", "safetensors"]
   assert any(r.startswith("tqdm") and 'extra == "examples"' in r for r in requires)
   assert any(r.startswith("chex") and 'extra == "test"' in r for r in requires)
 
