@@ -3,8 +3,10 @@
 Sphinx + MyST (markdown pages) with autodoc/autosummary for the API reference: the form the
 JAX libraries users already know (Flax, optax, Orbax) use, so the pages look and link the
 way they expect, and docstrings (Google style, read by napoleon) are the single source of the
-reference. Nothing is executed during the build (it stays fast): the Python blocks of every
-page are run by tests/test_docs_snippets.py instead.
+reference. Nothing is executed during the build (it stays fast and offline): the Python blocks
+of every page are run by tests/test_docs_snippets.py instead, which also checks that a ```text
+block right after a Python block shows what that block prints (custom.css labels it "output";
+ZERO_JAX_UPDATE_OUTPUTS=1 refreshes them).
 
     pip install -e ".[docs]" && python -m sphinx -W --keep-going -b html docs docs/_build/html
 """
@@ -31,7 +33,8 @@ extensions = [
     "sphinx.ext.viewcode",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build", "README.md", "**/.ipynb_checkpoints"]
+# pypi_description.md is the package's long description (pyproject.toml's readme), not a page.
+exclude_patterns = ["_build", "README.md", "pypi_description.md", "**/.ipynb_checkpoints"]
 myst_enable_extensions = ["colon_fence", "deflist", "dollarmath"]
 myst_heading_anchors = 3
 

@@ -3,6 +3,13 @@
 The blocks of one page run in order in one fresh interpreter (one shared namespace), on 8 CPU
 devices, in an empty temporary directory. A block preceded by ``<!-- skip: reason -->`` is left
 out (the page says why); one page's failure names the page and the block's first line.
+
+A ```text block that directly follows a python block (nothing but blank lines between) shows
+what that block prints, and must match it: the text exactly (line ends stripped), numbers with
+a decimal point to 1e-3 relative or one unit of their last printed digit. To write an output,
+put an empty ```text block after the python block and run
+``ZERO_JAX_UPDATE_OUTPUTS=1 python -m pytest tests/test_docs_snippets.py -k <page>``: it fills
+in every output block of the pages it runs.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ PAGES = [p for p in PAGES if "_build" not in p.parts and "_autosummary" not in p
 _FENCE = re.compile(r"(?P<skip><!--\s*skip:[^>]*-->\s*\n)?^(?P<fence>```+)python[ \t]*\n"
                     r"(?P<code>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
 _PRELUDE = 'import jax\njax.config.update("jax_num_cpu_devices", 8)\n'
+_OUTPUT = re.compile(r"\n*```text[ \t]*\n(?P<out>.*?)^```[ \t]*$", re.M | re.S)
+_MARK = "<<<zero_jax snippet {}>>>"
+_NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?")
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -29,20 +39,97 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
           for m in _FENCE.finditer(text) if not m.group("skip")]
 
 
+def output_blocks(text: str) -> dict[int, re.Match]:
+  """The ```text block right after a python block, by that python block's line number."""
+  found = {}
+  for m in _FENCE.finditer(text):
+    out = _OUTPUT.match(text, m.end() + 1)
+    if out and not m.group("skip"):
+      found[text.count("\n", 0, m.start("code")) + 1] = out
+  return found
+
+
 def page_script(page: pathlib.Path) -> str:
-  """The page's blocks, each announced on stderr so a failure names the block it was in."""
+  """The page's blocks, each announced on stderr so a failure names the block it was in, and
+  on stdout so that what each block prints can be told apart."""
   rel = page.relative_to(ROOT)
   parts = [_PRELUDE]
   for line, code in python_blocks(page.read_text()):
-    parts.append(f"import sys as _s; print('--- {rel}:{line}', file=_s.stderr, flush=True)\n")
+    parts.append(f"import sys as _s; print('--- {rel}:{line}', file=_s.stderr, flush=True); "
+                 f"print('\\n{_MARK.format(line)}', flush=True)\n")
     parts.append(code)
   return "\n".join(parts)
+
+
+def printed_by_block(stdout: str) -> dict[int, str]:
+  """What each block printed, by its line number (from the marks page_script prints)."""
+  pieces = re.split("^" + re.escape(_MARK).replace(r"\{\}", r"(\d+)") + "$", stdout, flags=re.M)
+  return {int(line): _tidy(out) for line, out in zip(pieces[1::2], pieces[2::2])}
+
+
+def _tidy(text: str) -> str:
+  return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
+
+
+def same_output(shown: str, printed: str) -> bool:
+  """The text equal, and each number equal, to 1e-3 relative or one unit of its last printed
+  digit where it has a decimal point (integers exactly)."""
+  shown, printed = _tidy(shown), _tidy(printed)
+  if _NUMBER.split(shown) != _NUMBER.split(printed):
+    return False
+  for a, b in zip(_NUMBER.findall(shown), _NUMBER.findall(printed)):
+    if "." not in a and "e" not in a:
+      if a != b:
+        return False
+      continue
+    digits = re.match(r"-?\d+\.?(\d*)", a).group(1)
+    exp = int(a.split("e")[1]) if "e" in a else 0
+    if abs(float(a) - float(b)) > max(1e-3 * abs(float(a)), 1.01 * 10.0 ** (exp - len(digits))):
+      return False
+  return True
+
+
+def stale_outputs(page: pathlib.Path, printed: dict[int, str], update: bool = False) -> list[str]:
+  """The output blocks of ``page`` that differ from what their python block printed (with
+  ``update``, rewritten with it instead)."""
+  text = page.read_text()
+  stale, edits = [], []
+  for line, m in output_blocks(text).items():
+    now = printed.get(line, "")
+    if not same_output(m.group("out"), now):
+      stale.append(f"{page.relative_to(ROOT)}:{line}: the page shows\n{m.group('out')}"
+                   f"but the block prints\n{now}\n")
+      edits.append((m.start("out"), m.end("out"), now + "\n" if now else ""))
+  if update and edits:
+    for start, end, new in reversed(edits):
+      text = text[:start] + new + text[end:]
+    page.write_text(text)
+  return [] if update else stale
 
 
 def test_the_extractor_finds_blocks_and_honours_skip():
   text = ("a\n```python\nx = 1\n```\n<!-- skip: needs a GPU -->\n```python\ny = 2\n```\n"
           "```bash\nls\n```\n````python\nz = '```'\n````\n")
   assert python_blocks(text) == [(3, "x = 1\n"), (13, "z = '```'\n")]
+
+
+def test_an_output_block_is_the_text_block_right_after_a_python_block():
+  text = ("```python\nprint(1)\n```\n\n```text\n1\n```\nprose\n```python\nx = 2\n```\nprose\n"
+          "```text\nnot an output\n```\n")
+  assert {line: m.group("out") for line, m in output_blocks(text).items()} == {2: "1\n"}
+
+
+def test_outputs_are_split_by_block_and_compared_with_a_tolerance_on_decimals():
+  stdout = ("\n" + _MARK.format(3) + "\nloss 0.1234\nstep 50\n\n" + _MARK.format(9) + "\n\n"
+            + _MARK.format(12) + "\n[1.5e-07]  \n")
+  assert printed_by_block(stdout) == {3: "loss 0.1234\nstep 50", 9: "", 12: "[1.5e-07]"}
+  assert same_output("loss 0.1234\nstep 50\n", "loss 0.1235\nstep 50")
+  assert not same_output("loss 0.1234\nstep 50", "loss 0.1237\nstep 50")   # 3 in the last digit
+  assert not same_output("loss 0.1234\nstep 50", "loss 0.1234\nstep 51")   # integers exactly
+  assert not same_output("loss 0.1234", "error 0.1234")
+  assert not same_output("loss 0.1234", "loss 0.1234\nmore")
+  assert same_output("[1.5e-07]", "[1.6e-07]") and not same_output("[1.5e-07]", "[1.8e-07]")
+  assert same_output("1234.5678", "1235.4")                                # 1e-3 relative
 
 
 def test_every_page_with_python_is_collected():
@@ -66,6 +153,10 @@ def test_page_snippets_run(page, tmp_path):
   assert proc.returncode == 0, (
       f"a python block of {page.relative_to(ROOT)} failed (the last '--- file:line' below is "
       f"the block):\n{proc.stderr[-6000:]}\n--- stdout:\n{proc.stdout[-2000:]}")
+  stale = stale_outputs(page, printed_by_block(proc.stdout),
+                        update=os.environ.get("ZERO_JAX_UPDATE_OUTPUTS") == "1")
+  assert not stale, ("\n".join(stale) + "\nRefresh with ZERO_JAX_UPDATE_OUTPUTS=1 python -m "
+                     "pytest tests/test_docs_snippets.py -k <page>, and read the diff.")
 
 
 def _missing_names(text: str) -> list[str]:
