@@ -2,6 +2,7 @@
 
 from zero_jax.checkpoint import (CheckpointManager, DamagedCheckpointError,
                                  DamagedCheckpointWarning, DirectoryInUseError, export_params)
+from zero_jax.checkpoint.preemption import Preemption, watch_preemption
 from zero_jax.clipping import clip_by_global_norm, global_norm
 from zero_jax.comm.collectives import Quantize
 from zero_jax.comm.layout import Layout, leaf_layout
@@ -34,6 +35,7 @@ __all__ = [
     "MemoryReport",
     "POLICIES",
     "Policy",
+    "Preemption",
     "Quantize",
     "ShardedParam",
     "ShardedTrainStep",
@@ -64,4 +66,5 @@ __all__ = [
     "static_loss_scale",
     "unscale_grads",
     "unstack_layers",
+    "watch_preemption",
 ]

@@ -3,7 +3,8 @@
 One module a job: `manager` (`CheckpointManager`: save, restore, keep the last few),
 `format` (what a checkpoint holds and whether it fits a step), `store` (the storage seam:
 Orbax or plain files), `writer` (the directory's lock, temporary names, failed writes),
-`integrity` (the record that tells a complete checkpoint from a damaged one),
+`integrity` (the record that tells a complete checkpoint from a damaged one), `preemption`
+(a signal to any process stops every process at the same step, saved),
 `hyperparams` (restored ``inject_hyperparams`` values) and `export` (full parameters as a
 plain Orbax checkpoint). It sits above the step and imports it; nothing of the step
 imports it.
@@ -12,6 +13,7 @@ imports it.
 from zero_jax.checkpoint.export import export_params
 from zero_jax.checkpoint.integrity import DamagedCheckpointError, DamagedCheckpointWarning
 from zero_jax.checkpoint.manager import CheckpointManager
+from zero_jax.checkpoint.preemption import Preemption, watch_preemption
 from zero_jax.checkpoint.writer import DirectoryInUseError
 
 __all__ = [
@@ -19,5 +21,7 @@ __all__ = [
     "DamagedCheckpointError",
     "DamagedCheckpointWarning",
     "DirectoryInUseError",
+    "Preemption",
     "export_params",
+    "watch_preemption",
 ]
