@@ -423,6 +423,7 @@ def train_loop(step, state, mngr, train, args):
              desc=f"ZeRO-{args.stage} {args.precision}",
              disable=args.no_progress or not zj.is_main_process(), dynamic_ncols=True)
   batch = global_batch(train, start, args, step)
+  t_first = time.perf_counter()
   for i in bar:
     if mngr.reached_preemption(state):  # cheap; True on every process at the same step
       break
@@ -437,6 +438,8 @@ def train_loop(step, state, mngr, train, args):
       if t_mark is not None:
         timed_steps += len(pending)
         timed_s += now - t_mark
+      else:
+        zj.print_main(f"step {i + 1} done, compilation included: {now - t_first:.1f} s")
       t_mark, pending = now, []  # the first interval (compilation) is not timed
       rate = timed_steps * tokens_per_step / timed_s if timed_s else float("nan")
       bar.set_postfix(loss=f"{losses[i + 1]:.3f}", tok_s=f"{rate:,.0f}")
@@ -461,14 +464,14 @@ def resume_command(argv) -> str:
   return shlex.join(["python", os.path.relpath(__file__), *out, "--resume"])
 
 
-def stopped_for_preemption(mngr, args, argv, start: int, losses: dict) -> dict:
+def stopped_for_preemption(mngr, args, argv, start: int, losses: dict, params) -> dict:
   """One line naming the step and the command that resumes; the run ends (exit 0)."""
   p = mngr.preemption
   mngr.close()
   print(f"{p}. Resume on any number of processes and devices with: {resume_command(argv)}",
         flush=True)
   result = {"start_step": start, "step": p.step, "preempted": True, "saved": p.saved,
-            "losses": losses}
+            "losses": losses, "param_checksum": param_checksum(params)}
   write_metrics(args, result)
   return result
 
@@ -532,6 +535,7 @@ def main(argv=None) -> dict:
     state = step.init(params)
     record_run_flags(args, ckpt_dir)
   start = int(state.step)
+  start_checksum = param_checksum(step.get_params(state))
 
   eval_batches = [get_batch(held, i, args.batch_size, args.seq_len, args.seed + 1)
                   for i in range(args.eval_batches)]
@@ -550,7 +554,7 @@ def main(argv=None) -> dict:
   # Train; a preemption notice saves the step all processes reach and ends the run.
   state, losses, timing = train_loop(step, state, mngr, train, args)
   if mngr.preemption is not None:
-    return stopped_for_preemption(mngr, args, argv, start, losses)
+    return stopped_for_preemption(mngr, args, argv, start, losses, step.get_params(state))
   if int(state.step) > start:
     mngr.save(state, force=True)
   mngr.wait_until_finished()
@@ -586,7 +590,7 @@ def main(argv=None) -> dict:
       "eval_loss_before": eval_before, "eval_loss_after": eval_after,
       "tokens_per_s": tokens_per_s, "wall_s": wall, "n_devices": n, "n_params": n_params,
       "stage": args.stage, "precision": args.precision,
-      "param_checksum": param_checksum(params),
+      "param_checksum": param_checksum(params), "start_checksum": start_checksum,
   }
   write_metrics(args, result)
   return result

@@ -10,9 +10,9 @@ holds the losses of the steps it took and where it stopped.
   --resume          continue from the latest checkpoint in CKPT
   --hold S          before the first step: compile the step ahead, then wait S seconds
   --save-every N    a periodic (asynchronous) save every N steps
-  --storm-after N   after the periodic save of step N, this process sends itself SIGTERM
-                    every 20 ms until it exits: during that save and during the preemption's
   --signals A,B     the signals that give notice (default SIGTERM)
+  --storm-after N   after the periodic save of step N, this process sends itself the last
+                    of --signals every 20 ms until it exits: during that save and the next
   --pace S          seconds between steps (so that the test can act between them)
 """
 
@@ -43,11 +43,11 @@ def _parse(argv):
   return p.parse_args(argv)
 
 
-def _storm():
-  """SIGTERM to this process every 20 ms, from a thread, until the process ends."""
+def _storm(sig):
+  """``sig`` to this process every 20 ms, from a thread, until the process ends."""
   def run():
     while True:
-      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), sig)
       time.sleep(0.02)
   threading.Thread(target=run, daemon=True).start()
 
@@ -56,14 +56,15 @@ def main(argv):
   args = _parse(argv)
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
   zj.initialize_distributed()
-  zj.watch_preemption([getattr(signal, s) for s in args.signals.split(",")])
+  signals = [getattr(signal, s) for s in args.signals.split(",")]
+  zj.watch_preemption(signals)
   import jax  # pylint: disable=g-import-not-at-top
   me = jax.process_index()
   step = W.make_step(args.variant)
   rows = zj.process_batch_slice(W.GLOBAL_BATCH, step)
   batch = lambda t: zj.make_global_batch(jax.tree.map(lambda x: x[rows], W.global_batch(t)),
                                          step)
-  mngr = zj.CheckpointManager(args.ckpt)
+  mngr = zj.CheckpointManager(args.ckpt, max_to_keep=None)
   state = mngr.restore(step, W.init_params()) if args.resume else step.init(W.init_params())
   start = int(state.step)
   report = {"process": me, "start": start, "devices": jax.device_count(), "losses": {},
@@ -81,7 +82,7 @@ def main(argv):
     if args.save_every and (t + 1) % args.save_every == 0:
       mngr.save(state)
       if args.storm_after == t + 1:
-        _storm()  # the save is still being written: its directory is not there yet
+        _storm(signals[-1])  # the save is still being written: its directory is not there yet
         report["save_in_flight"] = not os.path.isdir(os.path.join(args.ckpt, str(t + 1)))
     time.sleep(args.pace)
   p = mngr.preemption

@@ -108,7 +108,9 @@ def watch_preemption(signals: Iterable[int] = (signal.SIGTERM,)) -> None:
   early (after `initialize_distributed`, before restoring and compiling), so
   that a notice during start-up is caught too; ``reached_preemption`` calls it
   with the default at its first call otherwise. Watching ends when the manager
-  whose ``reached_preemption`` ran is closed (its previous handlers are back).
+  whose ``reached_preemption`` ran is closed (the previous handlers are back),
+  unless it stopped the job: then further notices are only reported until the
+  process exits, so that a repeated one cannot turn the clean exit into a kill.
 
   In a multi-process job JAX itself treats SIGTERM as a notice from
   ``jax.distributed.initialize`` on (its handler is kept); other signals get a
@@ -117,7 +119,7 @@ def watch_preemption(signals: Iterable[int] = (signal.SIGTERM,)) -> None:
 
   Example:
     >>> import os, signal, tempfile, jax, jax.numpy as jnp, optax, zero_jax as zj
-    >>> zj.watch_preemption((signal.SIGTERM, signal.SIGUSR1))  # SLURM: --signal=USR1@120
+    >>> zj.watch_preemption([signal.SIGUSR1])  # e.g. SLURM's --signal=USR1@120
     >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh)
@@ -157,7 +159,7 @@ def reached(mngr, state: TrainState) -> bool:
   if not isinstance(state, TrainState):
     raise TypeError(f"reached_preemption needs the TrainState returned by step.init or "
                     f"step(...), got {type(state).__name__}.")
-  if _watch.stopped is not None:
+  if _watch.stopped is not None:  # every later call: the job has stopped
     return True
   if _watch.checker is None:
     if not _watch.replaced:
@@ -181,13 +183,15 @@ def reached(mngr, state: TrainState) -> bool:
 
 
 def release(mngr) -> None:
-  """Stops watching if ``mngr`` is the manager that checked (its ``close``)."""
+  """Stops watching if ``mngr`` is the manager that checked (its ``close``), unless it
+  stopped the job: then the process is about to exit, and a repeated notice must not
+  turn that clean exit into a kill."""
   global _watch
-  if _watch.checker is not mngr:
+  if _watch.checker is not mngr or _watch.stopped is not None:
     return
   for sig, previous in _watch.replaced.items():
     signal.signal(sig, previous)
-  if _watch.notice is not None and _watch.stopped is None:
+  if _watch.notice is not None:
     _say(f"a preemption notice ({_watch.notice}) arrived after the last reached_preemption "
          f"check; {os.fspath(mngr.directory)} holds what was saved before it.")
   checks, _watch = _watch.checks, _Watch()
