@@ -39,7 +39,7 @@ def _parse(argv):
   p.add_argument("--storm-after", type=int, default=None)
   p.add_argument("--signals", default="SIGTERM")
   p.add_argument("--pace", type=float, default=0.05)
-  p.add_argument("--max-steps", type=int, default=100000)
+  p.add_argument("--max-steps", type=int, default=3000)  # ends a job that never stops
   return p.parse_args(argv)
 
 

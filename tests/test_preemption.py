@@ -117,22 +117,31 @@ def _launched(tmp, argv, *, sigterm_to):
     time.sleep(0.05)
   t0 = time.monotonic()
   os.kill(pid, signal.SIGTERM)
+  try:
+    launcher.wait(timeout=EXIT_BOUND_S + 120)
+  except subprocess.TimeoutExpired:
+    for child in _children(launcher):  # before they are orphaned
+      os.kill(child, signal.SIGKILL)
   elapsed = _finish([launcher], [out], t0)
   return _text(out), elapsed
 
 
-def _child(launcher, process_id: int) -> int | None:
-  """The pid of the launcher's child with ``ZERO_JAX_PROCESS_ID=process_id``."""
+def _children(launcher) -> dict[int, list[bytes]]:
+  """The launcher's child processes: pid -> environment."""
+  out = {}
   for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
     try:
-      if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != launcher.pid:
-        continue
-      env = (stat.parent / "environ").read_bytes().split(b"\0")
+      if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == launcher.pid:
+        out[int(stat.parent.name)] = (stat.parent / "environ").read_bytes().split(b"\0")
     except (OSError, ValueError, IndexError):
       continue
-    if f"ZERO_JAX_PROCESS_ID={process_id}".encode() in env:
-      return int(stat.parent.name)
-  return None
+  return out
+
+
+def _child(launcher, process_id: int) -> int | None:
+  """The pid of the launcher's child with ``ZERO_JAX_PROCESS_ID=process_id``."""
+  return next((pid for pid, env in _children(launcher).items()
+               if f"ZERO_JAX_PROCESS_ID={process_id}".encode() in env), None)
 
 
 def _compiling_job(tmp):
@@ -170,9 +179,18 @@ def _lm_chain(tmp):
           "1p": json.loads((tmp / "1p.json").read_text())}
 
 
+def _uses(job: str):
+  """Marks a test as checking ``job``: the `jobs` fixture runs the jobs of the tests run."""
+  def mark(fn):
+    fn.job = job
+    return fn
+  return mark
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-  """Every job, started at once (each in a thread); a test waits for the one it checks."""
+def jobs(tmp_path_factory, request):
+  """The jobs of the tests being run, started at once (each in a thread); a test waits for
+  the one it checks."""
   tmp = tmp_path_factory.mktemp("preempt")
   runs = {
       "sgd": lambda: _sgd_chain(tmp / "sgd"),
@@ -185,12 +203,12 @@ def jobs(tmp_path_factory):
       "compiling": lambda: _compiling_job(tmp / "compiling"),
       "lm": lambda: _lm_chain(tmp / "lm"),
   }
+  wanted = {getattr(getattr(item, "function", None), "job", None)
+            for item in request.session.items}
+  runs = {name: run for name, run in runs.items() if name in wanted}
   with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
     futures = {name: pool.submit(run) for name, run in runs.items()}
     yield futures
-  for name, f in futures.items():
-    if f.exception() is None:
-      print(f"job {name}: done")
 
 
 # ----------------------------------------------------------------- checks
@@ -231,6 +249,7 @@ def _restore_here_and_continue(variant, ckpt, at, more=2):
   return ref_losses
 
 
+@_uses("sgd")
 def test_sigterm_to_process_1_stops_both_at_one_saved_step_that_restores_on_one(jobs):
   first, _ = jobs["sgd"].result()
   s = _stopped_at(first)
@@ -239,6 +258,7 @@ def test_sigterm_to_process_1_stops_both_at_one_saved_step_that_restores_on_one(
   print(f"SIGTERM to process 1: both stopped at step {s}, exited {first['elapsed']:.1f} s later")
 
 
+@_uses("sgd")
 def test_sigterm_to_process_0_of_a_two_process_resume_continues_the_same_run(jobs):
   first, second = jobs["sgd"].result()
   s1, s2 = _stopped_at(first), _stopped_at(second)
@@ -251,6 +271,7 @@ def test_sigterm_to_process_0_of_a_two_process_resume_continues_the_same_run(job
         f"{second['elapsed']:.1f} s later")
 
 
+@_uses("storm")
 def test_signals_during_a_periodic_save_and_during_the_preemption_save_corrupt_nothing(jobs):
   job = jobs["storm"].result()
   assert job["reports"][1]["save_in_flight"] is True  # the first signal came mid-write
@@ -264,6 +285,7 @@ def test_signals_during_a_periodic_save_and_during_the_preemption_save_corrupt_n
   _check_losses(job["reports"], losses)
 
 
+@_uses("compiling")
 def test_sigterm_to_the_launcher_while_compiling_ends_both_with_nothing_to_save(jobs):
   job = jobs["compiling"].result()
   assert "SIGTERM forwarded to processes [0, 1]" in job["log"], job["log"][-3000:]
@@ -275,6 +297,7 @@ def test_sigterm_to_the_launcher_while_compiling_ends_both_with_nothing_to_save(
   assert job["elapsed"] < EXIT_BOUND_S
 
 
+@_uses("lm")
 def test_the_lm_example_saves_one_step_on_sigterm_to_process_1_and_resumes_on_8_devices(jobs):
   """The issue's acceptance run: no periodic save due; both processes save the same step,
   print it with the command that resumes, exit 0; the launcher exits 0; that command, on
@@ -330,6 +353,7 @@ def test_one_process_a_watched_signal_stops_at_the_next_check_and_a_storm_harms_
     for i in range(1000):
       checks.append(mngr.reached_preemption(state))
       if checks[-1]:
+        written = sorted(os.listdir(tmp_path))  # the write is finished: committed
         break
       state, _ = step(state, batch)
       if i == 2:
@@ -341,7 +365,7 @@ def test_one_process_a_watched_signal_stops_at_the_next_check_and_a_storm_harms_
       thread.join()
     time.sleep(0.05)  # the last signals' handlers run before the handler goes
     mngr.close()
-  assert checks == [False] * 3 + [True]
+  assert checks == [False] * 3 + [True] and "3" in written, written
   assert (mngr.preemption.step, mngr.preemption.saved) == (3, True)
   assert signal.getsignal(signal.SIGUSR1) is preemption._on_signal  # until the exit
   assert mngr.reached_preemption(state)  # and every later call says stop
