@@ -338,7 +338,7 @@ def tiny():
 def test_one_process_a_watched_signal_stops_at_the_next_check_and_a_storm_harms_nothing(
     tiny, fresh_watch, tmp_path, capfd):
   step, params, batch = tiny
-  zj.watch_preemption([signal.SIGUSR1])
+  zj.watch_preemption(signal.SIGUSR1)
   state, stop = step.init(params), threading.Event()
 
   def storm():  # SIGUSR1 every 5 ms, during the preemption's save too

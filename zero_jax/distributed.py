@@ -226,19 +226,18 @@ def preemption_sync_point(check: int) -> bool:
         f"zj.initialize_distributed().") from e
 
 
-def publish_preemption_notice() -> bool:
+def publish_preemption_notice() -> None:
   """Tells every process's sync manager of a notice, as JAX's SIGTERM handler does.
 
-  Returns False if the service refused (a notice was published already, or the
-  coordinator is gone).
+  Quietly does nothing if the service refuses (a notice was published already,
+  or the coordinator is gone: the watchdog reports that).
   """
   import datetime  # pylint: disable=g-import-not-at-top
   now = datetime.datetime.now(datetime.timezone.utc).isoformat()
   try:
     _coordination_client().key_value_set(_compat.preemption_notice_key(), now)
   except Exception:  # pylint: disable=broad-except
-    return False
-  return True
+    pass
 
 
 # ------------------------------------------------------------------ the watchdog

@@ -61,7 +61,7 @@ class _Watch:
   def __init__(self):
     self.replaced: dict[int, object] = {}  # signal -> the handler ours replaced
     self.notice: str | None = None          # name of the first signal received here
-    self.published = False                  # the notice was sent to the other processes
+    self.published = False                  # the notice was offered to the other processes
     self.checker = None                     # the manager whose reached_preemption runs
     self.checks = 0                         # calls of reached_preemption so far
     self.stopped: Preemption | None = None
@@ -85,7 +85,13 @@ def _on_signal(signum, frame) -> None:  # pylint: disable=unused-argument
   _say(f"{name} received: a preemption notice. Every process stops at the next step all of "
        f"them reach, saves it and ends (CheckpointManager.reached_preemption).")
   if distributed.is_multi_process():
-    _watch.published = distributed.publish_preemption_notice()
+    _publish()
+
+
+def _publish() -> None:
+  """Offers the notice to every process once (refused when a peer's came first: fine)."""
+  _watch.published = True
+  distributed.publish_preemption_notice()
 
 
 def _as_signal(s) -> signal.Signals:
@@ -100,7 +106,7 @@ def _as_signal(s) -> signal.Signals:
   return sig
 
 
-def watch_preemption(signals: Iterable[int] = (signal.SIGTERM,)) -> None:
+def watch_preemption(signals: int | Iterable[int] = (signal.SIGTERM,)) -> None:
   """From now on, ``signals`` are a preemption notice instead of a kill.
 
   A notice on any process makes `CheckpointManager.reached_preemption` return
@@ -135,14 +141,14 @@ def watch_preemption(signals: Iterable[int] = (signal.SIGTERM,)) -> None:
     (3, True)
 
   Args:
-    signals: the signals that give notice (default: SIGTERM, what SLURM and
-      Kubernetes send).
+    signals: the signal, or signals, that give notice (default: SIGTERM, what
+      SLURM and Kubernetes send).
 
   Raises:
     ValueError: a signal cannot be caught (SIGKILL, SIGSTOP) or does not exist.
     RuntimeError: called from another thread than the main thread.
   """
-  sigs = [_as_signal(s) for s in signals]
+  sigs = [_as_signal(s) for s in ([signals] if isinstance(signals, int) else signals)]
   if threading.current_thread() is not threading.main_thread():
     raise RuntimeError("watch_preemption (and the first reached_preemption) must run in the "
                        "main thread, where Python delivers signals; call "
@@ -168,7 +174,7 @@ def reached(mngr, state: TrainState) -> bool:
   _watch.checks += 1
   if distributed.is_multi_process():
     if _watch.notice is not None and not _watch.published:  # noticed before initialize
-      _watch.published = distributed.publish_preemption_notice()
+      _publish()
     agreed = distributed.preemption_sync_point(_watch.checks)
   else:
     agreed = _watch.notice is not None
