@@ -450,6 +450,13 @@ def train_loop(step, state, mngr, train, args):
   return state, losses, (timed_steps, timed_s)
 
 
+def command(argv) -> str:
+  """``python <this script> ARGV``, the script's path relative to here if it is below."""
+  script = os.path.relpath(__file__)
+  return shlex.join(["python", os.path.abspath(__file__) if script.startswith("..") else script,
+                     *argv])
+
+
 def resume_command(argv) -> str:
   """This run's command line with ``--resume`` (and without ``--overwrite``)."""
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -461,15 +468,19 @@ def resume_command(argv) -> str:
       skip = i + 1 < len(argv) and argv[i + 1].isdigit()
     elif a != "--overwrite" and not a.startswith("--resume="):
       out.append(a)
-  return shlex.join(["python", os.path.relpath(__file__), *out, "--resume"])
+  return command([*out, "--resume"])
 
 
 def stopped_for_preemption(mngr, args, argv, start: int, losses: dict, params) -> dict:
   """One line naming the step and the command that resumes; the run ends (exit 0)."""
   p = mngr.preemption
   mngr.close()
-  print(f"{p}. Resume on any number of processes and devices with: {resume_command(argv)}",
-        flush=True)
+  if p.saved:
+    print(f"{p}. Resume on any number of processes and devices with: {resume_command(argv)}",
+          flush=True)
+  else:
+    print(f"{p}. Start again with: {command(sys.argv[1:] if argv is None else argv)}",
+          flush=True)
   result = {"start_step": start, "step": p.step, "preempted": True, "saved": p.saved,
             "losses": losses, "param_checksum": param_checksum(params)}
   write_metrics(args, result)

@@ -408,6 +408,21 @@ def test_bad_signals_states_and_threads_are_clear_errors(tiny, fresh_watch, tmp_
       mngr.reached_preemption(params)
 
 
+def test_a_job_without_jaxs_preemption_service_is_told_how_to_turn_it_on(
+    tiny, fresh_watch, tmp_path, monkeypatch):
+  """What JAX raises in a multi-process job started with the service off, reworded."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  def service_off(step_id):
+    raise RuntimeError("Preemption sync manager has not been initialized.")
+  monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", service_off)
+  monkeypatch.setattr(preemption.distributed, "is_multi_process", lambda: True)
+  step, params, _ = tiny
+  with zj.CheckpointManager(tmp_path) as mngr:
+    with pytest.raises(RuntimeError, match="Leave jax_enable_preemption_service at its default"):
+      mngr.reached_preemption(step.init(params))
+
+
 def _raised(fn):
   try:
     fn()
