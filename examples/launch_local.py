@@ -13,7 +13,9 @@ train.py`` on SLURM): ``zj.initialize_distributed()`` detects the job there.
 If a process dies or raises, the others print a ``zero_jax:`` line naming it
 and exit with ``zj.LOST_PEER_EXIT_CODE`` (3) instead of hanging; the launcher
 then names the process that failed first, reports how every process ended,
-and returns the first one's exit status.
+and returns the first one's exit status. A SIGTERM to the launcher is passed on to every
+process (a preemption notice: with ``mngr.reached_preemption(state)`` in its loop each one
+saves the same step and exits 0), and the launcher then exits 0.
 """
 
 import argparse

@@ -9,6 +9,7 @@ trained on.
   python examples/train_lm.py                  # ZeRO-2 on all devices; 8 CPU devices on a CPU-only machine
   python examples/train_lm.py --stage 3 --precision bf16 --size medium
   python examples/train_lm.py --steps 600 --resume   # continue from the latest checkpoint
+  python examples/launch_local.py -n 2 -d 4 examples/train_lm.py --size tiny   # 2 processes
   python examples/train_lm.py --help
 
 What it shows, in order: the model and the devices; a progress bar with the
@@ -25,6 +26,10 @@ interrupted. The flags that change what a checkpoint holds (``--size``,
 ``--seq-len``, ``--precision``) are written next to it (``run.json``):
 ``--resume`` takes them from there, and a new run refuses a directory that
 holds another run's checkpoints unless given ``--overwrite``.
+
+SIGTERM (a preemption notice: SLURM's time limit, a Kubernetes eviction) to any
+process makes every process save the same step and exit 0, printing the step
+and the command that resumes it, on any number of processes and devices.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import math
 import os
 import pathlib
+import shlex
 import shutil
 import sys
 import sysconfig
@@ -100,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="number of devices (default: all; on a CPU-only machine 8 CPU devices)")
   p.add_argument("--platform", default=None, choices=("cpu", "gpu", "tpu"),
                  help="force a JAX platform (e.g. cpu to use fake CPU devices on a GPU box)")
+  p.add_argument("--distributed", action="store_true",
+                 help="join a multi-process job (zj.initialize_distributed: SLURM, Open MPI, "
+                      "...); implied when started by examples/launch_local.py")
   p.add_argument("--hosts", type=int, default=1,
                  help="split the devices into this many 'hosts': a (hosts, n/hosts) mesh of "
                       "('replica', 'data'), the state split over both")
@@ -152,9 +161,16 @@ def setup_devices(args) -> list:
   """Picks the devices; must run before anything starts JAX's backend."""
   if args.platform:
     jax.config.update("jax_platforms", args.platform)
-  # Only the CPU backend reads this: a CPU-only machine gets --devices (or 8)
-  # fake devices; a GPU or TPU machine keeps its own.
-  jax.config.update("jax_num_cpu_devices", args.devices or 8)
+  if args.distributed or os.environ.get("ZERO_JAX_COORDINATOR_ADDRESS"):
+    zj.initialize_distributed()  # each process's CPU device count comes from launch_local
+    if args.devices not in (None, jax.device_count()):
+      sys.exit(f"--devices {args.devices}: a multi-process run uses all "
+               f"{jax.device_count()} devices of its processes.")
+  else:
+    # Only the CPU backend reads this: a CPU-only machine gets --devices (or 8)
+    # fake devices; a GPU or TPU machine keeps its own.
+    jax.config.update("jax_num_cpu_devices", args.devices or 8)
+  zj.watch_preemption()  # from here on, SIGTERM makes every process save and stop
   devices = jax.devices()
   if args.devices:
     if args.devices > len(devices):
@@ -221,13 +237,16 @@ def prepare_ckpt_dir(args, ckpt_dir: str, default_dir: bool) -> None:
     sys.exit(f"--ckpt-dir {ckpt_dir} holds the checkpoints (steps {steps}) of another run "
              f"{what}; pass --resume to continue that run, --overwrite to delete them, "
              f"or choose an empty --ckpt-dir.")
-  print(f"deleting the checkpoints (steps {steps}) of an earlier run in {ckpt_dir}; "
-        f"--resume would have continued it")
-  for s in steps:
-    shutil.rmtree(os.path.join(ckpt_dir, str(s)))
+  zj.print_main(f"deleting the checkpoints (steps {steps}) of an earlier run in {ckpt_dir}; "
+                f"--resume would have continued it")
+  if zj.is_main_process():
+    for s in steps:
+      shutil.rmtree(os.path.join(ckpt_dir, str(s)))
 
 
 def record_run_flags(args, ckpt_dir: str) -> None:
+  if not zj.is_main_process():
+    return
   os.makedirs(ckpt_dir, exist_ok=True)
   with open(os.path.join(ckpt_dir, RUN_FILE), "w") as fh:
     json.dump(run_flags(args), fh)
@@ -343,7 +362,7 @@ def make_loss_fn(model):
 
 def sample(model, params, prompt: bytes, n: int, seed: int, temperature: float = 0.8) -> str:
   """``n`` bytes continuing ``prompt``, one forward pass per byte over a sliding window."""
-  params = jax.device_put(params, jax.devices()[0])
+  params = jax.device_put(jax.device_get(params), jax.local_devices()[0])
   t = model.max_len
 
   @jax.jit
@@ -395,12 +414,105 @@ def param_checksum(params) -> list[float]:
   return [float(sum(x.sum() for x in leaves)), float(sum((x * x).sum() for x in leaves))]
 
 
+# ---------------------------------------------------------------------- train
+def global_batch(data, index: int, args, step):
+  """Batch ``index`` as one array over all processes: each gives its own rows."""
+  batch = get_batch(data, index, args.batch_size, args.seq_len, args.seed)
+  rows = zj.process_batch_slice(args.batch_size, step)
+  return zj.make_global_batch({k: v[rows] for k, v in batch.items()}, step)
+
+
+def train_loop(step, state, mngr, train, args):
+  """Steps to ``--steps``; returns (state, losses, (timed steps, seconds after compilation)).
+
+  Before each step, every process asks ``mngr.reached_preemption``: after a
+  notice, all of them stop at the same step, saved.
+  """
+  start = int(state.step)
+  losses: dict[int, float] = {}
+  pending = []
+  tokens_per_step = args.batch_size * args.seq_len
+  timed_steps, timed_s, t_mark = 0, 0.0, None
+  bar = tqdm(range(start, args.steps), initial=start, total=args.steps, unit="step",
+             desc=f"ZeRO-{args.stage} {args.precision}",
+             disable=args.no_progress or not zj.is_main_process(), dynamic_ncols=True)
+  batch = global_batch(train, start, args, step)
+  t_first = time.perf_counter()
+  for i in bar:
+    if mngr.reached_preemption(state):  # cheap; True on every process at the same step
+      break
+    state, metrics = step(state, batch)
+    pending.append((i + 1, metrics["loss"]))
+    if i + 1 < args.steps:  # prepare the next batch while the step runs
+      batch = global_batch(train, i + 1, args, step)
+    last = i + 1 == args.steps
+    if (i + 1 - start) % args.log_every == 0 or last or i == start:
+      losses.update((s, float(l)) for s, l in pending)  # waits for the step
+      now = time.perf_counter()
+      if t_mark is not None:
+        timed_steps += len(pending)
+        timed_s += now - t_mark
+      else:
+        zj.print_main(f"step {i + 1} done, compilation included: {now - t_first:.1f} s")
+      t_mark, pending = now, []  # the first interval (compilation) is not timed
+      rate = timed_steps * tokens_per_step / timed_s if timed_s else float("nan")
+      bar.set_postfix(loss=f"{losses[i + 1]:.3f}", tok_s=f"{rate:,.0f}")
+    if args.save_every and (i + 1) % args.save_every == 0 and not last:
+      mngr.save(state, force=True)  # force: a resumed run replaces later checkpoints
+  bar.close()
+  losses.update((s, float(l)) for s, l in pending)
+  return state, losses, (timed_steps, timed_s)
+
+
+def command(argv) -> str:
+  """``python <this script> ARGV``, the script's path relative to here if it is below."""
+  script = os.path.relpath(__file__)
+  return shlex.join(["python", os.path.abspath(__file__) if script.startswith("..") else script,
+                     *argv])
+
+
+def resume_command(argv) -> str:
+  """This run's command line with ``--resume`` (and without ``--overwrite``)."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  out, skip = [], False
+  for i, a in enumerate(argv):
+    if skip:
+      skip = False
+    elif a == "--resume":
+      skip = i + 1 < len(argv) and argv[i + 1].isdigit()
+    elif a != "--overwrite" and not a.startswith("--resume="):
+      out.append(a)
+  return command([*out, "--resume"])
+
+
+def stopped_for_preemption(mngr, args, argv, start: int, losses: dict, params) -> dict:
+  """One line naming the step and the command that resumes; the run ends (exit 0)."""
+  p = mngr.preemption
+  mngr.close()
+  if p.saved:
+    print(f"{p}. Resume on any number of processes and devices with: {resume_command(argv)}",
+          flush=True)
+  else:
+    print(f"{p}. Start again with: {command(sys.argv[1:] if argv is None else argv)}",
+          flush=True)
+  result = {"start_step": start, "step": p.step, "preempted": True, "saved": p.saved,
+            "losses": losses, "param_checksum": param_checksum(params)}
+  write_metrics(args, result)
+  return result
+
+
+def write_metrics(args, result: dict) -> None:
+  if args.metrics_json and zj.is_main_process():
+    with open(args.metrics_json, "w") as fh:
+      json.dump(result, fh, indent=1)
+
+
 # ----------------------------------------------------------------------- main
 def main(argv=None) -> dict:
   args = parse_args(argv)
   ckpt_dir = os.path.abspath(args.ckpt_dir)
-  prepare_ckpt_dir(args, ckpt_dir, default_dir=args.ckpt_dir == parse_args([]).ckpt_dir)
   devices = setup_devices(args)
+  prepare_ckpt_dir(args, ckpt_dir, default_dir=args.ckpt_dir == parse_args([]).ckpt_dir)
   t_start = time.perf_counter()
   n = len(devices)
   if n % args.hosts:
@@ -415,12 +527,13 @@ def main(argv=None) -> dict:
   params_shapes = jax.eval_shape(model.init, jax.random.key(args.seed), dummy)["params"]
   n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_shapes))
   train, held = load_corpus()
-  print(f"ByteLM {args.size}: d_model={d_model}, layers={layers}, heads={heads}, "
-        f"context={args.seq_len}, vocab={VOCAB}, {n_params:,} parameters")
-  print(f"data: Python {sys.version.split()[0]} standard library, {len(train):,} train bytes, "
-        f"{len(held):,} held-out bytes")
-  print(f"devices: {n} x {devices[0].platform} ({devices[0].device_kind}); ZeRO-{args.stage}, "
-        f"precision {args.precision}, global batch {args.batch_size} x {args.seq_len} tokens")
+  zj.print_main(f"ByteLM {args.size}: d_model={d_model}, layers={layers}, heads={heads}, "
+                f"context={args.seq_len}, vocab={VOCAB}, {n_params:,} parameters")
+  zj.print_main(f"data: Python {sys.version.split()[0]} standard library, {len(train):,} "
+                f"train bytes, {len(held):,} held-out bytes")
+  zj.print_main(f"devices: {n} x {devices[0].platform} ({devices[0].device_kind}); "
+                f"ZeRO-{args.stage}, precision {args.precision}, global batch "
+                f"{args.batch_size} x {args.seq_len} tokens")
 
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps,
@@ -441,12 +554,13 @@ def main(argv=None) -> dict:
     if mngr.latest_step() is None:
       sys.exit(f"--resume: no checkpoint in {ckpt_dir}.")
     state = mngr.restore(step, params_shapes, step=None if args.resume < 0 else args.resume)
-    print(f"resumed from {ckpt_dir} at step {int(state.step)}")
+    zj.print_main(f"resumed from {ckpt_dir} at step {int(state.step)}")
   else:
     params = jax.jit(model.init)(jax.random.key(args.seed), dummy)["params"]
     state = step.init(params)
     record_run_flags(args, ckpt_dir)
   start = int(state.step)
+  start_checksum = param_checksum(step.get_params(state))
 
   eval_batches = [get_batch(held, i, args.batch_size, args.seq_len, args.seed + 1)
                   for i in range(args.eval_batches)]
@@ -455,77 +569,55 @@ def main(argv=None) -> dict:
   def eval_loss(state):
     if not eval_batches:
       return float("nan")
-    params = step.get_params(state)
+    params = jax.device_get(step.get_params(state))  # replicated: each process has them
     return float(np.mean([eval_loss_fn(params, b) for b in eval_batches]))
 
   eval_before = eval_loss(state)
-  print(f"held-out loss at step {start}: {eval_before:.3f} nats/byte "
-        f"(uniform guess: {math.log(VOCAB):.3f})")
+  zj.print_main(f"held-out loss at step {start}: {eval_before:.3f} nats/byte "
+                f"(uniform guess: {math.log(VOCAB):.3f})")
 
-  # Train.
-  losses: dict[int, float] = {}
-  pending = []
-  tokens_per_step = args.batch_size * args.seq_len
-  timed_steps, timed_s, t_mark = 0, 0.0, None
-  bar = tqdm(range(start, args.steps), initial=start, total=args.steps, unit="step",
-             desc=f"ZeRO-{args.stage} {args.precision}", disable=args.no_progress,
-             dynamic_ncols=True)
-  batch = get_batch(train, start, args.batch_size, args.seq_len, args.seed)
-  for i in bar:
-    state, metrics = step(state, batch)
-    pending.append((i + 1, metrics["loss"]))
-    if i + 1 < args.steps:  # prepare the next batch while the step runs
-      batch = get_batch(train, i + 1, args.batch_size, args.seq_len, args.seed)
-    last = i + 1 == args.steps
-    if (i + 1 - start) % args.log_every == 0 or last or i == start:
-      losses.update((s, float(l)) for s, l in pending)  # waits for the step
-      now = time.perf_counter()
-      if t_mark is not None:
-        timed_steps += len(pending)
-        timed_s += now - t_mark
-      t_mark, pending = now, []  # the first interval (compilation) is not timed
-      rate = timed_steps * tokens_per_step / timed_s if timed_s else float("nan")
-      bar.set_postfix(loss=f"{losses[i + 1]:.3f}", tok_s=f"{rate:,.0f}")
-    if args.save_every and (i + 1) % args.save_every == 0 and not last:
-      mngr.save(state, force=True)  # force: a resumed run replaces later checkpoints
-  bar.close()
+  # Train; a preemption notice saves the step all processes reach and ends the run.
+  state, losses, timing = train_loop(step, state, mngr, train, args)
+  if mngr.preemption is not None:
+    return stopped_for_preemption(mngr, args, argv, start, losses, step.get_params(state))
   if int(state.step) > start:
     mngr.save(state, force=True)
   mngr.wait_until_finished()
+  timed_steps, timed_s = timing
+  tokens_per_step = args.batch_size * args.seq_len
   tokens_per_s = timed_steps * tokens_per_step / timed_s if timed_s else float("nan")
 
   eval_after = eval_loss(state)
   if losses:
     first, last = losses[min(losses)], losses[max(losses)]
-    print(f"train loss: step {min(losses)} {first:.3f} -> step {max(losses)} {last:.3f}; "
-          f"{tokens_per_s:,.0f} tokens/s after compilation")
-  print(f"held-out loss at step {int(state.step)}: {eval_after:.3f} nats/byte "
-        f"({eval_after / math.log(2):.2f} bits/byte)")
-  print(f"checkpoint: {ckpt_dir} (step {mngr.latest_step()}); continue with --resume "
-        f"--steps {args.steps + 300}")
+    zj.print_main(f"train loss: step {min(losses)} {first:.3f} -> step {max(losses)} {last:.3f}; "
+                  f"{tokens_per_s:,.0f} tokens/s after compilation")
+  zj.print_main(f"held-out loss at step {int(state.step)}: {eval_after:.3f} nats/byte "
+                f"({eval_after / math.log(2):.2f} bits/byte)")
+  zj.print_main(f"checkpoint: {ckpt_dir} (step {mngr.latest_step()}); continue with --resume "
+                f"--steps {args.steps + 300}")
   mngr.close()
 
-  print()
-  print(memory_section(step, state, params_shapes, optimizer, batch, args))
+  zj.print_main()
+  zj.print_main(memory_section(step, state, params_shapes, optimizer,
+                global_batch(train, int(state.step), args, step), args))
 
   params = step.get_params(state)
   if args.sample_bytes > 0:
-    print(f"\nsampled text (temperature 0.8, prompt {args.prompt!r}):\n" + "-" * 60)
-    print(sample(model, params, args.prompt.encode(), args.sample_bytes, args.seed))
-    print("-" * 60)
+    zj.print_main(f"\nsampled text (temperature 0.8, prompt {args.prompt!r}):\n" + "-" * 60)
+    zj.print_main(sample(model, params, args.prompt.encode(), args.sample_bytes, args.seed))
+    zj.print_main("-" * 60)
   wall = time.perf_counter() - t_start
-  print(f"wall time {wall:.1f} s")
+  zj.print_main(f"wall time {wall:.1f} s")
 
   result = {
       "start_step": start, "step": int(state.step), "losses": losses,
       "eval_loss_before": eval_before, "eval_loss_after": eval_after,
       "tokens_per_s": tokens_per_s, "wall_s": wall, "n_devices": n, "n_params": n_params,
       "stage": args.stage, "precision": args.precision,
-      "param_checksum": param_checksum(params),
+      "param_checksum": param_checksum(params), "start_checksum": start_checksum,
   }
-  if args.metrics_json:
-    with open(args.metrics_json, "w") as fh:
-      json.dump(result, fh, indent=1)
+  write_metrics(args, result)
   return result
 
 

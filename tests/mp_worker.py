@@ -86,6 +86,30 @@ def optimizer(name):
           "sgd": optax.sgd(0.1)}[name]
 
 
+def plain_optax(variant, steps=STEPS):
+  """One device, plain jax.jit + optax (the reference of the fp32 variants): the params
+  after ``steps`` steps and the loss of each step, ``{step number: loss}``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  v = VARIANTS[variant]
+  opt = optimizer(v["opt"])
+  if v.get("max_grad_norm"):
+    opt = optax.chain(optax.clip_by_global_norm(v["max_grad_norm"]), opt)
+
+  @jax.jit
+  def update(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params = jax.device_put(init_params(), jax.devices()[0])
+  opt_state, losses = opt.init(params), {}
+  for t in range(steps):
+    params, opt_state, loss = update(params, opt_state, global_batch(t))
+    losses[t + 1] = float(loss)
+  return {k: np.asarray(x) for k, x in params.items()}, losses
+
+
 def make_step(variant):
   """The variant's step on all devices: a 1-D "data" mesh, or (2, n/2) for hybrid ones."""
   import jax  # pylint: disable=g-import-not-at-top

@@ -14,7 +14,7 @@ from zero_jax import _compat
 
 def test_every_private_api_is_listed_and_called_here():
   called = {"coordination_client", "register_before_thread_pools_exit", "eval_equation",
-            "orbax_temporary_path_class", "orbax_tmp_dir_suffix"}
+            "orbax_temporary_path_class", "orbax_tmp_dir_suffix", "preemption_notice_key"}
   assert set(_compat.ALL) == called, "a new _compat function needs its test here"
 
 
@@ -48,3 +48,15 @@ def test_orbax_temporary_path_class_has_the_hooks_we_override(tmp_path):
 def test_orbax_tmp_dir_suffix_is_a_string():
   suffix = _compat.orbax_tmp_dir_suffix()
   assert isinstance(suffix, str) and suffix, "orbax_tmp_dir_suffix: Orbax renamed it"
+
+
+def test_preemption_notice_key_is_the_one_jaxlibs_sync_manager_watches():
+  import mmap
+  import pathlib
+  import jaxlib
+  key = _compat.preemption_notice_key().encode()
+  found = []
+  for lib in pathlib.Path(jaxlib.__file__).parent.glob("*.so"):
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+      found += [lib.name] if m.find(key) != -1 else []
+  assert found, "preemption_notice_key: jaxlib's preemption sync manager no longer names it"

@@ -14,7 +14,6 @@ import time
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 import mp_worker as W
@@ -76,26 +75,6 @@ def one_process(mesh8, tmp_path_factory):
   return out
 
 
-def _plain_optax(variant):
-  """Single device, plain jax.jit + optax: the reference for the fp32 variants."""
-  v = W.VARIANTS[variant]
-  opt = W.optimizer(v["opt"])
-  if v.get("max_grad_norm"):
-    opt = optax.chain(optax.clip_by_global_norm(v["max_grad_norm"]), opt)
-
-  @jax.jit
-  def update(params, opt_state, batch):
-    grads = jax.grad(W.loss_fn)(params, batch)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  params = jax.device_put(W.init_params(), jax.devices()[0])
-  opt_state = opt.init(params)
-  for t in range(W.STEPS):
-    params, opt_state = update(params, opt_state, W.global_batch(t))
-  return _host(params)
-
-
 @pytest.fixture(scope="module")
 def two_processes(one_process, tmp_path_factory):
   """All variants in one launch of 2 processes x 4 devices."""
@@ -129,7 +108,7 @@ def test_two_processes_give_the_params_of_one_process_after_5_steps(
 @pytest.mark.parametrize("variant", [v for v, o in W.VARIANTS.items()
                                      if o.get("precision") is None and not o.get("extras")])
 def test_one_process_reference_matches_plain_optax(variant, one_process):
-  plain = _plain_optax(variant)
+  plain, _ = W.plain_optax(variant)
   for k in W.SHAPES:
     _close(one_process[variant]["params"][k], plain[k], rtol=1e-5)
 

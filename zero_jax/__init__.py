@@ -3,6 +3,7 @@
 from zero_jax.checkpoint import (CheckpointManager, DamagedCheckpointError,
                                  DamagedCheckpointWarning, DirectoryInUseError, export_params,
                                  export_safetensors, load_safetensors)
+from zero_jax.checkpoint.preemption import Preemption, watch_preemption
 from zero_jax.clipping import clip_by_global_norm, global_norm
 from zero_jax.comm.collectives import Quantize
 from zero_jax.comm.layout import Layout, leaf_layout
@@ -36,6 +37,7 @@ __all__ = [
     "MemoryReport",
     "POLICIES",
     "Policy",
+    "Preemption",
     "Quantize",
     "ShardedParam",
     "ShardedTrainStep",
@@ -69,4 +71,5 @@ __all__ = [
     "static_loss_scale",
     "unscale_grads",
     "unstack_layers",
+    "watch_preemption",
 ]

@@ -61,6 +61,18 @@ def orbax_tmp_dir_suffix() -> str:
   return ocp.path.step.TMP_DIR_SUFFIX
 
 
+def preemption_notice_key() -> str:
+  """The coordination-service key through which JAX's preemption sync manager learns of a notice.
+
+  Private: the ``RECEIVED_PREEMPTION_NOTICE`` key of XLA's
+  ``preemption_sync_manager.cc``. Its C++ SIGTERM handler sets it (to an RFC 3339
+  time); every process's manager watches it and then agrees on the sync point.
+  zero_jax sets it for the other signals it watches. Replace with a public
+  "notify preemption" call if JAX adds one.
+  """
+  return "RECEIVED_PREEMPTION_NOTICE"
+
+
 # Functions above, by the name a failing upgrade should be reported under.
 ALL = {
     "coordination_client": coordination_client,
@@ -68,4 +80,5 @@ ALL = {
     "eval_equation": eval_equation,
     "orbax_temporary_path_class": orbax_temporary_path_class,
     "orbax_tmp_dir_suffix": orbax_tmp_dir_suffix,
+    "preemption_notice_key": preemption_notice_key,
 }

@@ -200,6 +200,46 @@ def all_processes_agree(ok: bool) -> bool:
   return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
+# ------------------------------------------------------------------ preemption
+def is_multi_process() -> bool:
+  """Whether this process is one of several in a ``jax.distributed`` job.
+
+  Unlike ``jax.process_count()``, starts no backend when ``jax.distributed``
+  was not initialized (so it may be called before `initialize_distributed`).
+  """
+  return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def preemption_sync_point(check: int) -> bool:
+  """Whether every process stops at its ``check``-th call (JAX's preemption sync point).
+
+  When any process has a notice, JAX's sync manager gathers every process's
+  latest ``check`` in background threads and picks the largest plus one.
+  """
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  try:
+    return multihost_utils.reached_preemption_sync_point(check)
+  except RuntimeError as e:  # the service is off
+    raise RuntimeError(
+        f"reached_preemption needs JAX's preemption service in a multi-process job ({e}). "
+        f"Leave jax_enable_preemption_service at its default (True) when calling "
+        f"zj.initialize_distributed().") from e
+
+
+def publish_preemption_notice() -> None:
+  """Tells every process's sync manager of a notice, as JAX's SIGTERM handler does.
+
+  Quietly does nothing if the service refuses (a notice was published already,
+  or the coordinator is gone: the watchdog reports that).
+  """
+  import datetime  # pylint: disable=g-import-not-at-top
+  now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+  try:
+    _coordination_client().key_value_set(_compat.preemption_notice_key(), now)
+  except Exception:  # pylint: disable=broad-except
+    pass
+
+
 # ------------------------------------------------------------------ the watchdog
 class _PeerWatchdog:
   """Heartbeats through the coordination service; exits when a peer is lost.

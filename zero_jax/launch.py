@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -116,6 +117,23 @@ def _wait_for(procs, grace_seconds: float, timeout: float | None) -> list[tuple[
   return ended
 
 
+def _forward_sigterm(procs):
+  """Passes SIGTERM on to the processes still running (a preemption notice: they save
+  and exit); returns what puts the previous handler back."""
+  if threading.current_thread() is not threading.main_thread():
+    return lambda: None  # Python handles signals in the main thread only
+
+  def forward(signum, frame):  # pylint: disable=unused-argument
+    live = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in live:
+      procs[i].send_signal(signum)
+    os.write(2, f"zero_jax.launch_local: SIGTERM forwarded to processes {live}; waiting for "
+                f"them to save and exit.\n".encode())
+
+  previous = signal.signal(signal.SIGTERM, forward)
+  return lambda: signal.signal(signal.SIGTERM, previous)
+
+
 def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_process: int = 4,
                  grace_seconds: float = 90.0, timeout: float | None = None,
                  **kwargs) -> int:
@@ -126,7 +144,10 @@ def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_pro
   terminated. Prints the process that failed first, the root cause, and how
   every process ended: a process that raised exits only after its peers have
   stopped (with `LOST_PEER_EXIT_CODE`), so the order in which they end does
-  not tell which one failed first, but the exit codes do.
+  not tell which one failed first, but the exit codes do. A SIGTERM to the
+  launcher (a preemption notice) is passed on to every process, which saves
+  and exits (`CheckpointManager.reached_preemption`); it then returns 0 if
+  they all exited 0.
 
   Example:
     import sys, zero_jax as zj
@@ -150,9 +171,11 @@ def launch_local(argv: Sequence[str], *, num_processes: int = 2, devices_per_pro
   procs = start_local_processes(argv, num_processes=num_processes,
                                 devices_per_process=devices_per_process, **kwargs)
   ended = []
+  restore = _forward_sigterm(procs)
   try:
     ended = _wait_for(procs, grace_seconds, timeout)
   finally:
+    restore()
     for p in procs:
       if p.poll() is None:
         p.terminate()

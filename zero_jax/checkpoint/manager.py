@@ -20,6 +20,7 @@ from etils import epath
 from zero_jax.checkpoint import hyperparams as hyperparams_lib
 from zero_jax.checkpoint import store as store_lib
 from zero_jax.checkpoint import integrity
+from zero_jax.checkpoint import preemption as preemption_lib
 from zero_jax.checkpoint import writer
 from zero_jax.checkpoint.export import export_params  # noqa: F401  (re-exported)
 from zero_jax.checkpoint.format import (  # noqa: F401  (FORMAT, describe: re-exported)
@@ -387,6 +388,35 @@ class CheckpointManager:
                                                                              like.dtype)[i])
     return from_items(target, out), None
 
+  # ------------------------------------------------------------ preemption
+  preemption: "preemption_lib.Preemption | None" = None
+  """Where `reached_preemption` stopped the job, once it returned True."""
+
+  def reached_preemption(self, state: TrainState) -> bool:
+    """Whether to stop for a preemption notice; if so, ``state`` is saved.
+
+    Call it once per step on every process, with the current state. It
+    returns False (cheaply: no device sync) until a notice (SIGTERM, or the
+    signals given to `watch_preemption`) on any process has reached every
+    process; then True at the same call on every process, after saving
+    ``state`` whatever the save interval (unless it is still the initial state,
+    step 0) and waiting for the write. `preemption` then says which step.
+
+    Example:
+      for i in range(start, num_steps):
+        if mngr.reached_preemption(state):   # every process, every step
+          print(f"{mngr.preemption}; run again with --resume")
+          sys.exit(0)
+        state, metrics = step(state, batches(i))
+
+    Args:
+      state: the `TrainState` the next step would start from.
+
+    Returns:
+      True when every process stops here, with ``state`` saved.
+    """
+    return preemption_lib.reached(self, state)
+
   # ---------------------------------------------------------------- finish
   def wait_until_finished(self) -> None:
     """Blocks until the background write (if any) is complete.
@@ -403,6 +433,7 @@ class CheckpointManager:
       return
     self._closed = True
     writer.forget_at_exit(self)
+    preemption_lib.release(self)
     try:
       self._finish()
     finally:
