@@ -37,8 +37,8 @@ _DT_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 
              "pred": 1, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 _GROUPS_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\],\s*device_ids=\(\[([\d,]+)\]"
-                          r"(?:T\(([\d,]+)\))?\)\s*\{([^}]*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\]"
+                          r"(?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}")
 
 
 class Collective(NamedTuple):
@@ -71,10 +71,11 @@ def _nbytes(shape_text: str) -> int:
 
 
 def _mesh_groups(m) -> list:
-  """Groups of the mesh form: ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}``."""
+  """Groups of the mesh form: ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}`` (without
+  ``device_ids``, the devices in order)."""
   axes = [(n.strip().strip("'"), int(v)) for n, v in
           (a.split("=") for a in m.group(1).split(","))]
-  dims = [int(d) for d in m.group(2).split(",")]
+  dims = [int(d) for d in m.group(2).split(",")] if m.group(2) else [v for _, v in axes]
   ids = np.arange(int(np.prod(dims))).reshape(dims)
   if m.group(3):
     ids = ids.transpose([int(d) for d in m.group(3).split(",")])
