@@ -124,6 +124,7 @@ def test_a_stage3_program_has_one_iteration_per_layer_gathering_that_layer(stage
   assert fwd.flops == 2 * rows * D_IN * D_IN                # h @ w
   assert bwd.flops == 3 * 2 * rows * D_IN * D_IN            # recomputed, dh and dw
   assert program.flops == 3 * 2 * rows * D_IN * D_OUT       # the head, forward and backward
+  assert program.total_flops() == program.flops + LAYERS * 4 * 2 * rows * D_IN * D_IN
   assert all(not l.loops for l in program.loops)
 
 

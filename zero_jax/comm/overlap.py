@@ -130,6 +130,10 @@ class Loop(NamedTuple):
     """Matmul flops of one iteration, without nested loops."""
     return float(sum(f for f, _ in self.dots))
 
+  def total_flops(self) -> float:
+    """Matmul flops of all its iterations, nested loops included (per device)."""
+    return self.trips * (self.flops + sum(l.total_flops() for l in self.loops))
+
 
 # ------------------------------------------------------------------- reading
 def _nbytes(type_text: str) -> float:
