@@ -22,7 +22,8 @@ counted, so scale ``peak_flops`` (and the links) to what your software reaches
 Feed it the lowered program, ``step.lower(state, batch).as_text(dialect="hlo")``: it keeps
 the dtypes the program asks for (XLA:CPU's compiled program carries half-precision
 collectives and matmuls in float32) and needs no device of the target kind. The compiled
-text (``.compile().as_text()``) of XLA:CPU works as well.
+text (``.compile().as_text()``) of XLA:CPU works as well. Both schedules are derived from one
+program; give it today's (prefetch 0), whose loops gather and reduce their own layer.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
@@ -291,15 +292,15 @@ def analyze(hlo_text: str, *, n_devices: int | None = None) -> Loop:
 
 
 # ------------------------------------------------------------------ timing
-def _crosses(t: Transfer, device: Device) -> bool:
-  """Whether one of ``t``'s device groups spans more than one host."""
+def crosses_hosts(t: Transfer, device: Device) -> bool:
+  """Whether one of ``t``'s device groups spans more than one of ``device``'s hosts."""
   return any(len({d // device.devices_per_host for d in g}) > 1 for g in t.groups)
 
 
 def _link(t: Transfer, device: Device) -> tuple[int, Link]:
   """The group size and the link it runs at (the cross-host one if a group spans hosts)."""
   n = max((len(g) for g in t.groups), default=1)
-  return n, device.cross if _crosses(t, device) else device.intra
+  return n, device.cross if crosses_hosts(t, device) else device.intra
 
 
 def transfer_time(t: Transfer, device: Device, link_efficiency: float = 1.0) -> float:
@@ -400,7 +401,7 @@ def predict(program: Loop, device: Device, *, compute_efficiency: float = 1.0,
       return
     times = comm(loop.transfers)
     gather = sum(s for t, s in zip(loop.transfers, times) if t.op == "all-gather")
-    cross = sum((s for t, s in zip(loop.transfers, times) if _crosses(t, device)), 0.0)
+    cross = sum((s for t, s in zip(loop.transfers, times) if crosses_hosts(t, device)), 0.0)
     loops.append(LoopTime(loop.name, loop.trips, runs, own_compute, gather,
                           sum(times) - gather, cross))
 
