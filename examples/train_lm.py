@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="ZeRO++ hpZ (stage 3, --hosts > 1): gather parameters within a host")
   p.add_argument("--quantize", default="none", choices=("none", "weights", "grads", "both"),
                  help="ZeRO++ int8 communication: qwZ (weights), qgZ (grads) or both")
+  p.add_argument("--prefetch", type=int, default=None, choices=(0, 1),
+                 help="loop over the blocks with zj.scan: 1 gathers the next block while this "
+                      "one computes (stage 3) and reduces each gradient one block later")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
   p.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "zero_jax_train_lm"),
                  help="checkpoint directory")
@@ -294,11 +297,16 @@ class ByteLM(nn.Module):
   stage 3 that is what gathers it again instead of keeping it, and at every
   stage it keeps only the blocks' inputs (on 8 CPU devices, stage 2's XLA temp
   is 12 MiB with it and 55 MiB without, and the step is faster).
+
+  With ``prefetch`` 0 or 1 the same parameters are looped over with
+  ``zj.scan`` instead (``--prefetch``): with 1 the next block is gathered while
+  this one computes, and each block's gradient reduced one block later.
   """
   d_model: int
   layers: int
   heads: int
   max_len: int
+  prefetch: int | None = None
 
   @nn.compact
   def __call__(self, tokens):
@@ -306,10 +314,16 @@ class ByteLM(nn.Module):
                      name="embed")
     pos = self.param("pos", nn.initializers.normal(0.02), (self.max_len, self.d_model))
     x = embed(tokens) + pos[:tokens.shape[1]].astype(embed.embedding.dtype)
-    block = nn.map_variables(Block, "params", trans_in_fn=zj.gather, init=self.is_initializing())
-    blocks = nn.scan(nn.remat(block), variable_axes={"params": 0}, split_rngs={"params": True},
-                     length=self.layers)
-    x, _ = blocks(self.d_model, self.heads, name="blocks")(x, None)
+    if self.prefetch is None or self.is_initializing():
+      block = nn.map_variables(Block, "params", trans_in_fn=zj.gather,
+                               init=self.is_initializing())
+      blocks = nn.scan(nn.remat(block), variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=self.layers)
+      x, _ = blocks(self.d_model, self.heads, name="blocks")(x, None)
+    else:  # the parameters nn.scan made, one block applied to each layer's slice
+      one = Block(self.d_model, self.heads, parent=None)
+      x, _ = zj.scan(lambda h, p: one.apply({"params": p}, h, None), x,
+                     self.variables["params"]["blocks"], prefetch=self.prefetch)
     x = nn.LayerNorm(name="ln_f")(x)
     return embed.attend(x).astype(jnp.float32)  # logits in float32 for the loss
 
@@ -396,7 +410,7 @@ def main(argv=None) -> dict:
     sys.exit(f"--batch-size {args.batch_size} must be a multiple of the {n} devices.")
 
   d_model, layers, heads = SIZES[args.size]
-  model = ByteLM(d_model, layers, heads, max_len=args.seq_len)
+  model = ByteLM(d_model, layers, heads, max_len=args.seq_len, prefetch=args.prefetch)
   dummy = jnp.zeros((1, args.seq_len), jnp.int32)
   params_shapes = jax.eval_shape(model.init, jax.random.key(args.seed), dummy)["params"]
   n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_shapes))

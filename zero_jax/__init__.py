@@ -1,7 +1,8 @@
 """zero_jax: ZeRO-style sharded data parallelism for JAX."""
 
 from zero_jax.checkpoint import (CheckpointManager, DamagedCheckpointError,
-                                 DamagedCheckpointWarning, DirectoryInUseError, export_params)
+                                 DamagedCheckpointWarning, DirectoryInUseError, export_params,
+                                 export_safetensors, load_safetensors)
 from zero_jax.clipping import clip_by_global_norm, global_norm
 from zero_jax.comm.collectives import Quantize
 from zero_jax.comm.layout import Layout, leaf_layout
@@ -16,6 +17,7 @@ from zero_jax.loss_scale import (LossScaleState, adjust_loss_scale, all_finite,
                                  static_loss_scale, unscale_grads)
 from zero_jax.memory import CompiledMemory, MemoryReport, compiled_memory, memory_report
 from zero_jax.precision import POLICIES, Policy
+from zero_jax.prefetch import scan
 from zero_jax.stacked import ShardedParam, gather
 from zero_jax.state import StateMeta, TrainState
 from zero_jax.train_step import ShardedTrainStep, make_sharded_train_step
@@ -46,12 +48,14 @@ __all__ = [
     "compiled_memory",
     "dynamic_loss_scale",
     "export_params",
+    "export_safetensors",
     "gather",
     "global_norm",
     "initialize_distributed",
     "is_main_process",
     "launch_local",
     "leaf_layout",
+    "load_safetensors",
     "make_global_batch",
     "make_sharded_train_step",
     "memory_report",
@@ -60,6 +64,7 @@ __all__ = [
     "print_main",
     "process_batch_slice",
     "scale_loss",
+    "scan",
     "stack_layers",
     "static_loss_scale",
     "unscale_grads",

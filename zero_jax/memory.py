@@ -56,6 +56,9 @@ class StageMemory(NamedTuple):
     master: the float32 master copy (0 when the policy keeps none).
     host: the part of the above kept in pinned host memory between steps
       (``offload="optimizer"``: optimizer state and master copy).
+    prefetch: the buffers `zero_jax.scan` adds with ``prefetch=1``: stage 3
+      one more gathered layer and one layer's gradient (reduced one iteration
+      late); stage 2 that gradient.
   """
   stage: int
   params: int
@@ -63,11 +66,12 @@ class StageMemory(NamedTuple):
   optimizer_state: int
   master: int
   host: int = 0
+  prefetch: int = 0
 
   @property
   def total(self) -> int:
     """Every byte above, on the device or on the host."""
-    return self.params + self.gradients + self.optimizer_state + self.master
+    return self.params + self.gradients + self.optimizer_state + self.master + self.prefetch
 
   @property
   def device(self) -> int:
@@ -114,19 +118,21 @@ class MemoryReport:
   def to_markdown(self) -> str:
     """The report as a Markdown table with a one-line caption."""
     base = self[0].device if any(r.stage == 0 for r in self.rows) else None
-    off = self.offload is not None
+    off, pre = self.offload is not None, any(r.prefetch for r in self.rows)
     caption = (f"Per-device memory: {self.n_params:,} parameters ({self.n_trainable:,} "
                f"trainable), {self.n_devices} devices, precision {self.precision}")
     lines = [caption + (f", offload={self.offload!r}: optimizer state and master copy in "
                         f"pinned host memory at stages 1-3." if off else "."), "",
-             "| stage | params | gradients | optimizer state | master copy | total |"
+             "| stage | params | gradients | optimizer state | master copy |"
+             + (" prefetch |" if pre else "") + " total |"
              + (" on host | on device |" if off else "")
              + ((" device vs DP |" if off else " vs DP |") if base else ""),
-             "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if off else "")
-             + ("---:|" if base else "")]
+             "|---|---:|---:|---:|---:|---:|" + ("---:|" if pre else "")
+             + ("---:|---:|" if off else "") + ("---:|" if base else "")]
     for r in self.rows:
       cells = [STAGE_NAMES[r.stage], *(format_bytes(b) for b in
-               (r.params, r.gradients, r.optimizer_state, r.master, r.total))]
+               (r.params, r.gradients, r.optimizer_state, r.master)
+               + ((r.prefetch,) if pre else ()) + (r.total,))]
       if off:
         cells += [format_bytes(r.host), format_bytes(r.device)]
       if base:
@@ -161,7 +167,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
                   n_devices: int | None = None, mesh=None, axis_name="data", replica_axis=None,
                   param_specs=None, precision: str = "fp32", stages=(0, 1, 2, 3),
                   trainable=None, stacked=None, wrt=nnx.Param, comm_dtype=None,
-                  offload: str | None = None, hpz_axis=None) -> MemoryReport:
+                  offload: str | None = None, hpz_axis=None, prefetch: int = 0) -> MemoryReport:
   """Per-device bytes of params, gradients, optimizer state and master copy.
 
   Computed from shapes only, with the exact layouts (and padding) the step
@@ -211,6 +217,8 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
       optimizer state and master copy of stages 1-3 count as ``host`` bytes.
     hpz_axis: as for `make_sharded_train_step` (with ``mesh``): stage 3's
       parameters are the secondary copy, split over these axes only.
+    prefetch: as for `zero_jax.scan` over the ``stacked`` leaves: with 1 the
+      rows of stages 2-3 count its buffers (`StageMemory.prefetch`).
 
   Returns:
     A `MemoryReport`; ``print`` it for a table, index it by stage for numbers.
@@ -220,6 +228,8 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
     raise ValueError(f"stages={tuple(stages)!r}: each stage must be 0 (plain data "
                      f"parallelism), 1, 2 or 3; got {bad}.")
   optimizer = as_transformation(optimizer)
+  if isinstance(prefetch, bool) or prefetch not in (0, 1):
+    raise ValueError(f"prefetch={prefetch!r}: 0 or 1, as for zero_jax.scan.")
   if offload not in OFFLOAD_CHOICES:
     raise ValueError(f"offload={offload!r}: choose None or 'optimizer', as for "
                      f"make_sharded_train_step.")
@@ -247,6 +257,9 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   gdt = [spec.comm_dtype or d for d in pdt]
   trained = [i for i, t in enumerate(meta.trainable) if t]
   pl = meta.param_layouts
+  layer = lambda i: _bytes(model_block_shape(pl[i])[1:], pdt[i]) if meta.stacked[i] else 0
+  ahead = {2: 0, 3: sum(map(layer, range(len(pl))))}  # one more gathered layer
+  late = sum(map(layer, trained))                      # one layer's gradient
   rows = []
   for stage in stages:
     opt_bytes = sum(size(l, d, stage >= 1) for l, d in zip(meta.opt_layouts, opt_dtypes))
@@ -256,7 +269,8 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
         params=sum(size(l, d, stage >= 3, spec.n_gather) for l, d in zip(pl, pdt)),
         gradients=sum(size(pl[i], gdt[i], stage >= 2) for i in trained),
         optimizer_state=opt_bytes, master=master,
-        host=opt_bytes + master if offload is not None and stage >= 1 else 0))
+        host=opt_bytes + master if offload is not None and stage >= 1 else 0,
+        prefetch=(ahead[stage] + late) if prefetch and stage >= 2 else 0))
   return MemoryReport(
       n_devices=n, precision=pol.name, n_params=sum(math.prod(s) for s, _ in shapes),
       n_trainable=sum(math.prod(shapes[i][0]) for i in trained), rows=tuple(rows),

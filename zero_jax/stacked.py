@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax.comm.collectives import (Comm, axes_size, gather_in_loss, plan_buckets,
-                                  reduce_scatter_many)
+                                       reduce_scatter_many, scatter_in_loss)
 from zero_jax import nnx as nnx_lib
 from zero_jax.comm.layout import Layout, local_storage_shape, unpad
 
@@ -132,25 +132,50 @@ def _sliced_layout(x: ShardedParam) -> tuple[Layout, tuple, int]:
   return Layout(shape, dim, layout.padded if dim is not None else 0), local, drop
 
 
-def _gather_many(xs: list) -> list:
-  """Full values of the `ShardedParam`s of one `gather` call, small ones moved together."""
+def _plan(xs: list) -> list[tuple[bool, list[int], tuple, tuple]]:
+  """How one `gather` call moves the `ShardedParam`s ``xs`` split over the data axes:
+  per kind (stage 2, then 3), ``(stage 2?, their indices, sliced layouts, buckets)``."""
   sliced = [_sliced_layout(x)[0] for x in xs]
-  out = [x.full if x.full is not None else x.block for x in xs]  # replicated: as they are
+  plans = []
   for stage2 in (True, False):
     idx = [i for i, x in enumerate(xs) if (x.full is not None) == stage2
            and sliced[i].dim is not None]
-    if not idx:
-      continue
-    layouts = tuple(sliced[i] for i in idx)
+    if idx:
+      layouts = tuple(sliced[i] for i in idx)
+      groups = plan_buckets(layouts, [xs[i].block.dtype for i in idx],
+                            bucket_bytes=xs[idx[0]].comm.bucket_bytes)
+      plans.append((stage2, idx, layouts, groups))
+  return plans
+
+
+def _gather_many(xs: list) -> list:
+  """Full values of the `ShardedParam`s of one `gather` call, small ones moved together."""
+  out = [x.full if x.full is not None else x.block for x in xs]  # replicated: as they are
+  for stage2, idx, layouts, groups in _plan(xs):
     first = xs[idx[0]]
-    groups = plan_buckets(layouts, [xs[i].block.dtype for i in idx],
-                          bucket_bytes=first.comm.bucket_bytes)
     if stage2:  # the value is here; reduce the gradient on the way back
       got = _scatter_on_backward([xs[i].block for i in idx],
                                  [jax.lax.stop_gradient(xs[i].full) for i in idx], layouts,
                                  first.comm, first.batch_axes, groups)
     else:
       got = gather_in_loss([xs[i].block for i in idx], list(layouts), groups, first.comm)
+    for i, g in zip(idx, got):
+      out[i] = g
+  return out
+
+
+def scatter_many(xs: list, cts: list) -> list:
+  """`gather`'s transpose: the gradients of the values `_gather_many` returned for ``xs``
+  -> gradients of their blocks (stage 3: reduce-scattered over the gather axes; stage 2:
+  reduced as ``comm`` says). A replicated leaf's comes back local, as it is."""
+  out = list(cts)
+  for stage2, idx, layouts, groups in _plan(xs):
+    first, sub = xs[idx[0]], [cts[i] for i in idx]
+    if stage2:
+      got = [g.astype(xs[i].block.dtype) for i, g in
+             zip(idx, reduce_scatter_many(sub, layouts, groups, first.comm))]
+    else:
+      got = scatter_in_loss(sub, [xs[i].block for i in idx], layouts, groups, first.comm)
     for i, g in zip(idx, got):
       out[i] = g
   return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -132,6 +133,28 @@ class TrainState:
 
   if TYPE_CHECKING:  # struct.dataclass adds it at run time; this tells type checkers
     def replace(self, **changes: Any) -> TrainState: ...
+
+  def __post_init__(self):  # also when jax rebuilds a state: every concrete one is seen
+    if isinstance(self.meta, StateMeta) and self.meta.signature.stage == 3 and \
+        isinstance(self.step, jax.Array) and not isinstance(self.step, jax.core.Tracer):
+      _note_padded_storage(self.params, self.meta)
+
+
+# Stage-3 parameter leaves whose storage is padded, by id, while they live: what
+# `is_padded_storage` tells apart from a parameter of that shape (export_params refuses them).
+_PADDED: dict[int, Any] = {}
+
+
+def _note_padded_storage(params, meta: StateMeta) -> None:
+  for x, l in zip(jax.tree.leaves(params), meta.param_layouts):
+    if l.pad_amount and isinstance(x, jax.Array) and id(x) not in _PADDED:
+      _PADDED[id(x)] = (weakref.ref(x, lambda _, k=id(x): _PADDED.pop(k, None)), l)
+
+
+def is_padded_storage(x) -> lay.Layout | None:
+  """The `Layout` of ``x`` if it is a live stage-3 state's padded parameter storage."""
+  entry = _PADDED.get(id(x))
+  return entry[1] if entry is not None and entry[0]() is x else None
 
 
 # ------------------------------------------------------------------- the meta

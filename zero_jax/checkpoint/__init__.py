@@ -4,14 +4,18 @@ One module a job: `manager` (`CheckpointManager`: save, restore, keep the last f
 `format` (what a checkpoint holds and whether it fits a step), `store` (the storage seam:
 Orbax or plain files), `writer` (the directory's lock, temporary names, failed writes),
 `integrity` (the record that tells a complete checkpoint from a damaged one),
-`hyperparams` (restored ``inject_hyperparams`` values) and `export` (full parameters as a
-plain Orbax checkpoint). It sits above the step and imports it; nothing of the step
-imports it.
+`hyperparams` (restored ``inject_hyperparams`` values), `export` (full parameters as a
+plain Orbax checkpoint) and the safetensors files of Hugging Face: `safetensors_format`
+(names, headers, index), `blocks` (which part of a leaf each device writes),
+`safetensors_write` and `safetensors_read`. It sits above the step and imports it;
+nothing of the step imports it.
 """
 
 from zero_jax.checkpoint.export import export_params
 from zero_jax.checkpoint.integrity import DamagedCheckpointError, DamagedCheckpointWarning
 from zero_jax.checkpoint.manager import CheckpointManager
+from zero_jax.checkpoint.safetensors_read import load_safetensors
+from zero_jax.checkpoint.safetensors_write import export_safetensors
 from zero_jax.checkpoint.writer import DirectoryInUseError
 
 __all__ = [
@@ -20,4 +24,6 @@ __all__ = [
     "DamagedCheckpointWarning",
     "DirectoryInUseError",
     "export_params",
+    "export_safetensors",
+    "load_safetensors",
 ]

@@ -11,6 +11,7 @@ from etils import epath
 
 from zero_jax.checkpoint.store import CONCURRENT_GB as _CONCURRENT_GB
 from zero_jax.checkpoint.writer import abs_path
+from zero_jax.state import TrainState, is_padded_storage
 
 
 def _export_registry():
@@ -20,6 +21,23 @@ def _export_registry():
       (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
       (np.ndarray, th.NumpyHandler()),
       (jax.Array, th.ArrayHandler(enable_write_sharding_file=False)))
+
+
+def _check_params(params) -> None:
+  """Refuses a `TrainState`, and a stage-3 state's padded storage (``state.params``)."""
+  if isinstance(params, TrainState):
+    raise TypeError("export_params takes the parameters, not a TrainState: pass "
+                    "step.get_params(state), or write safetensors from the shards with "
+                    "zj.export_safetensors(step, state, directory).")
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    layout = is_padded_storage(x)
+    if layout is not None:
+      raise ValueError(
+          f"params{jax.tree_util.keystr(path)} has shape {tuple(x.shape)}: it is a stage-3 "
+          f"state's padded, split storage (state.params), not the parameter of shape "
+          f"{tuple(layout.shape)}; exported as it is it would be silently wrong. Pass "
+          f"step.get_params(state), or write safetensors from the shards with "
+          f"zj.export_safetensors(step, state, directory).")
 
 
 def export_params(directory, params, *, force: bool = False) -> None:
@@ -51,7 +69,12 @@ def export_params(directory, params, *, force: bool = False) -> None:
     directory: the directory to create (must not exist unless ``force``).
     params: a pytree of arrays, e.g. ``train_step.get_params(state)``.
     force: replace an existing directory.
+
+  Raises:
+    TypeError: ``params`` is a `TrainState`.
+    ValueError: a leaf is a stage-3 state's padded storage (``state.params``).
   """
+  _check_params(params)
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_export_registry(),
                                         save_concurrent_gb=_CONCURRENT_GB)
   with ocp.Checkpointer(handler) as ckptr:

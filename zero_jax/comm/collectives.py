@@ -316,6 +316,16 @@ def gather_in_loss(blocks, layouts, groups, comm: Comm) -> list:
   return _quantized_gather(tuple(blocks), tuple(layouts), tuple(groups), comm)
 
 
+def scatter_in_loss(cts, blocks, layouts, groups, comm: Comm) -> list:
+  """The transpose of `gather_in_loss`: gradients of the gathered leaves -> gradients of
+  ``blocks``, reduce-scattered over the gather axes (quantized as ``comm`` says), for a
+  caller that runs the backward pass itself (`zero_jax.scan`)."""
+  if _exact_in_loss(comm):
+    gather = lambda bs: all_gather_many(bs, layouts, groups, comm, to="varying")
+    return list(jax.linear_transpose(gather, list(blocks))(list(cts))[0])
+  return list(_quantized_gather_bwd(tuple(layouts), tuple(groups), comm, None, tuple(cts))[0])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _quantized_gather(blocks, layouts, groups, comm):
   return all_gather_many(list(blocks), layouts, groups, comm, to="varying")

@@ -157,3 +157,169 @@ def collectives(hlo: str) -> list[Collective]:
         out.append(Collective(m.group(2), m.group(1), shapes_in(m.group(1)),
                               _nbytes(m.group(1)), replica_groups(line), name in loops))
   return out
+
+
+# ------------------------------------------------------------- loops, dataflow
+_COMPUTE = frozenset({"dot", "convolution"})
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+class Instruction(NamedTuple):
+  """One HLO instruction: its name, opcode, result type, operands and the computations
+  it calls (a fusion's, a while's body and condition)."""
+  name: str
+  op: str
+  shape_text: str
+  operands: list
+  called: list
+  line: str
+
+
+def _balanced(text: str, start: int) -> int:
+  """Index just past the parenthesis group opening at ``text[start]``."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth == 0:
+      return i + 1
+  return len(text)
+
+
+def parse_instruction(line: str) -> Instruction | None:
+  """``%x = f32[2]{0} add(%a, %b), ...`` -> an `Instruction` (None for other lines)."""
+  m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+  if not m:
+    return None
+  rest = line[m.end():]
+  end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+  shape_text, tail = rest[:end], rest[end:].lstrip()
+  op = re.match(r"([\w\-]+)\(", tail)
+  if not op:
+    return None
+  args = tail[op.end() - 1:_balanced(tail, op.end() - 1)]
+  return Instruction(m.group(1), op.group(1), shape_text, re.findall(r"%([\w.\-]+)", args),
+                     _CALLED.findall(tail), line)
+
+
+class LoopCollective(NamedTuple):
+  """A collective in a loop body, and how it meets this iteration's compute.
+
+  Attributes:
+    op: its opcode (``all-gather``, ``reduce-scatter``, ...; async pairs as one).
+    shapes: its result's array shapes.
+    operand_from_compute: whether its operand depends on a ``dot`` or
+      ``convolution`` of the same iteration (False: it reads what earlier
+      iterations carried in).
+    used_by_compute: whether a ``dot`` or ``convolution`` of the same iteration
+      reads its result.
+    carried_to: the loop tuple indices its result reaches only moved (sliced,
+      copied, bitcast): what it hands the next iteration as it is.
+  """
+  op: str
+  shapes: list
+  operand_from_compute: bool
+  used_by_compute: bool
+  carried_to: list
+
+
+class Loop(NamedTuple):
+  """One ``while`` loop of a compiled program (see `loops`).
+
+  Attributes:
+    name: the ``while`` instruction's name.
+    trip_count: its iteration count when XLA knows it, else None.
+    carried: the shapes of its loop tuple, in order.
+    collectives: the collectives of its body (`LoopCollective`).
+  """
+  name: str
+  trip_count: int | None
+  carried: list
+  collectives: list
+
+
+def _contains(comps: dict, name: str, ops: frozenset, seen=None) -> bool:
+  """Whether computation ``name`` (or one it calls) holds an instruction with an op in ``ops``."""
+  seen = set() if seen is None else seen
+  if name in seen or name not in comps:
+    return False
+  seen.add(name)
+  for line in comps[name]:
+    ins = parse_instruction(line)
+    if ins and (ins.op in ops or any(_contains(comps, c, ops, seen) for c in ins.called)):
+      return True
+  return False
+
+
+def _closure(start, edges: dict) -> set:
+  todo, seen = list(start), set()
+  while todo:
+    x = todo.pop()
+    if x not in seen:
+      seen.add(x)
+      todo += edges.get(x, [])
+  return seen
+
+
+def _moves(instrs: dict, name: str) -> bool:
+  """Whether an instruction only moves one array (a slice, copy, bitcast, tuple element):
+  it has at most one operand that is not a scalar."""
+  arrays = [o for o in instrs[name].operands
+            if o in instrs and shapes_in(instrs[o].shape_text) not in ([()], [])]
+  return instrs[name].op == "tuple" or len(arrays) <= 1
+
+
+def _loop(comps: dict, ins: Instruction) -> Loop:
+  body = re.search(r"body=%?([\w.\-]+)", ins.line)
+  instrs = {i.name: i for i in map(parse_instruction, comps.get(body.group(1) if body else "", []))
+            if i}
+  users: dict = {}
+  for i in instrs.values():
+    for o in i.operands:
+      users.setdefault(o, []).append(i.name)
+  compute = {n for n, i in instrs.items() if i.op in _COMPUTE or any(
+      _contains(comps, c, _COMPUTE) for c in i.called)}
+  root = next((i for i in instrs.values() if i.line.lstrip().startswith("ROOT")), None)
+  out = []
+  for name, i in instrs.items():
+    kind = re.sub(r"-(start|done)$", "", i.op)
+    if kind not in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                    "collective-permute") or i.op.endswith("-done"):
+      continue
+    before = _closure(i.operands, {n: x.operands for n, x in instrs.items()})
+    after = _closure(users.get(name, []), users)
+    passed = _closure([name], {n: [u for u in us if _moves(instrs, u)] for n, us in users.items()})
+    carried = [k for k, o in enumerate(root.operands) if o in passed] if root else []
+    out.append(LoopCollective(kind, shapes_in(i.shape_text), bool(before & compute),
+                              bool(after & compute), carried))
+  trips = _TRIPS.search(ins.line)
+  return Loop(ins.name, int(trips.group(1)) if trips else None, shapes_in(ins.shape_text), out)
+
+
+def loops(hlo: str) -> list[Loop]:
+  """Every ``while`` loop of compiled HLO text, with its collectives' dataflow.
+
+  This is how a schedule is checked where it cannot be timed (XLA:CPU runs
+  collectives synchronously): a prefetching layer loop (`zero_jax.scan`)
+  carries an all-gather's result to the next iteration without using it
+  (``used_by_compute`` False, ``carried_to`` not empty), and a delayed
+  reduce-scatter reads a gradient the previous iteration carried in
+  (``operand_from_compute`` False).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+    >>> from zero_jax.comm.hlo import loops
+    >>> def loss_fn(p, b):
+    ...   h, _ = zj.scan(lambda h, w: (jnp.tanh(h @ w), None), b["x"], p["w"])
+    ...   return jnp.mean(h ** 2)
+    >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), stage=3, stacked=True,
+    ...                                   mesh=jax.make_mesh((8,), ("data",)))
+    >>> state = step.init({"w": jnp.ones((4, 16, 16)) / 16})
+    >>> text = step.lower(state, {"x": jnp.ones((8, 16))}).compile().as_text()
+    >>> [(l.trip_count, [(c.op, c.used_by_compute, c.operand_from_compute)
+    ...                  for c in l.collectives]) for l in loops(text)]  # doctest: +NORMALIZE_WHITESPACE
+    [(3, [('all-gather', False, False)]),
+     (2, [('reduce-scatter', False, False), ('all-gather', False, False)])]
+  """
+  comps = _computations(hlo)
+  return [_loop(comps, i) for lines in comps.values() for i in map(parse_instruction, lines)
+          if i and i.op == "while"]

@@ -1,0 +1,64 @@
+"""One process of the two-process safetensors test (started by tests/test_safetensors.py).
+
+Importable without side effects: the test process builds the same steps and states from
+here for its one-process export.
+
+  python tests/safetensors_worker.py OUT_DIR   # exports each variant into OUT_DIR/<variant>,
+                                               # then loads stage 3's export and exports it again
+"""
+
+import os
+import sys
+
+import numpy as np
+
+SHAPES = {"emb": (32, 24), "odd": (5, 9), "bias": (9,), "kernel": (24, 40), "scale": ()}
+VARIANTS = {"stage3_bf16": dict(stage=3, precision="bf16"),  # master split, padded blocks
+            "stage2_fp32": dict(stage=2)}                     # replicated over both processes
+
+
+def params():
+  rng = np.random.default_rng(3)
+  return {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def rename(name):
+  return name, name == "kernel"  # a transposed leaf split along its columns
+
+
+def make_step(variant):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  loss = lambda p, b: sum(jnp.sum(x) for x in jax.tree.leaves(p)) * jnp.mean(b)
+  return zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh, **VARIANTS[variant])
+
+
+def export(variant, directory):
+  """The variant's state exported in 3 files (small max_shard_bytes): what both runs write."""
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  step = make_step(variant)
+  state = step.init(params())
+  return zj.export_safetensors(step, state, directory, rename=rename, max_shard_bytes=4000,
+                               chunk_bytes=256)
+
+
+def main(out_dir):
+  import jax  # pylint: disable=g-import-not-at-top
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  zj.initialize_distributed()
+  for variant in VARIANTS:
+    export(variant, os.path.join(out_dir, variant))
+  step = make_step("stage3_bf16")  # read back by both processes, each its own blocks
+  like = {k: jax.ShapeDtypeStruct(s, np.float32) for k, s in SHAPES.items()}
+  loaded = zj.load_safetensors(os.path.join(out_dir, "stage3_bf16"), like, step=step,
+                               rename=rename)
+  zj.export_safetensors(step, step.init(loaded), os.path.join(out_dir, "reloaded"),
+                        rename=rename, max_shard_bytes=4000)
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  main(sys.argv[1])

@@ -1,0 +1,343 @@
+"""`zj.scan`: stacked layers with the next layer gathered while this one computes.
+
+The numbers of ``prefetch=1`` must equal those of ``prefetch=0`` (today's
+checkpointed ``lax.scan`` that gathers inside its body) bit for bit where the
+order of operations is unchanged, and the single-device optax reference (which
+runs the same ``loss_fn``: outside the step ``zj.scan`` is ``lax.scan``), with
+SGD and Adam, uneven leaves (12 padded to 16 on 8 devices, a replicated
+per-layer gain), a closed-over parameter and 1, 2 and 7 layers, in each
+combination the step offers. XLA:CPU runs collectives synchronously, so the
+schedule is checked in the compiled program: what each loop carries and where
+each collective's operand comes from.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import zero_jax as zj
+from _feature_helpers import assert_tree_close, reference_run
+from zero_jax.comm import hlo as hlo_lib
+
+W, STEPS = 12, 2
+STACKED = {"emb": False, "layers": True, "head": False}
+
+
+def make_params(layers):
+  r = np.random.default_rng(0)
+  f = lambda *s: (r.normal(size=s) * 0.4).astype(np.float32)
+  return {"emb": f(5, W),
+          "layers": {"w": f(layers, W, W), "b": f(layers, W),
+                     "gain": (1 + f(layers)).astype(np.float32)},  # (L,): replicated
+          "head": f(W, 3)}
+
+
+def make_loss(prefetch, kind="mean"):
+  """The layers close over ``p["emb"]`` (its gradient flows through the closure) and
+  emit a per-layer output (ys); ``kind`` picks a mean, weighted or (loss, aux) loss."""
+  def loss_fn(p, b):
+    def layer(h, lp):
+      h = jnp.tanh(h @ lp["w"] + lp["b"] + p["emb"][0]) * lp["gain"]
+      return h, jnp.mean(h, axis=-1)
+    h, ys = zj.scan(layer, b["x"] @ p["emb"], p["layers"], prefetch=prefetch)
+    per_row = jnp.mean((h @ p["head"] - b["y"]) ** 2, axis=-1) + 0.1 * jnp.mean(ys, axis=0)
+    if kind == "weighted":
+      return zj.WeightedLoss(total=jnp.sum(per_row * b["m"]), weight=jnp.sum(b["m"]))
+    return (jnp.mean(per_row), {"rows": per_row}) if kind == "aux" else jnp.mean(per_row)
+  return loss_fn
+
+
+def reference_loss(kind):
+  """The single-device loss: a weighted loss is its global ratio."""
+  if kind != "weighted":
+    return make_loss(0, kind)
+  return lambda p, b: (lambda out: out.total / out.weight)(make_loss(0, kind)(p, b))
+
+
+def make_batches():
+  r = np.random.default_rng(1)
+  return [{"x": r.normal(size=(16, 5)).astype(np.float32),
+           "y": r.normal(size=(16, 3)).astype(np.float32),
+           "m": (r.random(16) < 0.7).astype(np.float32)} for _ in range(STEPS)]
+
+
+def run(prefetch, *, layers, opt, mesh_shape=(8,), axes=("data",), kind="mean", **kw):
+  mesh = jax.make_mesh(mesh_shape, axes)
+  step = zj.make_sharded_train_step(make_loss(prefetch, kind), opt, mesh=mesh,
+                                    has_aux=kind == "aux", stacked=STACKED, **kw)
+  state, losses = step.init(make_params(layers)), []
+  for b in make_batches():
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+  return step, state, losses
+
+
+SGD, ADAM = lambda: optax.sgd(0.1), lambda: optax.adam(1e-2)
+Q = zj.Quantize(block_size=64)
+# name: (layers, optimizer, run options, compare with the reference?, rtol vs prefetch=0: 0
+# where the order of operations is unchanged; 1e-6 where a closed-over leaf's gradient is
+# summed over layers in another order)
+CASES = {
+    "s3_sgd_7layers": (7, SGD, {"stage": 3}, True, 0),
+    "s3_adam_1layer_offload": (1, ADAM, {"stage": 3, "offload": "optimizer"}, True, 0),
+    "s2_sgd_2layers_weighted": (2, SGD, {"stage": 2, "kind": "weighted"}, True, 0),
+    "s2_adam_hybrid_accum": (3, ADAM, {"stage": 2, "mesh_shape": (2, 4),
+                                       "axes": ("replica", "data"), "replica_axis": "replica",
+                                       "grad_accum_steps": 2}, True, 1e-6),
+    "s3_sgd_hpz_aux": (2, SGD, {"stage": 3, "mesh_shape": (2, 4), "axes": ("replica", "data"),
+                                "axis_name": ("replica", "data"), "hpz_axis": "data",
+                                "kind": "aux"}, True, 0),
+    "s3_adam_replica_accum": (3, ADAM, {"stage": 3, "mesh_shape": (2, 4),
+                                        "axes": ("replica", "data"), "replica_axis": "replica",
+                                        "grad_accum_steps": 2}, True, 0),
+    "s3_sgd_gather_once": (3, SGD, {"stage": 3, "grad_accum_steps": 2, "gather_once": True},
+                           True, 0),
+    "s3_sgd_param_specs": (2, SGD, {"stage": 3, "mesh_shape": (4, 2), "axes": ("data", "model"),
+                                    "param_specs": {"emb": P(), "head": P(),
+                                                    "layers": {"w": P(None, None, "model"),
+                                                               "b": P(), "gain": P()}}},
+                           True, 0),
+    "s3_adam_bf16_qwz_qgz": (2, ADAM, {"stage": 3, "precision": "bf16", "quantize": Q}, False, 0),
+    "s3_sgd_fp16": (3, SGD, {"stage": 3, "precision": "fp16",
+                             "loss_scale": zj.static_loss_scale(2.0 ** 8)}, False, 0),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prefetch_equals_no_prefetch_and_the_single_device_reference(case):
+  layers, opt, kw, exact, tol = CASES[case]
+  step1, state1, losses1 = run(1, layers=layers, opt=opt(), **kw)
+  step0, state0, losses0 = run(0, layers=layers, opt=opt(), **kw)
+  p1, p0 = step1.get_params(state1), step0.get_params(state0)
+  assert_tree_close(p1, p0, rtol=tol, atol=0, what=f"{case}: prefetch 1 vs 0 ")
+  assert losses1 == losses0
+  if exact:
+    kind = kw.get("kind", "mean")
+    ref, ref_losses, _ = reference_run(reference_loss(kind), opt(), make_params(layers),
+                                       make_batches(), has_aux=kind == "aux")
+    assert_tree_close(p1, ref[-1], what=f"{case}: prefetch 1 vs reference ")
+    np.testing.assert_allclose(losses1, [float(x) for x in ref_losses], rtol=1e-5)
+  else:  # half precision: it trained, and moved every leaf
+    moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(), p1, make_params(layers))
+    assert min(jax.tree.leaves(moved)) > 0
+
+
+# ------------------------------------------------------------------- Flax
+LAYERS = 3
+
+
+class NnxBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.norm = nnx.LayerNorm(W, rngs=rngs)
+    self.lin = nnx.Linear(W, W, rngs=rngs)
+    self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.drop(nnx.gelu(self.lin(self.norm(x))))
+
+
+class NnxDeep(nnx.Module):
+  """``nnx.vmap``-built blocks (their Dropout RNG counters are model state), looped over
+  with ``zj.scan`` (``prefetch`` 0 or 1) or, as before ``zj.scan``, with ``nnx.scan``."""
+
+  def __init__(self, loop, rngs):
+    self.loop = loop
+    self.embed = nnx.Linear(5, W, rngs=rngs)
+
+    @nnx.split_rngs(splits=LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NnxBlock(rngs)
+    self.blocks = make(rngs)
+    self.head = nnx.Linear(W, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.embed(x)
+    if self.loop == "nnx.scan":
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      @nnx.remat
+      def layer(h, block):
+        return zj.gather(block)(h)
+      h = layer(h, self.blocks)
+    else:
+      h, _ = zj.scan(lambda h, block: (block(h), None), h, self.blocks, prefetch=self.loop)
+    return self.head(h)
+
+
+def nnx_loss(model, batch):
+  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def test_nnx_stack_with_dropout_equals_nnx_scan_and_keeps_its_rng_counters(mesh):
+  got = {}
+  for loop in (1, "nnx.scan"):
+    step = zj.make_sharded_train_step(nnx_loss, optax.adam(1e-2), mesh=mesh, stage=3,
+                                      stacked=nnx.PathContains("blocks"))
+    model = NnxDeep(loop, nnx.Rngs(0))
+    model.train()
+    state = step.init(model)
+    for b in make_batches():
+      state, m = step(state, b)
+    keys_as_data = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key) else x
+    got[loop] = jax.tree.map(keys_as_data, nnx.state(step.get_model(state)))
+  assert_tree_close(got[1], got["nnx.scan"], rtol=1e-6, what="zj.scan vs nnx.scan ")
+  counts = got[1]["blocks"]["drop"]["rngs"]["count"][...]
+  np.testing.assert_array_equal(counts, np.full(LAYERS, STEPS))  # one draw per layer a step
+
+
+class LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return h + nn.Dense(W)(nn.LayerNorm()(h)), None
+
+
+class LinenStack(nn.Module):
+  """Linen's ``nn.scan`` builds the stacked parameters (``params["stack"]``)."""
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=LAYERS)
+    return stack(name="stack")(x, None)[0]
+
+
+def linen_loss(params, batch):
+  block = LinenBlock()
+  apply = lambda h, p: block.apply({"params": p}, h, None)
+  h, _ = zj.scan(apply, batch["x"] @ params["emb"], params["stack"])
+  return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
+
+def test_linen_scan_params_applied_in_zj_scan_equal_the_reference(mesh):
+  r = np.random.default_rng(3)
+  params = {"emb": r.normal(size=(5, W)).astype(np.float32) / 2,
+            "stack": LinenStack().init(jax.random.key(0), jnp.ones((2, W)))["params"]["stack"],
+            "head": r.normal(size=(W, 3)).astype(np.float32) / 3}
+  step = zj.make_sharded_train_step(
+      linen_loss, optax.sgd(0.1), mesh=mesh, stage=3,
+      stacked=lambda path, _: jax.tree_util.keystr(path).startswith("['stack']"))
+  state = step.init(params)
+  for b in make_batches():
+    state, _ = step(state, b)
+  ref, _, _ = reference_run(linen_loss, optax.sgd(0.1), params, make_batches())
+  assert_tree_close(step.get_params(state), ref[-1], what="linen ")
+
+
+# -------------------------------------------------------- the compiled schedule
+DEEP, WIDE = 7, 128
+
+
+def deep_loss(prefetch):
+  def loss_fn(p, b):
+    layer = lambda h, lp: (jnp.tanh(h @ lp["w"] + lp["b"]), None)
+    h, _ = zj.scan(layer, b["x"], p["layers"], prefetch=prefetch)
+    return jnp.mean((h - b["y"]) ** 2)
+  return loss_fn
+
+
+@pytest.fixture(scope="module")
+def deep_compiled(mesh):
+  """Stage 3, 7 layers of (128, 128) + (128,): compiled with prefetch 1 and 0."""
+  params = {"layers": {"w": jax.ShapeDtypeStruct((DEEP, WIDE, WIDE), jnp.float32),
+                       "b": jax.ShapeDtypeStruct((DEEP, WIDE), jnp.float32)}}
+  batch = {k: jax.ShapeDtypeStruct((16, WIDE), jnp.float32) for k in ("x", "y")}
+  out = {}
+  for prefetch in (1, 0):
+    step = zj.make_sharded_train_step(deep_loss(prefetch), optax.sgd(0.1), mesh=mesh,
+                                      stage=3, stacked=True)
+    out[prefetch] = step.lower(step.abstract_state(params), batch).compile()
+  return out
+
+
+def executed(text, op, shapes):
+  """How many times collectives ``op`` with result ``shapes`` run: once outside loops,
+  the trip count inside one."""
+  outside = sum(c.op == op and c.shapes == shapes and not c.in_loop
+                for c in hlo_lib.collectives(text))
+  return outside + sum(l.trip_count * sum(c.op == op and c.shapes == shapes
+                                          for c in l.collectives) for l in hlo_lib.loops(text))
+
+
+def test_compiled_loops_carry_the_next_layer_and_reduce_the_previous_gradient(deep_compiled):
+  text = deep_compiled[1].as_text()
+  layer_loops = [l for l in hlo_lib.loops(text) if any(c.op == "all-gather" for c in l.collectives)]
+  fwd, bwd = sorted(layer_loops, key=lambda l: any(c.op == "reduce-scatter" for c in l.collectives))
+  assert (fwd.trip_count, bwd.trip_count) == (DEEP - 1, DEEP - 2)  # the ends run outside
+  for loop in (fwd, bwd):  # the loop carries a whole gathered layer, gathered for the next
+    assert (WIDE, WIDE) in loop.carried and (WIDE,) in loop.carried
+    gathers = [c for c in loop.collectives if c.op == "all-gather"]
+    assert len(gathers) == 1 and not gathers[0].used_by_compute and gathers[0].carried_to
+  scatters = [c for c in bwd.collectives if c.op == "reduce-scatter"]
+  assert len(scatters) == 1 and not scatters[0].operand_from_compute  # one iteration late
+  assert not any(c.op == "reduce-scatter" for c in fwd.collectives)
+  # One gather per layer in each direction, one reduce-scatter per layer.
+  gather, scatter = [c.shapes for c in fwd.collectives][0], scatters[0].shapes
+  assert executed(text, "all-gather", gather) == 2 * DEEP
+  assert executed(text, "reduce-scatter", scatter) == DEEP
+  # Without prefetch each loop uses the layer it gathers in the same iteration.
+  old = [c for l in hlo_lib.loops(deep_compiled[0].as_text()) for c in l.collectives
+         if c.op == "all-gather"]
+  assert len(old) == 2 and all(c.used_by_compute and not c.carried_to for c in old)
+
+
+def test_prefetch_memory_is_a_few_layers_and_memory_report_counts_it(deep_compiled):
+  layer = (WIDE * WIDE + WIDE) * 4
+  loops = [l for l in hlo_lib.loops(deep_compiled[1].as_text()) if l.collectives]
+  # What the loops carry beyond today's: forward one gathered layer, backward one gathered
+  # layer and one layer's gradient (reduced one iteration late).
+  assert sorted(l.carried.count((WIDE, WIDE)) for l in loops) == [1, 2]
+  temp = {k: c.memory_analysis().temp_size_in_bytes for k, c in deep_compiled.items()}
+  # XLA:CPU drops optimization barriers before it schedules (XLA:GPU after), so it may
+  # gather the backward's first layers at the start of the step and copy carried layers:
+  # its peak grows by about 4 layers here, against the whole stack (7) if prefetch kept
+  # every layer it gathered.
+  assert 0 < temp[1] - temp[0] <= 4.5 * layer, ((temp[1] - temp[0]) / layer, temp)
+  params = {"layers": {"w": np.zeros((DEEP, WIDE, WIDE), np.float32),
+                       "b": np.zeros((DEEP, WIDE), np.float32)}}
+  report = zj.memory_report(params, optax.sgd(0.1), n_devices=8, stacked=True, prefetch=1)
+  assert report[3].prefetch == 2 * layer  # a gathered layer and a layer's gradient
+  assert report[2].prefetch == layer      # stage 2: the delayed gradient
+  assert report[1].prefetch == report[0].prefetch == 0
+  plain = zj.memory_report(params, optax.sgd(0.1), n_devices=8, stacked=True)
+  assert report[3].total == plain[3].total + 2 * layer and plain[3].prefetch == 0
+  assert "prefetch" in str(report) and "prefetch" not in str(plain)
+
+
+# ----------------------------------------------------------- outside, misuse
+def test_outside_the_step_it_is_lax_scan_and_modules_update():
+  p, b = make_params(4), make_batches()[0]
+  for prefetch in (0, 1):
+    assert make_loss(prefetch)(p, b) == make_loss(0)(p, b)
+  layer = lambda h, lp: (jnp.tanh(h @ lp["w"] + lp["b"]) * lp["gain"], h.sum())
+  h, ys = zj.scan(layer, b["x"] @ p["emb"], p["layers"])
+  h2, ys2 = jax.lax.scan(layer, b["x"] @ p["emb"], p["layers"])
+  np.testing.assert_array_equal(h, h2)
+  np.testing.assert_array_equal(ys, ys2)
+  model = NnxDeep(1, nnx.Rngs(0))
+  model(b["x"])  # dropout draws once per layer: the counters are written back
+  np.testing.assert_array_equal(model.blocks.drop.rngs.count[...], np.ones(LAYERS))
+
+
+def test_misuse_is_refused_with_what_to_do(mesh):
+  p, x = make_params(3), jnp.ones((2, W))
+  with pytest.raises(ValueError, match=r"prefetch=2.*choose 1.*or 0"):
+    zj.scan(lambda h, lp: (h, None), x, p["layers"], prefetch=2)
+  with pytest.raises(ValueError, match=r"different numbers of layers.*\['v'\]: 2.*\['w'\]: 3"):
+    zj.scan(lambda h, lp: (h, None), x, {"w": p["layers"]["w"], "v": jnp.ones((2, 4))})
+  with pytest.raises(ValueError, match=r"stacked\['s'\] is a scalar"):
+    zj.scan(lambda h, lp: (h, None), x, {"s": jnp.float32(1)})
+  with pytest.raises(TypeError, match=r"must return a pair \(carry, y\)"):
+    zj.scan(lambda h, lp: h, x, p["layers"])
+  def bad_carry(p, b):  # returns a carry of another shape: named at trace time in the step
+    h, _ = zj.scan(lambda h, lp: (h[:, :3], None), b["x"] @ p["emb"], p["layers"])
+    return jnp.mean(h)
+  step = zj.make_sharded_train_step(bad_carry, optax.sgd(0.1), mesh=mesh, stage=3,
+                                    stacked=STACKED)
+  with pytest.raises(TypeError, match=r"same structure, shapes and dtypes as init.*\(2, 12\).*\(2, 3\)"):
+    step(step.init(p), make_batches()[0])

@@ -1,0 +1,269 @@
+"""The safetensors layout as pure functions: names, headers, files and the index.
+
+A safetensors file is 8 bytes (little-endian header length ``N``), ``N`` bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
+offsets relative to the end of the header), then every tensor's row-major bytes. The
+header depends on names, shapes and dtypes alone, so every tensor's byte range is known
+before any data is written. Several files come with ``model.safetensors.index.json``
+(``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``), as Hugging Face
+writes them. Reading and writing data is `zero_jax.checkpoint.safetensors_read` /
+``safetensors_write``'s job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Callable, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+MAX_HEADER = 100 << 20  # the safetensors library's own limit
+
+DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(jnp.bfloat16), "F8_E4M3": np.dtype(jnp.float8_e4m3fn),
+    "F8_E5M2": np.dtype(jnp.float8_e5m2), "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32), "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+_CODES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_code(dtype, where: str) -> str:
+  """The safetensors name of a dtype (``"F32"``, ``"BF16"``, ...)."""
+  code = _CODES.get(np.dtype(dtype))
+  if code is None:
+    raise TypeError(f"{where}: safetensors has no name for dtype {np.dtype(dtype).name}; "
+                    f"pass dtype= one of {sorted(d.name for d in _CODES)}.")
+  return code
+
+
+class Tensor(NamedTuple):
+  """One tensor of an export or a file.
+
+  Attributes:
+    name: its name in the file (``model.layers.0.mlp.up_proj.weight``).
+    shape: its shape in the file.
+    dtype: its numpy dtype in the file.
+    leaf: the pytree leaf it comes from or goes to, for messages (``['w']``).
+    transpose: the file holds the 2-D leaf transposed.
+  """
+  name: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  leaf: str = ""
+  transpose: bool = False
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * self.dtype.itemsize
+
+
+# --------------------------------------------------------------------- names
+def _key_str(k) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def default_name(path, *, variable: bool = False) -> str:
+  """A pytree path joined with ``.``: ``{"layers": {"0": {"w": x}}}`` -> ``layers.0.w``.
+
+  ``variable``: the path ends inside an NNX Variable (its ``.value``), which is dropped.
+  """
+  keys = list(path)
+  if variable and keys and getattr(keys[-1], "name", None) == "value":
+    keys = keys[:-1]
+  return ".".join(_key_str(k) for k in keys)
+
+
+def apply_rename(rename: Callable | None, default: str, leaf: str, ndim: int) -> tuple[str, bool]:
+  """``rename(default)`` checked: ``(name, transpose)``.
+
+  ``rename`` returns a name, or ``(name, transpose)`` with ``transpose`` a bool (the
+  file holds the 2-D leaf transposed: PyTorch's ``Linear.weight`` is ``(out, in)``,
+  Flax's ``kernel`` ``(in, out)``).
+  """
+  if rename is None:
+    return default, False
+  out = rename(default)
+  name, transpose = (out if isinstance(out, tuple) and len(out) == 2 else (out, False))
+  if not isinstance(name, str) or not name or not isinstance(transpose, (bool, np.bool_)):
+    raise TypeError(f"rename({default!r}) for the leaf {leaf} returned {out!r}; it must return "
+                    f"a non-empty str, or (name, transpose) with transpose a bool.")
+  if transpose and ndim != 2:
+    raise ValueError(f"rename({default!r}) asks to transpose the leaf {leaf}, which has {ndim} "
+                     f"dimensions; only 2-D leaves (kernels) can be transposed.")
+  return name, bool(transpose)
+
+
+def check_unique(tensors: list[Tensor]) -> None:
+  """Raises naming both leaves when two leaves map to one tensor name."""
+  seen: dict[str, str] = {}
+  for t in tensors:
+    if t.name in seen:
+      raise ValueError(f"the leaves {seen[t.name]} and {t.leaf} both map to the tensor name "
+                       f"{t.name!r}; rename= must give every leaf its own name.")
+    seen[t.name] = t.leaf
+
+
+# -------------------------------------------------------------------- writing
+def file_names(n: int) -> list[str]:
+  """Hugging Face's names for ``n`` files: ``model.safetensors`` or ``model-0000k-of-0000n``."""
+  if n == 1:
+    return [SINGLE]
+  return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def split_files(tensors: list[Tensor], max_bytes: int) -> list[list[Tensor]]:
+  """Tensors in order, a new file whenever the next would pass ``max_bytes`` (a larger
+  tensor gets a file of its own), as Hugging Face shards a model."""
+  files: list[list[Tensor]] = [[]]
+  size = 0
+  for t in tensors:
+    if files[-1] and size + t.nbytes > max_bytes:
+      files.append([])
+      size = 0
+    files[-1].append(t)
+    size += t.nbytes
+  return files
+
+
+def header(tensors: list[Tensor], metadata: dict | None = None) -> tuple[bytes, dict[str, int]]:
+  """``(the 8-byte length and the JSON header, {name: offset of its data in the file})``.
+
+  Tensors are laid out by decreasing item size (each stays aligned), then by name, and
+  the JSON is padded with spaces to a multiple of 8 bytes: the bytes the safetensors
+  library's ``save_file`` writes for the same tensors.
+  """
+  order = sorted(range(len(tensors)), key=lambda i: (-tensors[i].dtype.itemsize,
+                                                     tensors[i].name))
+  entries: dict = {}
+  if metadata:
+    entries["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+  begin, offsets = 0, {}
+  for i in order:
+    t = tensors[i]
+    entries[t.name] = {"dtype": dtype_code(t.dtype, t.leaf), "shape": list(t.shape),
+                       "data_offsets": [begin, begin + t.nbytes]}
+    offsets[t.name] = begin
+    begin += t.nbytes
+  text = json.dumps(entries, separators=(",", ":")).encode()
+  text += b" " * (-len(text) % 8)
+  start = 8 + len(text)
+  return struct.pack("<Q", len(text)) + text, {k: start + v for k, v in offsets.items()}
+
+
+def index(files: list[list[Tensor]], names: list[str]) -> bytes:
+  """The ``model.safetensors.index.json`` of several files."""
+  weight_map = {t.name: f for ts, f in zip(files, names) for t in ts}
+  total = sum(t.nbytes for ts in files for t in ts)
+  return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                    indent=2).encode() + b"\n"
+
+
+# -------------------------------------------------------------------- reading
+class Entry(NamedTuple):
+  """A tensor found in a file: where its data lies."""
+  file: str
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  begin: int  # absolute byte offsets in the file
+  end: int
+
+
+def _bad(path: str, why: str) -> ValueError:
+  return ValueError(f"{path} is not a complete safetensors file: {why}. Download or export it "
+                    f"again (a truncated copy or an interrupted download?).")
+
+
+def parse_header(path: str, head: bytes, size: int) -> dict[str, Entry]:
+  """The tensors of a safetensors file from its first bytes (``head``: at least the 8-byte
+  length and the header) and its size in bytes, every offset checked against the size."""
+  if size < 8 or len(head) < 8:
+    raise _bad(path, f"it has {size} bytes, fewer than the 8-byte header length")
+  n = struct.unpack("<Q", head[:8])[0]
+  if n > MAX_HEADER or 8 + n > size:
+    raise _bad(path, f"its header length says {n} bytes, and the file has {size - 8} after it")
+  try:
+    raw = json.loads(head[8:8 + n])
+  except ValueError as e:
+    raise _bad(path, f"its header is not JSON ({e})") from None
+  if not isinstance(raw, dict):
+    raise _bad(path, "its header is not a JSON object")
+  data = size - 8 - n
+  out = {}
+  for name, e in raw.items():
+    if name == "__metadata__":
+      continue
+    try:
+      dtype, shape = DTYPES[e["dtype"]], tuple(int(d) for d in e["shape"])
+      begin, end = (int(o) for o in e["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+      raise _bad(path, f"the header entry of tensor {name!r} ({e!r}) is not a dtype known "
+                       f"here ({', '.join(DTYPES)}), a shape and data_offsets") from None
+    if end > data:
+      raise _bad(path, f"tensor {name!r} ends at byte {end} of the data, and the file holds "
+                       f"{data} bytes of data after its header")
+    if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
+      raise _bad(path, f"tensor {name!r} has data_offsets [{begin}, {end}], which do not hold "
+                       f"{list(shape)} x {dtype.name}")
+    out[name] = Entry(path, dtype, shape, 8 + n + begin, 8 + n + end)
+  return out
+
+
+def read_header(path: str) -> dict[str, Entry]:
+  """`parse_header` of a file on disk."""
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) == 8:
+      head += f.read(min(struct.unpack("<Q", head)[0], MAX_HEADER))
+  return parse_header(path, head, size)
+
+
+def find_files(path) -> list[str]:
+  """The safetensors files of ``path``: a file, an index, or a directory holding
+  ``model.safetensors.index.json`` or ``model.safetensors``."""
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    for name in (INDEX, SINGLE):
+      if os.path.exists(os.path.join(path, name)):
+        return find_files(os.path.join(path, name))
+    raise FileNotFoundError(f"{path} holds neither {INDEX} nor {SINGLE}; pass the directory "
+                            f"of a safetensors export or the path of one .safetensors file.")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist.")
+  if not path.endswith(".json"):
+    return [path]
+  with open(path) as f:
+    weight_map = json.load(f).get("weight_map")
+  if not isinstance(weight_map, dict) or not weight_map:
+    raise ValueError(f"{path} has no weight_map; it is not a safetensors index.")
+  base = os.path.dirname(path)
+  files = sorted(set(weight_map.values()))
+  missing = [f for f in files if not os.path.exists(os.path.join(base, f))]
+  if missing:
+    raise FileNotFoundError(f"{path} lists {missing[:4]}, which are not in {base}: the "
+                            f"download or export is incomplete.")
+  return [os.path.join(base, f) for f in files]
+
+
+def read_entries(path) -> dict[str, Entry]:
+  """Every tensor of ``path`` (`find_files`), from their headers alone."""
+  out: dict[str, Entry] = {}
+  for f in find_files(path):
+    for name, e in read_header(f).items():
+      if name in out:
+        raise ValueError(f"tensor {name!r} is in both {out[name].file} and {f}.")
+      out[name] = e
+  return out
+

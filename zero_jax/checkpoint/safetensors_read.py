@@ -1,0 +1,169 @@
+"""Parameters in from safetensors files, each device reading only its own block.
+
+Names, shapes and dtypes are checked against ``like`` from the files' headers alone
+(`zero_jax.checkpoint.safetensors_format`), before any data is read; then each leaf
+becomes a global array split the way the step splits it, each device's block read from
+the memory-mapped file with the ``safetensors`` library (``get_slice``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from zero_jax import nnx as nnx_lib
+from zero_jax import state as st
+from zero_jax.checkpoint import blocks
+from zero_jax.checkpoint import safetensors_format as fmt
+from zero_jax.train_step import ShardedTrainStep
+
+
+def _listing(names, n: int = 6) -> str:
+  names = list(names)
+  more = f" and {len(names) - n} more" if len(names) > n else ""
+  return ", ".join(repr(x) for x in names[:n]) + more
+
+
+def _check(path, tensors: list[fmt.Tensor], entries: dict[str, fmt.Entry], cast: bool,
+           strict: bool) -> None:
+  """Every tensor present with its leaf's shape (and dtype unless ``cast``); with
+  ``strict``, no tensor in the files that no leaf reads."""
+  missing = [t for t in tensors if t.name not in entries]
+  if missing:
+    raise KeyError(
+        f"{len(missing)} tensor(s) the leaves need are not in {path}: "
+        + "; ".join(f"{t.name!r} (for {t.leaf})" for t in missing[:6])
+        + f". The files hold {_listing(sorted(entries))}. Pass rename= mapping each leaf's "
+        f"default name (its path joined with '.') to the file's name.")
+  for t in tensors:
+    e = entries[t.name]
+    if e.shape != t.shape:
+      hint = (" (the transpose: return (name, True) from rename= for this leaf)"
+              if len(e.shape) == 2 and e.shape == t.shape[::-1] else "")
+      raise ValueError(f"tensor {t.name!r} in {e.file} has shape {list(e.shape)}, and the leaf "
+                       f"{t.leaf} needs {list(t.shape)}{hint}.")
+    if e.dtype != t.dtype and not cast:
+      raise TypeError(f"tensor {t.name!r} in {e.file} is {e.dtype.name}, and the leaf {t.leaf} "
+                      f"in `like` is {t.dtype.name}; pass cast=True to convert it, or a "
+                      f"`like` with the file's dtype.")
+  unused = sorted(set(entries) - {t.name for t in tensors})
+  if unused and strict:
+    raise ValueError(f"{path} holds {len(unused)} tensor(s) that no leaf of `like` reads: "
+                     f"{_listing(unused)}. Map leaves onto them with rename=, or pass "
+                     f"strict=False to leave them unread.")
+
+
+def _reader(entry: fmt.Entry, name: str, shape, transpose: bool, dtype) -> Callable:
+  """The callback of ``jax.make_array_from_callback``: one device's block, from the file."""
+  def read(index) -> np.ndarray:
+    box = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+    with safe_open(entry.file, framework="numpy") as f:  # unmapped when the block is read
+      if not shape:
+        a = f.get_tensor(name)
+      else:
+        a = f.get_slice(name)[tuple(slice(a, b) for a, b in
+                                    blocks.transpose_box(box, transpose))]
+    a = a.T if transpose else a
+    return a if a.dtype == dtype else a.astype(dtype)
+  return read
+
+
+def _split_like(like, wrt):
+  """``(module def or None, params, other variables)`` of ``like``."""
+  module, params, rest = nnx_lib.as_params(like, None, wrt)
+  if module is not None:
+    abstract = [jax.tree_util.keystr(p).removesuffix(".value")
+                for p, x in jax.tree_util.tree_flatten_with_path(rest)[0]
+                if isinstance(x, jax.ShapeDtypeStruct)]
+    if abstract:
+      raise ValueError(f"`like` is an abstract module whose variables outside wrt= have no "
+                       f"values ({', '.join(abstract[:4])}); the files hold parameters only. "
+                       f"Pass a module with concrete values for them, or give those "
+                       f"variables their values in __init__ from arguments, not rngs.")
+  return module, params, rest
+
+
+def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | None = None,
+                     cast: bool = False, strict: bool = True) -> Any:
+  """Reads safetensors files into parameters split the way ``step`` splits them.
+
+  Each device reads only its own block of each tensor from the memory-mapped file:
+  no process holds a whole leaf (a leaf no dimension of which divides over the data
+  axes comes replicated; such leaves are small: biases, odd shapes). Names, shapes and
+  dtypes are checked against ``like`` from the headers before any data is read. Pass
+  the result to ``step.init``.
+
+  Example:
+    >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, zero_jax as zj
+    >>> from safetensors.numpy import save_file
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> save_file({"dense.weight": np.ones((16, 8), np.float32)}, path)   # (out, in)
+    >>> loss_fn = lambda p, b: jnp.mean((b @ p["dense"]["kernel"]) ** 2)
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3)
+    >>> like = {"dense": {"kernel": jax.ShapeDtypeStruct((8, 16), jnp.float32)}}
+    >>> params = zj.load_safetensors(path, like, step=step,
+    ...     rename=lambda name: (name.replace("kernel", "weight"), True))
+    >>> params["dense"]["kernel"].sharding.spec   # split over "data", as at stage 3
+    P(None, 'data')
+    >>> state = step.init(params)
+
+  Args:
+    path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
+      directory holding either (a Hugging Face model directory).
+    like: the parameters' tree as arrays or ``jax.ShapeDtypeStruct``s, or an
+      ``nnx.Module`` (also an abstract one from ``nnx.eval_shape``, when all its
+      variables outside the step's ``wrt`` are concrete or absent).
+    step: the `ShardedTrainStep` the parameters are for (its mesh, stage and
+      ``param_specs`` decide the split).
+    rename: as for `export_safetensors`: a leaf's default name -> the tensor's
+      name, or ``(name, transpose)``.
+    cast: convert a tensor whose dtype differs from its leaf's in ``like`` (else
+      that is an error).
+    strict: a tensor of the files that no leaf reads is an error; False leaves
+      it unread.
+
+  Returns:
+    ``like``'s tree of ``jax.Array``s (for a module, the module with the loaded
+    parameters), ready for ``step.init``.
+
+  Raises:
+    KeyError: a tensor a leaf needs is missing.
+    ValueError: a shape differs, an unexpected tensor (``strict``), or a file is
+      truncated or its header points past its end.
+    TypeError: a dtype differs and ``cast`` is False.
+  """
+  if not isinstance(step, ShardedTrainStep):
+    raise TypeError(f"load_safetensors(path, like, step=...): step must be a ShardedTrainStep, "
+                    f"got {type(step).__name__}.")
+  module, params, rest = _split_like(like, step.wrt)
+  entries = fmt.read_entries(path)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  variable = nnx_lib.holds_variables(params)
+  tensors = []
+  for p, x in flat:
+    leaf = f"params{jax.tree_util.keystr(p)}"
+    shape = tuple(np.shape(x))
+    name, transpose = fmt.apply_rename(rename, fmt.default_name(p, variable=variable), leaf,
+                                       len(shape))
+    tensors.append(fmt.Tensor(name, shape[::-1] if transpose else shape, np.dtype(x.dtype),
+                              leaf, transpose))
+  fmt.check_unique(tensors)
+  _check(path, tensors, entries, cast, strict)
+  _, meta = st.build_meta(step.spec, step.optimizer, params, step.leaf_options)
+  arrays = []
+  for t, (_, x), layout in zip(tensors, flat, meta.param_layouts):
+    split = layout.dim is not None and layout.pad_amount == 0
+    sharding = st.sharding(step.spec, layout.spec(step.spec.data_axes) if split
+                           else layout.model_spec())
+    shape = tuple(np.shape(x))
+    arrays.append(jax.make_array_from_callback(
+        shape, sharding, _reader(entries[t.name], t.name, shape, t.transpose, t.dtype)))
+  loaded = jax.tree.unflatten(treedef, arrays)
+  if module is None:
+    return loaded
+  return nnx.merge(module.graphdef, loaded, rest)

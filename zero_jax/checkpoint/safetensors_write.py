@@ -1,0 +1,313 @@
+"""Parameters out to safetensors files, written from the shards where they lie.
+
+Every process computes the same headers from names, shapes and dtypes alone; process 0
+creates each file under a temporary name, full size, header in place; then every process
+writes the parts of the leaves its devices hold (`zero_jax.checkpoint.blocks`) with
+positioned writes, one bounded chunk at a time (sliced, transposed and converted on its
+device), and syncs; process 0 renames the files and writes the index last. No leaf is
+gathered anywhere, and a failure on any process removes what was written.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zero_jax import distributed
+from zero_jax import nnx as nnx_lib
+from zero_jax.checkpoint import blocks
+from zero_jax.checkpoint import safetensors_format as fmt
+from zero_jax.checkpoint import writer
+from zero_jax.train_step import ShardedTrainStep, TrainState
+
+MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
+CHUNK_BYTES = 16 << 20
+HOST_VIEWS = True  # read CPU devices' blocks through numpy views (tests turn it off)
+_SHARDS = re.compile(r"model-\d{5}-of-\d{5}\.safetensors$")
+
+
+class _Leaf:
+  """One parameter leaf to write: its tensor, its source array, its logical shape."""
+
+  def __init__(self, tensor: fmt.Tensor, array: jax.Array, shape: tuple[int, ...]):
+    self.tensor, self.array, self.shape = tensor, array, shape
+
+
+def _plan(state: TrainState, rename, dtype) -> list[_Leaf]:
+  """The tensors to write, in the params' order: the master copy where there is one."""
+  meta = state.meta
+  paths = jax.tree_util.tree_flatten_with_path(state.params)[0]
+  arrays = [x for _, x in paths]
+  for m, i in zip(state.master or [], meta.train_idx):
+    if m is not None:
+      arrays[i] = m
+  variable = nnx_lib.holds_variables(state.params)
+  out = []
+  for (path, _), x, layout in zip(paths, arrays, meta.param_layouts):
+    leaf = f"params{jax.tree_util.keystr(path)}"
+    name, transpose = fmt.apply_rename(rename, fmt.default_name(path, variable=variable), leaf,
+                                       len(layout.shape))
+    dt = np.dtype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) \
+        else np.dtype(x.dtype)
+    fmt.dtype_code(dt, leaf)
+    shape = tuple(reversed(layout.shape)) if transpose else tuple(layout.shape)
+    out.append(_Leaf(fmt.Tensor(name, shape, dt, leaf, transpose), x, tuple(layout.shape)))
+  fmt.check_unique([l.tensor for l in out])
+  return out
+
+
+# ------------------------------------------------------------------ the data
+@functools.lru_cache(maxsize=256)
+def _slicer(sizes: tuple[int, ...], transpose: bool, dtype: np.dtype) -> Callable:
+  def piece(x, starts):
+    y = jax.lax.dynamic_slice(x, starts, sizes) if sizes else x
+    return (y.T if transpose else y).astype(dtype)
+  return jax.jit(piece)
+
+
+def _reader(x: jax.Array, transpose: bool, dtype: np.dtype) -> Callable:
+  """``piece(box) -> host array``: a box of one device's block, transposed and converted,
+  in the file's row-major order. CPU devices share their buffers with numpy (the box is
+  a view; one copy makes it contiguous); elsewhere the box is sliced on its device (one
+  small program per piece shape and device) and copied to the host alone."""
+  if next(iter(x.devices())).platform == "cpu" and HOST_VIEWS:
+    block = np.asarray(x)
+    return lambda box: np.ascontiguousarray(
+        _t(block[tuple(slice(a, b) for a, b in box)], transpose), dtype=dtype)
+  if getattr(x.sharding, "memory_kind", None) not in (None, "device"):
+    x = jax.device_put(x, x.sharding.with_memory_kind("device"))  # offloaded: one block
+  return lambda box: np.asarray(_slicer(tuple(b - a for a, b in box), transpose, dtype)(
+      x, tuple(np.int32(a) for a, _ in box)))
+
+
+def _t(a: np.ndarray, transpose: bool) -> np.ndarray:
+  return a.T if transpose else a
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+  while data:
+    n = os.pwrite(fd, data, offset)
+    data, offset = data[n:], offset + n
+
+
+def _write_leaf(fd: int, base: int, leaf: _Leaf, chunk_bytes: int) -> int:
+  """Writes the parts of ``leaf`` this process's devices are assigned; returns the bytes."""
+  t, x = leaf.tensor, leaf.array
+  index = x.sharding.devices_indices_map(x.shape)
+  boxes = {d: blocks.shard_box(i, x.shape, leaf.shape) for d, i in index.items()}
+  parts = blocks.assign(boxes, 1 if t.transpose else 0)
+  order = tuple(reversed(range(len(leaf.shape)))) if t.transpose else tuple(range(len(leaf.shape)))
+  written = 0
+  for shard in x.addressable_shards:
+    part = parts.get(shard.device)
+    if part is None:
+      continue
+    origin = [s.indices(n)[0] for s, n in zip(shard.index, x.shape)]
+    piece = _reader(shard.data, t.transpose, t.dtype)
+    max_elems = max(1, chunk_bytes // max(x.dtype.itemsize, t.dtype.itemsize))
+    for c in blocks.chunks(part, max_elems, order):
+      host = piece(tuple((a - o, b - o) for (a, b), o in zip(c, origin)))
+      raw = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+      offsets, length = blocks.runs(t.shape, blocks.transpose_box(c, t.transpose))
+      n = length * t.dtype.itemsize
+      for j, o in enumerate(offsets):
+        _pwrite_all(fd, memoryview(raw[j * n:(j + 1) * n]), base + o * t.dtype.itemsize)
+      written += raw.size
+  return written
+
+
+# ------------------------------------------------------------ the directory
+def _tmp(directory: str, name: str) -> str:
+  return os.path.join(directory, f".{name}.zero_jax-tmp")
+
+
+def _existing(directory: str) -> list[str]:
+  if not os.path.isdir(directory):
+    return []
+  return sorted(f for f in os.listdir(directory)
+                if f in (fmt.SINGLE, fmt.INDEX) or _SHARDS.match(f))
+
+
+def _create(directory: str, files, names, headers, force: bool) -> None:
+  """Process 0: the temporary files, full size, each with its header."""
+  writer.make_directory(directory)
+  writer.check_writable(directory)
+  old = _existing(directory)
+  if old and not force:
+    raise FileExistsError(f"{directory} already holds {old[:4]}; pass force=True to replace "
+                          f"them, or export into another directory.")
+  for ts, name, (head, _) in zip(files, names, headers):
+    size = len(head) + sum(t.nbytes for t in ts)
+    with open(_tmp(directory, name), "wb") as f:
+      f.write(head)
+      f.truncate(size)
+
+
+def _fill(directory: str, leaves: dict[str, _Leaf], files, names, headers,
+          chunk_bytes: int) -> None:
+  """Every process: its parts of every tensor, at their offsets, synced to disk."""
+  for ts, name, (_, offsets) in zip(files, names, headers):
+    path = _tmp(directory, name)
+    try:
+      fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+      raise FileNotFoundError(
+          f"{path} (created by process 0) is not visible to process {jax.process_index()}: "
+          f"with several processes, export into a directory on a file system they share.") \
+          from None
+    try:
+      for t in ts:
+        _write_leaf(fd, offsets[t.name], leaves[t.name], chunk_bytes)
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+
+def _sync_dir(directory: str) -> None:
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _commit(directory: str, files, names) -> None:
+  """Process 0: the files under their names, the index last, stale files of an earlier
+  export (``force``) removed."""
+  old = _existing(directory)
+  if fmt.INDEX in old:  # while the files change, no index points at a mixture
+    os.remove(os.path.join(directory, fmt.INDEX))
+  for name in names:
+    os.replace(_tmp(directory, name), os.path.join(directory, name))
+  _sync_dir(directory)
+  final = list(names)
+  if len(names) > 1:
+    tmp = _tmp(directory, fmt.INDEX)
+    with open(tmp, "wb") as f:
+      f.write(fmt.index(files, names))
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, fmt.INDEX))
+    final.append(fmt.INDEX)
+  for f in old:
+    if f not in final:
+      os.remove(os.path.join(directory, f))
+  _sync_dir(directory)
+
+
+def _cleanup(directory: str, names) -> None:
+  for name in list(names) + [fmt.INDEX]:
+    try:
+      os.remove(_tmp(directory, name))
+    except OSError:
+      pass
+
+
+def _together(fn, *args) -> None:
+  """Runs ``fn`` on this process; raises on every process if it failed on any."""
+  error = None
+  try:
+    fn(*args)
+  except Exception as e:  # pylint: disable=broad-except
+    error = e
+  if not distributed.all_processes_agree(error is None):
+    if error is not None:
+      raise error
+    raise RuntimeError(f"exporting safetensors failed on another process (see its log); "
+                       f"process {jax.process_index()} stops too.")
+
+
+def _check_args(step, state, max_shard_bytes, chunk_bytes) -> None:
+  if not isinstance(step, ShardedTrainStep):
+    raise TypeError(f"export_safetensors(step, state, directory): step must be the "
+                    f"ShardedTrainStep that made the state, got {type(step).__name__}.")
+  for name, v in (("max_shard_bytes", max_shard_bytes), ("chunk_bytes", chunk_bytes)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name} must be a positive int (bytes), got {v!r}.")
+
+
+def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
+                       rename: Callable | None = None, dtype=None,
+                       max_shard_bytes: int = MAX_SHARD_BYTES, metadata: dict | None = None,
+                       force: bool = False, chunk_bytes: int = CHUNK_BYTES) -> list[str]:
+  """Writes a state's parameters as safetensors files, from the shards where they lie.
+
+  The files hold what ``step.get_params(state)`` returns (the float32 master copy
+  where there is one), bit for bit, in the Hugging Face layout: ``model.safetensors``,
+  or ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` when
+  the parameters pass ``max_shard_bytes``. No leaf is gathered: each process writes
+  the rows its devices hold at their offsets in the file (a block held by several
+  devices is divided among them), one chunk of at most ``chunk_bytes`` at a time, so
+  host memory does not grow with the model. The files are written under temporary
+  names and renamed when complete, the index last: they are complete or absent. With
+  several processes, every process calls it, and ``directory`` must be on a file
+  system they share.
+
+  Example:
+    >>> import os, tempfile, jax, jax.numpy as jnp, optax, zero_jax as zj
+    >>> from safetensors.numpy import load_file
+    >>> loss_fn = lambda p, b: jnp.mean((b @ p["dense"]["kernel"]) ** 2)
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3)
+    >>> state = step.init({"dense": {"kernel": jnp.ones((3, 5))}})
+    >>> path = tempfile.mkdtemp()
+    >>> zj.export_safetensors(step, state, path,   # PyTorch's (out, in) layout
+    ...                       rename=lambda name: (name.replace("kernel", "weight"), True))
+    ['model.safetensors']
+    >>> load_file(os.path.join(path, "model.safetensors"))["dense.weight"].shape
+    (5, 3)
+
+  Args:
+    step: the `ShardedTrainStep` that made ``state``.
+    state: its `TrainState`.
+    directory: where to write (created if needed; other files in it are left alone).
+    rename: a function of a leaf's default name (its pytree path joined with ``.``:
+      ``layers.0.attn.kernel``; NNX Variables without ``.value``) that returns the
+      tensor's name, or ``(name, transpose)``: ``transpose=True`` writes a 2-D leaf
+      transposed (Flax kernels are ``(in, out)``, PyTorch ``Linear`` weights
+      ``(out, in)``). `load_safetensors` takes the same function back.
+    dtype: write floating leaves in this dtype (e.g. ``jnp.bfloat16``), converted on
+      the devices; default: as ``get_params`` returns them. Other leaves keep theirs.
+    max_shard_bytes: start a new file when the next tensor would pass this size
+      (Hugging Face's 5 GB by default); a larger tensor gets a file of its own.
+    metadata: ``__metadata__`` of every file (str to str); default
+      ``{"format": "pt"}``, which Hugging Face ``transformers`` expects.
+    force: replace an earlier export in ``directory`` (its files, once the new
+      ones are complete).
+    chunk_bytes: the most bytes a device copies to the host at a time.
+
+  Returns:
+    The names of the files written in ``directory`` (the index last).
+
+  Raises:
+    ValueError: ``rename`` maps two leaves to one name, or transposes a leaf
+      that is not 2-D.
+    FileExistsError: ``directory`` holds an export and ``force`` is False.
+    OSError: ``directory`` cannot be written (nothing is left behind).
+  """
+  _check_args(step, state, max_shard_bytes, chunk_bytes)
+  state = step._prepare(state, "export_safetensors")  # pylint: disable=protected-access
+  leaves = _plan(state, rename, dtype)
+  files = fmt.split_files([l.tensor for l in leaves], max_shard_bytes)
+  names = fmt.file_names(len(files))
+  meta = {"format": "pt"} if metadata is None else metadata
+  headers = [fmt.header(ts, meta) for ts in files]
+  directory = writer.abs_path(directory)
+  main = jax.process_index() == 0
+  try:
+    _together(lambda: main and _create(directory, files, names, headers, force))
+    _together(_fill, directory, {l.tensor.name: l for l in leaves}, files, names, headers,
+              chunk_bytes)
+    _together(lambda: main and _commit(directory, files, names))
+  except BaseException:
+    if main:
+      _cleanup(directory, names)
+    raise
+  return names + ([fmt.INDEX] if len(names) > 1 else [])
