@@ -53,19 +53,12 @@ import re
 import warnings
 from typing import NamedTuple
 
+from zero_jax.comm import hlo
 from zero_jax.comm.hlo import replica_groups
 
-_DT_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
-             "pred": 1, "s64": 8, "u64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
-             "s4": 0.5, "u4": 0.5}
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
-_ARRAY = re.compile(r"([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-_CALLS = re.compile(r"\b(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _REDUCERS = ("reduce", "reduce-window", "scatter", "sort", "map", "select-and-scatter")  # to_apply
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
 
 
 class Link(NamedTuple):
@@ -137,87 +130,39 @@ class Loop(NamedTuple):
 
 
 # ------------------------------------------------------------------- reading
-def _nbytes(type_text: str) -> float:
-  return float(sum(_DT_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
-                   for dt, dims in _ARRAY.findall(type_text)))
-
-
-def _computations(text: str) -> tuple[dict, str]:
-  """``{name: [instruction lines]}`` and the entry computation's name."""
-  comps: dict = {}
-  cur, entry = None, None
-  for line in text.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      head = line.split()
-      is_entry = head[0] == "ENTRY"
-      cur = head[1 if is_entry else 0].lstrip("%").split("(")[0]
-      comps[cur] = []
-      entry = cur if is_entry else entry
-    elif line.strip() == "}":
-      cur = None
-    elif cur is not None:
-      comps[cur].append(line)
-  if entry is None:
-    raise ValueError("no ENTRY computation in this text: pass a whole HLO module's text, "
-                     "e.g. step.lower(state, batch).as_text(dialect='hlo')")
-  return comps, entry
-
-
-def _operands(args: str) -> list[str]:
-  """Names of the operands in ``a, b), attrs`` (each possibly typed: ``f32[2] %a``)."""
-  depth, cur, out = 0, "", []
-  for ch in args:
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      if depth == 0:
-        break
-      depth -= 1
-    if ch == "," and depth == 0:
-      out.append(cur)
-      cur = ""
-    else:
-      cur += ch
-  out.append(cur)
-  return [o.split()[-1].lstrip("%") for o in out if o.strip()]
-
-
-def _dims(attr: str, rest: str) -> list[int]:
-  m = re.search(attr + r"=\{([\d,]*)\}", rest)
+def _dims(attr: str, line: str) -> list[int]:
+  m = re.search(attr + r"=\{([\d,]*)\}", line)
   return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
-def _dot(name, type_text, rest, shapes) -> tuple[float, float]:
-  lhs, rhs = _operands(rest)[:2]
-  if lhs not in shapes or rhs not in shapes:
-    raise ValueError(f"dot {name}: cannot find the shapes of its operands {lhs}, {rhs}")
-  (lt, ldims), (rt, rdims) = shapes[lhs], shapes[rhs]
-  out = _ARRAY.findall(type_text)[0]
-  out_dims = [int(d) for d in out[1].split(",") if d]
-  k = math.prod(ldims[d] for d in _dims("lhs_contracting_dims", rest))
-  flops = 2.0 * math.prod(out_dims) * k
-  nbytes = (_DT_BYTES.get(lt, 4) * math.prod(ldims) + _DT_BYTES.get(rt, 4) * math.prod(rdims)
-            + _DT_BYTES.get(out[0], 4) * math.prod(out_dims))
-  return flops, float(nbytes)
+def _dot(ins: hlo.Instruction, shapes: dict) -> tuple[float, float]:
+  """(flops, bytes read and written) of a ``dot``, from its operands' shapes."""
+  if len(ins.operands) < 2 or not all(o in shapes for o in ins.operands[:2]):
+    raise ValueError(f"dot {ins.name}: cannot find the shapes of its operands {ins.operands}")
+  lhs, rhs = (shapes[o] for o in ins.operands[:2])
+  out = hlo.shapes_in(ins.shape_text)[0]
+  k = math.prod(lhs[0][d] for d in _dims("lhs_contracting_dims", ins.line))
+  nbytes = hlo._nbytes(ins.shape_text) + lhs[1] + rhs[1]  # pylint: disable=protected-access
+  return 2.0 * math.prod(out) * k, float(nbytes)
 
 
-def _trips(comps: dict, line: str, name: str) -> int:
-  m = _TRIP.search(line)
+def _trips(comps: dict, ins: hlo.Instruction) -> int:
+  """A loop's trip count: XLA's ``known_trip_count``, else a ``counter < constant`` condition."""
+  m = hlo._TRIPS.search(ins.line)  # pylint: disable=protected-access
   if m:
     return int(m.group(1))
-  cond = re.search(r"condition=%?([\w.\-]+)", line)
-  consts = {}
-  for l in comps.get(cond.group(1) if cond else "", []):
-    i = _INSTR.match(l)
-    if i and i.group(3) == "constant":
-      consts[i.group(1)] = i.group(4).split(")")[0]
-    elif i and i.group(3) == "compare" and "direction=LT" in l:
-      bound = [consts[o] for o in _operands(i.group(4)) if o in consts]
+  cond = re.search(r"condition=%?([\w.\-]+)", ins.line)
+  consts: dict = {}
+  for c in map(hlo.parse_instruction, comps.get(cond.group(1) if cond else "", [])):
+    if c and c.op == "constant":
+      consts[c.name] = c.operands[0] if c.operands else ""
+    elif c and c.op == "compare" and "direction=LT" in c.line:
+      bound = [consts[o] for o in c.operands if o in consts]
       if bound and bound[0].lstrip("-").isdigit():
         return int(bound[0])
-  warnings.warn(f"overlap.analyze: the trip count of the loop {name} is not in the program "
+  warnings.warn(f"overlap.analyze: the trip count of the loop {ins.name} is not in the program "
                 f"(neither known_trip_count nor a `counter < constant` condition); it is "
-                f"counted once per run.", stacklevel=3)
+                f"counted once per run.", stacklevel=4)
   return 1
 
 
@@ -229,33 +174,31 @@ class _Acc(NamedTuple):
 
 def _walk(comps: dict, name: str, acc: _Acc, n_devices: int | None) -> None:
   """Adds what computation ``name`` does (and what it calls) to ``acc``; loops nest."""
-  shapes = {}
-  for line in comps.get(name, []):
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    iname, type_text, op, rest = m.groups()
-    arrays = _ARRAY.findall(type_text)
-    if len(arrays) == 1 and not type_text.startswith("("):
-      shapes[iname] = (arrays[0][0], [int(d) for d in arrays[0][1].split(",") if d])
-    base = op[:-len("-start")] if op.endswith("-start") else op
-    body, branches = _BODY.search(line), _BRANCHES.search(line)
-    if op == "dot":
-      acc.dots.append(_dot(iname, type_text, rest, shapes))
-    elif base in _COLLECTIVES and not op.endswith("-done"):
-      groups = replica_groups(line) or ([tuple(range(n_devices))] if n_devices else None)
+  shapes: dict = {}
+  for ins in filter(None, map(hlo.parse_instruction, comps.get(name, []))):
+    arrays = hlo.shapes_in(ins.shape_text)
+    if len(arrays) == 1 and not ins.shape_text.startswith("("):
+      shapes[ins.name] = (arrays[0], hlo._nbytes(ins.shape_text))  # pylint: disable=protected-access
+    base = re.sub(r"-(start|done)$", "", ins.op)
+    body = re.search(r"\bbody=%?([\w.\-]+)", ins.line)
+    branches = hlo._BRANCHES.search(ins.line)  # pylint: disable=protected-access
+    if ins.op == "dot":
+      acc.dots.append(_dot(ins, shapes))
+    elif base in _COLLECTIVES and not ins.op.endswith("-done"):
+      groups = replica_groups(ins.line) or ([tuple(range(n_devices))] if n_devices else None)
       if groups is None:
-        raise ValueError(f"{iname}: an {op} over all devices; pass n_devices=")
-      acc.transfers.append(Transfer(base, _nbytes(type_text), tuple(groups)))
-    elif op == "while" and body:
+        raise ValueError(f"{ins.name}: an {ins.op} over all devices; pass n_devices=")
+      acc.transfers.append(Transfer(base, float(hlo._nbytes(ins.shape_text)),  # pylint: disable=protected-access
+                                    tuple(groups)))
+    elif ins.op == "while" and body:
       inner = _Acc([], [], [])
       _walk(comps, body.group(1), inner, n_devices)
-      acc.loops.append(Loop(body.group(1), _trips(comps, line, body.group(1)),
-                            tuple(inner.dots), tuple(inner.transfers), tuple(inner.loops)))
+      acc.loops.append(Loop(body.group(1), _trips(comps, ins), tuple(inner.dots),
+                            tuple(inner.transfers), tuple(inner.loops)))
     elif branches:
       _most_expensive_branch(comps, branches.group(1), acc, n_devices)
-    elif op not in _REDUCERS:
-      for called in _CALLS.findall(line):
+    elif ins.op not in _REDUCERS:
+      for called in ins.called:
         _walk(comps, called, acc, n_devices)
 
 
@@ -285,10 +228,14 @@ def analyze(hlo_text: str, *, n_devices: int | None = None) -> Loop:
     A `Loop` with one trip whose ``loops`` are the program's top-level loops (e.g. the
     forward and backward layer scans).
   """
-  comps, entry = _computations(hlo_text)
+  entry = _ENTRY.search(hlo_text)
+  if entry is None:
+    raise ValueError("no ENTRY computation in this text: pass a whole HLO module's text, "
+                     "e.g. step.lower(state, batch).as_text(dialect='hlo')")
+  comps = hlo._computations(hlo_text)  # pylint: disable=protected-access
   acc = _Acc([], [], [])
-  _walk(comps, entry, acc, n_devices)
-  return Loop(entry, 1, tuple(acc.dots), tuple(acc.transfers), tuple(acc.loops))
+  _walk(comps, entry.group(1), acc, n_devices)
+  return Loop(entry.group(1), 1, tuple(acc.dots), tuple(acc.transfers), tuple(acc.loops))
 
 
 # ------------------------------------------------------------------ timing
