@@ -54,7 +54,7 @@ import warnings
 from typing import NamedTuple
 
 from zero_jax.comm import hlo
-from zero_jax.comm.hlo import replica_groups
+from zero_jax.comm.hlo import _nbytes, replica_groups  # pylint: disable=protected-access
 
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _REDUCERS = ("reduce", "reduce-window", "scatter", "sort", "map", "select-and-scatter")  # to_apply
@@ -142,7 +142,7 @@ def _dot(ins: hlo.Instruction, shapes: dict) -> tuple[float, float]:
   lhs, rhs = (shapes[o] for o in ins.operands[:2])
   out = hlo.shapes_in(ins.shape_text)[0]
   k = math.prod(lhs[0][d] for d in _dims("lhs_contracting_dims", ins.line))
-  nbytes = hlo._nbytes(ins.shape_text) + lhs[1] + rhs[1]  # pylint: disable=protected-access
+  nbytes = _nbytes(ins.shape_text) + lhs[1] + rhs[1]
   return 2.0 * math.prod(out) * k, float(nbytes)
 
 
@@ -178,7 +178,7 @@ def _walk(comps: dict, name: str, acc: _Acc, n_devices: int | None) -> None:
   for ins in filter(None, map(hlo.parse_instruction, comps.get(name, []))):
     arrays = hlo.shapes_in(ins.shape_text)
     if len(arrays) == 1 and not ins.shape_text.startswith("("):
-      shapes[ins.name] = (arrays[0], hlo._nbytes(ins.shape_text))  # pylint: disable=protected-access
+      shapes[ins.name] = (arrays[0], _nbytes(ins.shape_text))
     base = re.sub(r"-(start|done)$", "", ins.op)
     body = re.search(r"\bbody=%?([\w.\-]+)", ins.line)
     branches = hlo._BRANCHES.search(ins.line)  # pylint: disable=protected-access
@@ -188,8 +188,7 @@ def _walk(comps: dict, name: str, acc: _Acc, n_devices: int | None) -> None:
       groups = replica_groups(ins.line) or ([tuple(range(n_devices))] if n_devices else None)
       if groups is None:
         raise ValueError(f"{ins.name}: an {ins.op} over all devices; pass n_devices=")
-      acc.transfers.append(Transfer(base, float(hlo._nbytes(ins.shape_text)),  # pylint: disable=protected-access
-                                    tuple(groups)))
+      acc.transfers.append(Transfer(base, float(_nbytes(ins.shape_text)), tuple(groups)))
     elif ins.op == "while" and body:
       inner = _Acc([], [], [])
       _walk(comps, body.group(1), inner, n_devices)
