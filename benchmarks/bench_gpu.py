@@ -109,9 +109,12 @@ def measure_stage(cfg, rows, mesh, stage, args) -> dict:
       if "H100" in out_kind(mesh) and "PCIe" not in out_kind(mesh):  # both from prefetch 0's
         out["predicted"][name] = overlap.predict(programs.get(0, programs[p]),
                                                  overlap.H100_SXM).step(p)
+      states[name], _ = step(states[name], batch)  # compiles and runs once: an OOM shows here
+      jax.block_until_ready(states[name])
       steps[name] = step
     except Exception as e:  # an OOM or a missing feature: recorded in the table
-      out["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      first = (str(e).splitlines() or [""])[0]
+      out["errors"][name] = f"{type(e).__name__}: {first[:200]}"
       states.pop(name, None)
   del params
   if steps:

@@ -318,7 +318,7 @@ def transformer_text(results: dict) -> list:
   steps = lambda k, what: each(lambda tr: tr["steps"][k][what])
   rest = lambda k: each(lambda tr: f"{tr['no model work'][k]['cpu_ms']:.1f}")
   cpu = [tr["steps"][z2]["cpu_ms"] / tr["steps"][dp]["cpu_ms"] for tr in trs]
-  verdict = ("No" if max(cpu) < 1.02 else
+  verdict = ("Within 2% of DP's CPU time (medians)" if max(cpu) < 1.02 else
              f"A little: {min(cpu):.2f}-{max(cpu):.2f}x its CPU time (medians)")
   ms = lambda tr, part, k: tr[part][k]["cpu_ms"]
   diff_step = lambda tr: f"{ms(tr, 'steps', z2) - ms(tr, 'steps', dp):+.1f}"
