@@ -29,16 +29,17 @@ import numpy as np
 
 _OP = re.compile(r"=\s*(.+?)\s+(all-reduce|reduce-scatter|all-gather|all-to-all|"
                  r"collective-permute)(?:-start)?\(")
-_HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")  # compiled or lowered
 _CALLED = re.compile(r"(?:body|condition|to_apply|calls)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_SHAPE = re.compile(r"([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _DT_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
-             "pred": 1, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+             "pred": 1, "s64": 8, "u64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+             "f8e4m3fn": 1, "f8e5m2": 1}
 _GROUPS_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\],\s*device_ids=\(\[([\d,]+)\]"
-                          r"(?:T\(([\d,]+)\))?\)\s*\{([^}]*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\]"
+                          r"(?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}")
 
 
 class Collective(NamedTuple):
@@ -66,15 +67,16 @@ def shapes_in(shape_text: str) -> list[tuple[int, ...]]:
 
 
 def _nbytes(shape_text: str) -> int:
-  return sum(_DT_BYTES.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-             for dt, dims in _SHAPE.findall(shape_text))
+  return int(sum(_DT_BYTES.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                 for dt, dims in _SHAPE.findall(shape_text)))
 
 
 def _mesh_groups(m) -> list:
-  """Groups of the mesh form: ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}``."""
+  """Groups of the mesh form: ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}`` (without
+  ``device_ids``, the devices in order)."""
   axes = [(n.strip().strip("'"), int(v)) for n, v in
           (a.split("=") for a in m.group(1).split(","))]
-  dims = [int(d) for d in m.group(2).split(",")]
+  dims = [int(d) for d in m.group(2).split(",")] if m.group(2) else [v for _, v in axes]
   ids = np.arange(int(np.prod(dims))).reshape(dims)
   if m.group(3):
     ids = ids.transpose([int(d) for d in m.group(3).split(",")])
@@ -113,7 +115,8 @@ def replica_groups(line: str) -> list | None:
 
 
 def _computations(hlo: str) -> dict:
-  comps, cur = {}, None
+  comps: dict = {}
+  cur = None
   for line in hlo.splitlines():
     m = _HEAD.match(line)
     if m and not line.startswith(" "):
@@ -196,8 +199,21 @@ def parse_instruction(line: str) -> Instruction | None:
   if not op:
     return None
   args = tail[op.end() - 1:_balanced(tail, op.end() - 1)]
-  return Instruction(m.group(1), op.group(1), shape_text, re.findall(r"%([\w.\-]+)", args),
+  return Instruction(m.group(1), op.group(1), shape_text, _operand_names(args[1:-1]),
                      _CALLED.findall(tail), line)
+
+
+def _operand_names(args: str) -> list:
+  """``%a, %b`` (compiled), ``a, b`` (lowered) or ``f32[2]{0} %a, ...`` -> ``["a", "b"]``."""
+  parts, depth, cur = [], 0, ""
+  for ch in args:
+    depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+    if ch == "," and depth == 0:
+      parts.append(cur)
+      cur = ""
+    else:
+      cur += ch
+  return [p.split()[-1].lstrip("%") for p in parts + [cur] if p.strip()]
 
 
 class LoopCollective(NamedTuple):

@@ -1,0 +1,224 @@
+"""Transformer language models shared by the GPU, overlap and speed benchmarks.
+
+Two families, neither of which sets up devices (import it after choosing them):
+
+- **GPT-like** (`GPTConfig`): the LM example's block (``examples/train_lm.py``: pre-LayerNorm,
+  fused QKV, GELU MLP of width 4d), stacked over layers and run with ``zj.scan(...,
+  prefetch=p)`` when ``zero_jax`` has it, else with today's schedule (``jax.lax.scan`` over a
+  ``jax.checkpoint`` body that calls ``zj.gather``: prefetch 0). Tied embeddings, learned
+  positions, any vocabulary. `model_flops_per_token` counts its matmuls from the architecture.
+- **lm1b-like** (`LM1B`): Flax's ``examples/lm1b`` decoder in miniature, written as lm1b writes
+  it (a Python loop over ``layers_i``, parameters boxed with ``nn.with_logical_partitioning``,
+  sinusoidal positions, a padding mask) with a masked token loss returned as a
+  ``zj.WeightedLoss``; batches are padded sequences of random length.
+
+Example:
+  >>> cfg = GPTConfig("t", vocab=64, d_model=32, layers=2, heads=2, seq_len=16)
+  >>> params = init_gpt(cfg, jax.random.key(0))
+  >>> loss = make_gpt_loss(cfg, prefetch=0)(params, gpt_batch(cfg, 4, seed=0))
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, ".."))
+sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
+import zero_jax as zj  # noqa: E402
+import train_lm  # noqa: E402
+
+
+# ---------------------------------------------------------------- GPT-like
+class GPTConfig(NamedTuple):
+  """Shapes of a GPT-like model (the LM example's block)."""
+  name: str
+  vocab: int
+  d_model: int
+  layers: int
+  heads: int
+  seq_len: int
+
+  def n_params(self) -> int:
+    d = self.d_model
+    per_layer = 12 * d * d + 13 * d  # qkv, proj, up, down (+ biases) and two LayerNorms
+    return self.vocab * d + self.seq_len * d + self.layers * per_layer + 2 * d
+
+
+# The LM example at its largest preset size, GPT-2 small's shapes, and about 1B parameters
+# (20 blocks of d=2048: 1.007e9 in the blocks) that train on one 80 GB H100 in bf16 with Adam.
+LM_EXAMPLE = GPTConfig("LM example (large)", train_lm.VOCAB, *train_lm.SIZES["large"], 512)
+GPT2_SMALL = GPTConfig("GPT-2 small", 50257, 768, 12, 12, 1024)
+GPT_1B = GPTConfig("1B", 50257, 2048, 20, 16, 2048)
+
+
+def in_blocks(path, _) -> bool:
+  """``stacked=``: the blocks' parameters, layers first."""
+  return jax.tree_util.keystr(path).startswith("['blocks']")
+
+
+def _block(cfg: GPTConfig):
+  return train_lm.Block(cfg.d_model, cfg.heads)
+
+
+def init_gpt(cfg: GPTConfig, key, dtype=jnp.float32) -> dict:
+  """Parameters: ``embed``, ``pos``, ``blocks`` (stacked, layers first) and ``ln_f``."""
+  k_embed, k_pos, k_blocks = jax.random.split(key, 3)
+  x = jnp.zeros((1, 4, cfg.d_model))
+  keys = jax.random.split(k_blocks, cfg.layers)
+  blocks = jax.vmap(lambda k: _block(cfg).init(k, x, None)["params"])(keys)
+  ln_f = nn.LayerNorm().init(k_pos, x)["params"]
+  params = {"embed": 0.02 * jax.random.normal(k_embed, (cfg.vocab, cfg.d_model)),
+            "pos": 0.02 * jax.random.normal(k_pos, (cfg.seq_len, cfg.d_model)),
+            "blocks": blocks, "ln_f": ln_f}
+  return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def has_prefetch() -> bool:
+  """Whether this ``zero_jax`` has ``zj.scan`` (explicit prefetch)."""
+  return hasattr(zj, "scan")
+
+
+def scan_blocks(cfg: GPTConfig, blocks, x, prefetch: int):
+  """The blocks over ``x``: ``zj.scan(..., prefetch=)`` if there is one, else today's schedule."""
+  block = _block(cfg)
+
+  def body(h, p):
+    return block.apply({"params": p}, h, None)[0], None
+
+  if has_prefetch():
+    h, _ = zj.scan(body, x, blocks, prefetch=prefetch)
+  else:
+    if prefetch:
+      raise ValueError(f"prefetch={prefetch} needs zero_jax.scan, which this zero_jax lacks")
+    h, _ = jax.lax.scan(jax.checkpoint(lambda h, p: body(h, zj.gather(p))), x, blocks)
+  return h
+
+
+def make_gpt_loss(cfg: GPTConfig, prefetch: int):
+  """``loss_fn(params, batch)``: next-token cross entropy, mean over the tokens."""
+  def loss_fn(params, batch):
+    tokens = batch["tokens"]
+    x = params["embed"][tokens[:, :-1]] + params["pos"][:tokens.shape[1] - 1]
+    x = scan_blocks(cfg, params["blocks"], x, prefetch)
+    x = nn.LayerNorm().apply({"params": params["ln_f"]}, x)
+    logits = (x @ params["embed"].T).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  return loss_fn
+
+
+def gpt_batch(cfg: GPTConfig, rows: int, seed: int) -> dict:
+  r = np.random.default_rng(seed)
+  return {"tokens": r.integers(0, cfg.vocab, size=(rows, cfg.seq_len + 1)).astype(np.int32)}
+
+
+def gpt_batch_shape(cfg: GPTConfig, rows: int) -> dict:
+  return {"tokens": jax.ShapeDtypeStruct((rows, cfg.seq_len + 1), jnp.int32)}
+
+
+def model_flops_per_token(cfg: GPTConfig) -> float:
+  """Training flops per token from the architecture: 3x the forward matmuls.
+
+  Forward, per token: ``24 d^2`` per block (QKV 6d^2, projection 2d^2, MLP 16d^2), ``4 T d``
+  per block for attention (``QK^T`` and ``AV`` over the whole context, as the PaLM paper's
+  MFU counts it) and ``2 d V`` for the logits; the backward pass is twice the forward. The
+  recomputed forward pass of a remat'd block is not model work, so it is not counted (MFU,
+  not hardware flops utilisation).
+  """
+  d, t = cfg.d_model, cfg.seq_len
+  return 3.0 * (cfg.layers * (24 * d * d + 4 * t * d) + 2 * d * cfg.vocab)
+
+
+# ---------------------------------------------------------------- lm1b-like
+class LM1BConfig(NamedTuple):
+  vocab: int
+  d_model: int
+  heads: int
+  mlp: int
+  layers: int
+  seq_len: int
+
+
+def _sinusoid(length: int, d: int) -> np.ndarray:
+  pos = np.arange(length)[:, None]
+  div = np.exp(np.arange(0, d, 2) * (-math.log(10000.0) / d))
+  pe = np.zeros((length, d), np.float32)
+  pe[:, 0::2], pe[:, 1::2] = np.sin(pos * div), np.cos(pos * div)
+  return pe
+
+
+class _LM1BBlock(nn.Module):
+  cfg: LM1BConfig
+
+  @nn.compact
+  def __call__(self, x, mask):
+    cfg, box = self.cfg, nn.with_logical_partitioning
+    init = nn.initializers.xavier_uniform()
+    norm = lambda: nn.LayerNorm(scale_init=box(nn.initializers.ones, ("embed",)),
+                                bias_init=box(nn.initializers.zeros, ("embed",)))
+    y = nn.MultiHeadDotProductAttention(
+        num_heads=cfg.heads, qkv_features=cfg.d_model, use_bias=False,
+        kernel_init=box(init, ("embed", "heads", "kv")),
+        out_kernel_init=box(init, ("heads", "kv", "embed")))(norm()(x), mask=mask)
+    x = x + y
+    z = nn.Dense(cfg.mlp, kernel_init=box(init, ("embed", "mlp")),
+                 bias_init=box(nn.initializers.zeros, ("mlp",)))(norm()(x))
+    z = nn.Dense(cfg.d_model, kernel_init=box(init, ("mlp", "embed")),
+                 bias_init=box(nn.initializers.zeros, ("embed",)))(nn.relu(z))
+    return x + z
+
+
+class LM1B(nn.Module):
+  """lm1b's decoder: shared embedding, sinusoidal positions, causal + padding mask."""
+  cfg: LM1BConfig
+
+  @nn.compact
+  def __call__(self, inputs):
+    cfg, box = self.cfg, nn.with_logical_partitioning
+    embed = nn.Embed(cfg.vocab, cfg.d_model,
+                     embedding_init=box(nn.initializers.normal(1.0), ("vocab", "embed")))
+    x = embed(inputs) + _sinusoid(cfg.seq_len, cfg.d_model)[:inputs.shape[1]]
+    mask = nn.combine_masks(nn.make_attention_mask(inputs > 0, inputs > 0),
+                            nn.make_causal_mask(inputs))
+    for i in range(cfg.layers):
+      x = _LM1BBlock(cfg, name=f"layers_{i}")(x, mask)
+    x = nn.LayerNorm(scale_init=box(nn.initializers.ones, ("embed",)),
+                     bias_init=box(nn.initializers.zeros, ("embed",)), name="final_norm")(x)
+    return embed.attend(x.astype(jnp.float32))
+
+
+def lm1b_params(cfg: LM1BConfig, seed: int = 0) -> dict:
+  """Host (numpy) parameters, boxes removed (the step takes either)."""
+  tokens = jnp.ones((1, cfg.seq_len), jnp.int32)
+  params = jax.jit(LM1B(cfg).init)(jax.random.key(seed), tokens)["params"]
+  return jax.tree.map(np.asarray, nn.unbox(params))
+
+
+def make_lm1b_loss(cfg: LM1BConfig):
+  """Masked next-token cross entropy as a ``zj.WeightedLoss`` (sum over real tokens, count)."""
+  model = LM1B(cfg)
+
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["inputs"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    weights = (batch["targets"] > 0).astype(jnp.float32)
+    return zj.WeightedLoss((ce * weights).sum(), weights.sum())
+  return loss_fn
+
+
+def lm1b_batch(cfg: LM1BConfig, rows: int, seed: int) -> dict:
+  """Padded sequences: lengths uniform in [seq_len/4, seq_len], token 0 is padding."""
+  r = np.random.default_rng(seed)
+  lengths = r.integers(cfg.seq_len // 4, cfg.seq_len + 1, size=rows)
+  seq = r.integers(1, cfg.vocab, size=(rows, cfg.seq_len + 1)).astype(np.int32)
+  seq[np.arange(cfg.seq_len + 1)[None, :] > lengths[:, None]] = 0
+  return {"inputs": seq[:, :-1], "targets": seq[:, 1:]}

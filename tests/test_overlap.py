@@ -1,0 +1,229 @@
+"""The overlap model (`zero_jax.comm.overlap`): its arithmetic on hand-computed cases, and what
+it reads from real stage-3 programs (bytes per collective equal to the layers' sizes,
+matmul flops equal to the model's, one loop iteration per layer)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zero_jax as zj
+from zero_jax.comm import overlap
+from zero_jax.comm.hlo import replica_groups
+
+LAYERS, D_IN, D_OUT, ROWS = 3, 9, 7, 16  # uneven: a layer's (9, 7) block is padded for 8
+DEV = overlap.Device("test", peak_flops=1e12, hbm_bandwidth=1e11,
+                     intra=overlap.Link(1e9, 1e-6), cross=overlap.Link(1e8, 1e-5),
+                     devices_per_host=4)
+
+
+# ------------------------------------------------------------- arithmetic
+@pytest.mark.parametrize("op, group, expected", [
+    # ring: (n-1)/n of the whole buffer in n-1 steps; reduce-scatter's buffer is n results
+    ("all-gather", (0, 1, 2, 3), 3 / 4 * 8e6 / 1e9 + 3 * 1e-6),
+    ("reduce-scatter", (0, 1, 2, 3), 3 * 8e6 / 1e9 + 3 * 1e-6),
+    ("all-reduce", (0, 1, 2, 3), 2 * 3 / 4 * 8e6 / 1e9 + 6 * 1e-6),
+    ("all-to-all", (0, 1, 2, 3), 3 / 4 * 8e6 / 1e9 + 3 * 1e-6),
+    ("collective-permute", (0, 1), 8e6 / 1e9 + 1e-6),
+    # devices 3 and 4 are on different hosts (4 a host): the cross-host link
+    ("all-gather", (3, 4), 1 / 2 * 8e6 / 1e8 + 1e-5),
+    ("all-reduce", (0,), 0.0),
+])
+def test_transfer_time_is_the_ring_cost_on_the_link_the_group_uses(op, group, expected):
+  t = overlap.Transfer(op, 8e6, (group,))
+  assert overlap.transfer_time(t, DEV) == pytest.approx(expected, rel=1e-12)
+  if len(group) > 1:  # half the bandwidth: the bandwidth term doubles
+    slow = overlap.transfer_time(t, DEV, link_efficiency=0.5)
+    latency = (2 * (len(group) - 1) if op == "all-reduce" else max(len(group) - 1, 1)) * (
+        1e-5 if group == (3, 4) else 1e-6)
+    assert slow - latency == pytest.approx(2 * (expected - latency), rel=1e-9)
+
+
+def test_compute_time_is_each_matmuls_roofline():
+  dots = [(2e9, 1e6), (1e6, 1e9)]  # compute-bound (2 ms), memory-bound (10 ms)
+  assert overlap.compute_time(dots, DEV) == pytest.approx(2e-3 + 1e-2)
+  assert overlap.compute_time(dots, DEV, compute_efficiency=0.5) == pytest.approx(4e-3 + 1e-2)
+
+
+@pytest.mark.parametrize("c, g, r, serial, overlapped", [
+    (1.0, 0.5, 0.25, 3 * 1.75, 0.5 + 3 * 1.0 + 0.25),            # compute-bound: fill + drain
+    (0.1, 1.0, 1.0, 3 * 2.1, 1.0 + (1.0 + 2.0 + 1.0) + 1.0),      # communication-bound
+    (1.0, 0.5, 0.0, 3 * 1.5, 0.5 + 3 * 1.0),                      # a forward loop
+])
+def test_loop_time_serial_and_one_layer_ahead(c, g, r, serial, overlapped):
+  loop = overlap.LoopTime("body", trips=3, runs=1, compute=c, gather=g, reduce=r, cross_host=0.0)
+  assert loop.total(0) == pytest.approx(serial)
+  assert loop.total(1) == pytest.approx(overlapped)
+
+
+def test_predict_adds_loops_by_their_runs_and_the_rest_serially():
+  t = overlap.Transfer("all-gather", 1e6, ((0, 1, 2, 3),))  # 0.75 ms: compute-bound layers
+  inner = overlap.Loop("layers", 4, ((2e9, 0.0),), (t,), ())
+  outer = overlap.Loop("micro", 2, ((1e9, 0.0),), (t,), (inner,))
+  program = overlap.Loop("main", 1, ((3e9, 0.0),), (t,), (outer,))
+  p = overlap.predict(program, DEV)
+  g = overlap.transfer_time(t, DEV)
+  (loop,) = p.loops
+  assert (loop.runs, loop.trips, loop.compute, loop.gather) == (2, 4, 2e-3, g)
+  assert p.serial_compute == pytest.approx(3e-3 + 2 * 1e-3)
+  assert p.serial_comm == pytest.approx(3 * g)
+  assert p.compute == pytest.approx(5e-3 + 2 * 4 * 2e-3)
+  assert p.step(0) == pytest.approx(5e-3 + 3 * g + 2 * 4 * (2e-3 + g))
+  assert p.step(1) == pytest.approx(5e-3 + 3 * g + 2 * (g + 4 * 2e-3))
+  assert p.exposed(1) == pytest.approx(p.step(1) - p.compute)
+
+
+# ------------------------------------------------------- reading programs
+def loss_fn(p, b):
+  def layer(h, lp):
+    lp = zj.gather(lp)
+    return jnp.tanh(h @ lp["w"] + lp["b"]), None
+  h, _ = jax.lax.scan(jax.checkpoint(layer), b["x"], p["layers"])
+  return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+
+def params(dtype=jnp.float32):
+  sds = lambda *s: jax.ShapeDtypeStruct(s, dtype)
+  return {"layers": {"w": sds(LAYERS, D_IN, D_IN), "b": sds(LAYERS, D_IN)},
+          "head": sds(D_IN, D_OUT)}
+
+
+BATCH = {"x": jax.ShapeDtypeStruct((ROWS, D_IN), jnp.float32),
+         "y": jax.ShapeDtypeStruct((ROWS, D_OUT), jnp.float32)}
+
+
+def lowered(mesh, stage=3, precision="fp32"):
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=stage,
+                                    precision=precision,
+                                    stacked=lambda path, _: "layers" in jax.tree_util.keystr(path))
+  return step.lower(step.abstract_state(params()), BATCH)
+
+
+@pytest.fixture(scope="module")
+def stage3(mesh):
+  lo = lowered(mesh)
+  return lo, overlap.analyze(lo.as_text(dialect="hlo"))
+
+
+def layer_bytes(n=8, itemsize=4):
+  """One layer's stacked leaves as gathered: each padded to a multiple of ``n`` rows."""
+  pad = lambda rows: -(-rows // n) * n
+  return itemsize * (pad(D_IN) * D_IN + pad(D_IN))
+
+
+def test_a_stage3_program_has_one_iteration_per_layer_gathering_that_layer(stage3):
+  _, program = stage3
+  fwd, bwd = program.loops
+  assert (fwd.trips, bwd.trips) == (LAYERS, LAYERS)
+  assert [t.op for t in fwd.transfers] == ["all-gather"]
+  assert [t.op for t in bwd.transfers] == ["all-gather", "reduce-scatter"]
+  assert fwd.transfers[0].nbytes == bwd.transfers[0].nbytes == layer_bytes()
+  assert bwd.transfers[1].nbytes == layer_bytes() / 8  # each device's block of the gradient
+  assert fwd.transfers[0].groups == (tuple(range(8)),)
+  rows = ROWS // 8
+  assert fwd.flops == 2 * rows * D_IN * D_IN                # h @ w
+  assert bwd.flops == 3 * 2 * rows * D_IN * D_IN            # recomputed, dh and dw
+  assert program.flops == 3 * 2 * rows * D_IN * D_OUT       # the head, forward and backward
+  assert program.total_flops() == program.flops + LAYERS * 4 * 2 * rows * D_IN * D_IN
+  assert all(not l.loops for l in program.loops)
+
+
+def test_the_compiled_program_reads_the_same(stage3):
+  lo, program = stage3
+  compiled = overlap.analyze(lo.compile().as_text())
+  for a, b in zip(program.loops, compiled.loops):
+    assert (a.trips, a.flops, [t.nbytes for t in a.transfers]) == \
+           (b.trips, b.flops, [t.nbytes for t in b.transfers])
+  assert compiled.flops == program.flops
+
+
+def test_the_lowered_program_keeps_half_precision_bytes(mesh, stage3):
+  half = overlap.analyze(lowered(mesh, precision="bf16").as_text(dialect="hlo"))
+  assert half.loops[0].transfers[0].nbytes == layer_bytes(itemsize=2)
+  assert half.loops[0].flops == stage3[1].loops[0].flops
+
+
+def test_prefetch_hides_the_gathers_of_a_compute_bound_stack(stage3):
+  _, program = stage3
+  slow_links = DEV._replace(peak_flops=1e6, hbm_bandwidth=1e12)  # compute-bound layers
+  p = overlap.predict(program, slow_links)
+  fwd, bwd = p.loops
+  assert fwd.compute > fwd.gather and bwd.compute > bwd.gather + bwd.reduce
+  hidden = (LAYERS - 1) * (fwd.gather + bwd.gather + bwd.reduce)  # all but fill and drain
+  assert p.step(0) - p.step(1) == pytest.approx(hidden, rel=1e-9)
+  assert p.exposed(1) == pytest.approx(p.serial_comm + fwd.gather + bwd.gather + bwd.reduce)
+
+
+def test_stage2_reduces_each_layer_in_the_backward_loop(mesh):
+  program = overlap.analyze(lowered(mesh, stage=2).as_text(dialect="hlo"))
+  fwd, bwd = program.loops[:2]
+  assert fwd.transfers == ()
+  assert [t.op for t in bwd.transfers] == ["reduce-scatter"]
+  assert bwd.transfers[0].nbytes == layer_bytes() / 8
+
+
+# ---------------------------------------------------------------- edges
+UNKNOWN_TRIPS = """HloModule m
+
+body {
+  p = (s32[], f32[8]) parameter(0)
+  x = f32[8] get-tuple-element(p), index=1
+  ag = f32[64] all-gather(x), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  i = s32[] get-tuple-element(p), index=0
+  ROOT t = (s32[], f32[8]) tuple(i, x)
+}
+
+cond {
+  p = (s32[], f32[8]) parameter(0)
+  x = f32[8] get-tuple-element(p), index=1
+  s = f32[] reduce(x, x), dimensions={0}, to_apply=add
+  ROOT lt = pred[] compare(s, s), direction=LT
+}
+
+ENTRY main {
+  a = (s32[], f32[8]) parameter(0)
+  ROOT w = (s32[], f32[8]) while(a), condition=cond, body=body
+}
+"""
+
+
+def test_a_loop_without_a_known_trip_count_is_counted_once_with_a_warning():
+  with pytest.warns(UserWarning, match="trip count of the loop w is not in the program"):
+    program = overlap.analyze(UNKNOWN_TRIPS)
+  (loop,) = program.loops
+  assert loop.trips == 1 and loop.transfers[0].nbytes == 64 * 4
+
+
+def test_a_text_without_an_entry_computation_is_refused():
+  with pytest.raises(ValueError, match="no ENTRY computation"):
+    overlap.analyze("HloModule m\n")
+
+
+def test_replica_groups_of_the_mesh_form_without_device_ids():
+  line = "x = f32[] all-reduce(y), replica_groups=mesh['a'=2,'b'=4] {'a'}, to_apply=add"
+  assert replica_groups(line) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+  assert replica_groups(line.replace("{'a'}", "{'b'}")) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+  pairs = overlap.Transfer("all-reduce", 4.0, tuple(replica_groups(line)))  # across hosts
+  assert overlap.transfer_time(pairs, DEV) == pytest.approx(2 * 1 / 2 * 4 / 1e8 + 2 * 1e-5)
+
+
+def scan_loss_fn(p, b):
+  def layer(h, lp):
+    return jnp.tanh(h @ lp["w"] + lp["b"]), None
+  h, _ = zj.scan(layer, b["x"], p["layers"], prefetch=1)
+  return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+
+def moved(loop, op) -> float:
+  """Bytes of ``op`` collectives per run of ``loop``, nested loops included."""
+  return loop.trips * (sum(t.nbytes for t in loop.transfers if t.op == op)
+                       + sum(moved(l, op) for l in loop.loops))
+
+
+def test_the_prefetching_program_moves_the_same_bytes(mesh, stage3):
+  step = zj.make_sharded_train_step(scan_loss_fn, optax.sgd(0.1), mesh=mesh, stage=3,
+                                    stacked=lambda path, _: "layers" in jax.tree_util.keystr(path))
+  text = step.lower(step.abstract_state(params()), BATCH).as_text(dialect="hlo")
+  ahead, today = overlap.analyze(text), stage3[1]
+  for op in ("all-gather", "reduce-scatter"):
+    assert moved(ahead, op) == moved(today, op), op

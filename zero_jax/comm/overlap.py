@@ -1,0 +1,355 @@
+"""A model of how much communication a step leaves exposed, for hardware we cannot run.
+
+`analyze` reads a program's HLO text: its loops (with their trip counts), the matmul flops and
+bytes of each loop's iteration, and the collectives it issues with their bytes and device
+groups. `predict` puts that on a `Device` (peak flops, HBM bandwidth, the links within and
+between hosts) and returns each loop's compute and communication time per iteration and the
+step's time under two schedules:
+
+- **prefetch 0** (serial): each layer waits for its gather, computes, then waits for its
+  gradient's reduce-scatter (and cross-host hop): ``n * (C + G + R)`` per loop.
+- **prefetch 1** (overlapped, ``zj.scan``): layer i+1's gather and layer i-1's reduce-scatter
+  run on the communication stream while layer i computes: ``G + sum_i max(C, comm_i) + R``,
+  where the first gather (fill) and the last reduce-scatter (drain) stay exposed.
+
+A collective costs what a ring costs: ``(n-1)/n`` of its whole buffer over the link (twice for
+an all-reduce) plus a latency per ring step; a group that spans hosts runs at the cross-host
+link's speed. Collectives run one at a time on one stream, compute on another. Compute time is
+each matmul's roofline, ``max(flops / peak, bytes / HBM bandwidth)``; elementwise work is not
+counted, so scale ``peak_flops`` (and the links) to what your software reaches
+(``compute_efficiency``, ``link_efficiency``). These are predictions, not measurements.
+
+Feed it the lowered program, ``step.lower(state, batch).as_text(dialect="hlo")``: it keeps
+the dtypes the program asks for (XLA:CPU's compiled program carries half-precision
+collectives and matmuls in float32) and needs no device of the target kind. The compiled
+text (``.compile().as_text()``) of XLA:CPU works as well. Both schedules are derived from one
+program; give it today's (prefetch 0), whose loops gather and reduce their own layer.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+  >>> from zero_jax.comm import overlap
+  >>> def loss_fn(p, b):
+  ...   def layer(h, w):
+  ...     return jnp.tanh(h @ zj.gather(w)), None
+  ...   h, _ = jax.lax.scan(jax.checkpoint(layer), b["x"], p["w"])
+  ...   return jnp.mean(h ** 2)
+  >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), stage=3, stacked=True,
+  ...                                   mesh=jax.make_mesh((8,), ("data",)))
+  >>> params = {"w": jax.ShapeDtypeStruct((4, 256, 256), jnp.float32)}
+  >>> batch = {"x": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
+  >>> text = step.lower(step.abstract_state(params), batch).as_text(dialect="hlo")
+  >>> program = overlap.analyze(text)  # forward: 2 * 8 rows * 256 * 256 flops a layer
+  >>> [(l.trips, l.flops, [t.op for t in l.transfers]) for l in program.loops]
+  [(4, 1048576.0, ['all-gather']), (4, 3145728.0, ['all-gather', 'reduce-scatter'])]
+  >>> p = overlap.predict(program, overlap.H100_SXM)
+  >>> p.step(prefetch=1) < p.step(prefetch=0)
+  True
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from typing import NamedTuple
+
+from zero_jax.comm import hlo
+from zero_jax.comm.hlo import _nbytes, replica_groups  # pylint: disable=protected-access
+
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_REDUCERS = ("reduce", "reduce-window", "scatter", "sort", "map", "select-and-scatter")  # to_apply
+_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
+
+
+class Link(NamedTuple):
+  """A link as one device sees it: ``bandwidth`` in bytes/s each way, ``latency`` in s
+  per ring step."""
+  bandwidth: float
+  latency: float
+
+
+class Device(NamedTuple):
+  """What `predict` needs to know about one accelerator and its links.
+
+  Attributes:
+    name: for tables.
+    peak_flops: dense matmul flops/s in the program's compute dtype.
+    hbm_bandwidth: memory bandwidth, bytes/s.
+    intra: the link between devices of one host.
+    cross: each device's share of the network between hosts.
+    devices_per_host: devices ``0 .. k-1`` are one host, ``k .. 2k-1`` the next, ...
+  """
+  name: str
+  peak_flops: float
+  hbm_bandwidth: float
+  intra: Link
+  cross: Link
+  devices_per_host: int = 8
+
+
+# NVIDIA's H100 SXM datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 900 GB/s
+# (the total of both directions: 450 GB/s each way, what a ring step sends), 8 GPUs a host
+# (DGX/HGX H100) with one 400 Gb/s (50 GB/s) NDR InfiniBand port per GPU. The latencies are
+# assumptions of the order NCCL shows for small messages.
+H100_SXM = Device("H100 SXM", 989e12, 3.35e12, intra=Link(450e9, 2e-6),
+                  cross=Link(50e9, 6e-6), devices_per_host=8)
+
+
+class Transfer(NamedTuple):
+  """One collective: ``op``, its result's bytes per device and its device groups."""
+  op: str
+  nbytes: float
+  groups: tuple
+
+
+class Loop(NamedTuple):
+  """A loop of the program (the whole program is a loop with one trip).
+
+  Attributes:
+    name: the loop body's computation name.
+    trips: iterations per run.
+    dots: ``(flops, bytes read and written)`` of each matmul of one iteration (not of the
+      loops nested in it).
+    transfers: the collectives of one iteration (not of nested loops), in program order.
+    loops: the loops nested in it.
+  """
+  name: str
+  trips: int
+  dots: tuple
+  transfers: tuple
+  loops: tuple
+
+  @property
+  def flops(self) -> float:
+    """Matmul flops of one iteration, without nested loops."""
+    return float(sum(f for f, _ in self.dots))
+
+  def total_flops(self) -> float:
+    """Matmul flops of all its iterations, nested loops included (per device)."""
+    return self.trips * (self.flops + sum(l.total_flops() for l in self.loops))
+
+
+# ------------------------------------------------------------------- reading
+def _dims(attr: str, line: str) -> list[int]:
+  m = re.search(attr + r"=\{([\d,]*)\}", line)
+  return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _dot(ins: hlo.Instruction, shapes: dict) -> tuple[float, float]:
+  """(flops, bytes read and written) of a ``dot``, from its operands' shapes."""
+  if len(ins.operands) < 2 or not all(o in shapes for o in ins.operands[:2]):
+    raise ValueError(f"dot {ins.name}: cannot find the shapes of its operands {ins.operands}")
+  lhs, rhs = (shapes[o] for o in ins.operands[:2])
+  out = hlo.shapes_in(ins.shape_text)[0]
+  k = math.prod(lhs[0][d] for d in _dims("lhs_contracting_dims", ins.line))
+  nbytes = _nbytes(ins.shape_text) + lhs[1] + rhs[1]
+  return 2.0 * math.prod(out) * k, float(nbytes)
+
+
+def _trips(comps: dict, ins: hlo.Instruction) -> int:
+  """A loop's trip count: XLA's ``known_trip_count``, else a ``counter < constant`` condition."""
+  m = hlo._TRIPS.search(ins.line)  # pylint: disable=protected-access
+  if m:
+    return int(m.group(1))
+  cond = re.search(r"condition=%?([\w.\-]+)", ins.line)
+  consts: dict = {}
+  for c in map(hlo.parse_instruction, comps.get(cond.group(1) if cond else "", [])):
+    if c and c.op == "constant":
+      consts[c.name] = c.operands[0] if c.operands else ""
+    elif c and c.op == "compare" and "direction=LT" in c.line:
+      bound = [consts[o] for o in c.operands if o in consts]
+      if bound and bound[0].lstrip("-").isdigit():
+        return int(bound[0])
+  warnings.warn(f"overlap.analyze: the trip count of the loop {ins.name} is not in the program "
+                f"(neither known_trip_count nor a `counter < constant` condition); it is "
+                f"counted once per run.", stacklevel=4)
+  return 1
+
+
+class _Acc(NamedTuple):
+  dots: list
+  transfers: list
+  loops: list
+
+
+def _walk(comps: dict, name: str, acc: _Acc, n_devices: int | None) -> None:
+  """Adds what computation ``name`` does (and what it calls) to ``acc``; loops nest."""
+  shapes: dict = {}
+  for ins in filter(None, map(hlo.parse_instruction, comps.get(name, []))):
+    arrays = hlo.shapes_in(ins.shape_text)
+    if len(arrays) == 1 and not ins.shape_text.startswith("("):
+      shapes[ins.name] = (arrays[0], _nbytes(ins.shape_text))
+    base = re.sub(r"-(start|done)$", "", ins.op)
+    body = re.search(r"\bbody=%?([\w.\-]+)", ins.line)
+    branches = hlo._BRANCHES.search(ins.line)  # pylint: disable=protected-access
+    if ins.op == "dot":
+      acc.dots.append(_dot(ins, shapes))
+    elif base in _COLLECTIVES and not ins.op.endswith("-done"):
+      groups = replica_groups(ins.line) or ([tuple(range(n_devices))] if n_devices else None)
+      if groups is None:
+        raise ValueError(f"{ins.name}: an {ins.op} over all devices; pass n_devices=")
+      acc.transfers.append(Transfer(base, float(_nbytes(ins.shape_text)), tuple(groups)))
+    elif ins.op == "while" and body:
+      inner = _Acc([], [], [])
+      _walk(comps, body.group(1), inner, n_devices)
+      acc.loops.append(Loop(body.group(1), _trips(comps, ins), tuple(inner.dots),
+                            tuple(inner.transfers), tuple(inner.loops)))
+    elif branches:
+      _most_expensive_branch(comps, branches.group(1), acc, n_devices)
+    elif ins.op not in _REDUCERS:
+      for called in ins.called:
+        _walk(comps, called, acc, n_devices)
+
+
+def _most_expensive_branch(comps: dict, names: str, acc: _Acc, n_devices) -> None:
+  """A conditional: adds the branch with the most matmul flops (then collective bytes)."""
+  options = []
+  for b in names.split(","):
+    one = _Acc([], [], [])
+    _walk(comps, b.strip().lstrip("%"), one, n_devices)
+    options.append(one)
+  best = max(options, key=lambda a: (sum(f for f, _ in a.dots),
+                                     sum(t.nbytes for t in a.transfers)))
+  for field, more in zip(acc, best):
+    field.extend(more)
+
+
+def analyze(hlo_text: str, *, n_devices: int | None = None) -> Loop:
+  """The program's loops, matmuls and collectives (see `Loop`); the program is the root.
+
+  Args:
+    hlo_text: an HLO module's text: ``lowered.as_text(dialect="hlo")`` (recommended: the
+      dtypes of the program as written) or ``compiled.as_text()`` of XLA:CPU.
+    n_devices: the number of devices, needed only for collectives printed without
+      device groups.
+
+  Returns:
+    A `Loop` with one trip whose ``loops`` are the program's top-level loops (e.g. the
+    forward and backward layer scans).
+  """
+  entry = _ENTRY.search(hlo_text)
+  if entry is None:
+    raise ValueError("no ENTRY computation in this text: pass a whole HLO module's text, "
+                     "e.g. step.lower(state, batch).as_text(dialect='hlo')")
+  comps = hlo._computations(hlo_text)  # pylint: disable=protected-access
+  acc = _Acc([], [], [])
+  _walk(comps, entry.group(1), acc, n_devices)
+  return Loop(entry.group(1), 1, tuple(acc.dots), tuple(acc.transfers), tuple(acc.loops))
+
+
+# ------------------------------------------------------------------ timing
+def crosses_hosts(t: Transfer, device: Device) -> bool:
+  """Whether one of ``t``'s device groups spans more than one of ``device``'s hosts."""
+  return any(len({d // device.devices_per_host for d in g}) > 1 for g in t.groups)
+
+
+def _link(t: Transfer, device: Device) -> tuple[int, Link]:
+  """The group size and the link it runs at (the cross-host one if a group spans hosts)."""
+  n = max((len(g) for g in t.groups), default=1)
+  return n, device.cross if crosses_hosts(t, device) else device.intra
+
+
+def transfer_time(t: Transfer, device: Device, link_efficiency: float = 1.0) -> float:
+  """Seconds a ring algorithm needs for ``t`` on ``device``'s links (0 for one device).
+
+  Per device, a ring sends ``(n-1)/n`` of the whole buffer in ``n-1`` steps: the result for
+  an all-gather, the operand (``n`` results) for a reduce-scatter, the buffer twice for an
+  all-reduce (a reduce-scatter then an all-gather); an all-to-all sends ``(n-1)/n`` of its
+  buffer, a collective-permute all of it in one step.
+  """
+  n, link = _link(t, device)
+  if n <= 1:
+    return 0.0
+  wire, steps = {"all-gather": ((n - 1) / n * t.nbytes, n - 1),
+                 "reduce-scatter": ((n - 1) * t.nbytes, n - 1),
+                 "all-reduce": (2 * (n - 1) / n * t.nbytes, 2 * (n - 1)),
+                 "all-to-all": ((n - 1) / n * t.nbytes, n - 1),
+                 "collective-permute": (t.nbytes, 1)}[t.op]
+  return wire / (link.bandwidth * link_efficiency) + steps * link.latency
+
+
+def compute_time(dots, device: Device, compute_efficiency: float = 1.0) -> float:
+  """Seconds for ``dots`` (``(flops, bytes)`` pairs), each at its roofline."""
+  return sum(max(f / (device.peak_flops * compute_efficiency), b / device.hbm_bandwidth)
+             for f, b in dots)
+
+
+class LoopTime(NamedTuple):
+  """One innermost loop on a device. Seconds per iteration: ``compute``, ``gather``
+  (all-gathers: what prefetching issues one layer early), ``reduce`` (the other
+  collectives: issued one layer late), ``cross_host`` (the part of ``gather + reduce``
+  on the cross-host link); ``runs``: times the loop runs per step."""
+  name: str
+  trips: int
+  runs: int
+  compute: float
+  gather: float
+  reduce: float
+  cross_host: float
+
+  def total(self, prefetch: int) -> float:
+    """Seconds for one run: serial (0), or overlapped one layer ahead (1)."""
+    n, c, g, r = self.trips, self.compute, self.gather, self.reduce
+    if not prefetch or n == 1:
+      return n * (c + g + r)
+    middle = sum(max(c, (g if i < n - 1 else 0.0) + (r if i > 0 else 0.0)) for i in range(n))
+    return g + middle + r
+
+
+class Prediction(NamedTuple):
+  """`predict`'s result: the innermost loops, and the rest of the step (``serial``: compute
+  and collectives outside them, one after the other). Seconds."""
+  device: Device
+  loops: tuple
+  serial_compute: float
+  serial_comm: float
+
+  @property
+  def compute(self) -> float:
+    """The step's compute time (all matmuls)."""
+    return self.serial_compute + sum(l.runs * l.trips * l.compute for l in self.loops)
+
+  def step(self, prefetch: int) -> float:
+    """The step's time with every innermost loop prefetching ``prefetch`` (0 or 1)."""
+    return (self.serial_compute + self.serial_comm
+            + sum(l.runs * l.total(prefetch) for l in self.loops))
+
+  def exposed(self, prefetch: int) -> float:
+    """Communication time not hidden behind compute."""
+    return self.step(prefetch) - self.compute
+
+
+def predict(program: Loop, device: Device, *, compute_efficiency: float = 1.0,
+            link_efficiency: float = 1.0) -> Prediction:
+  """The step's time on ``device`` under both schedules (see the module docstring).
+
+  Args:
+    program: what `analyze` returned.
+    device: the accelerator and its links (e.g. `H100_SXM`).
+    compute_efficiency: the fraction of ``peak_flops`` your matmuls reach.
+    link_efficiency: the fraction of the links' bandwidth your collectives reach.
+
+  Returns:
+    A `Prediction`: per innermost loop (each layer scan) the compute and communication
+    time of one iteration, and the step's time with prefetch 0 and 1.
+  """
+  loops: list = []
+  serial = [0.0, 0.0]
+  comm = lambda ts: [transfer_time(t, device, link_efficiency) for t in ts]
+
+  def visit(loop: Loop, runs: int) -> None:
+    own_compute = compute_time(loop.dots, device, compute_efficiency)
+    if loop.loops or loop.trips == 1:  # an outer loop (or the program): its own part is serial
+      serial[0] += runs * loop.trips * own_compute
+      serial[1] += runs * loop.trips * sum(comm(loop.transfers))
+      for inner in loop.loops:
+        visit(inner, runs * loop.trips)
+      return
+    times = comm(loop.transfers)
+    gather = sum(s for t, s in zip(loop.transfers, times) if t.op == "all-gather")
+    cross = sum((s for t, s in zip(loop.transfers, times) if crosses_hosts(t, device)), 0.0)
+    loops.append(LoopTime(loop.name, loop.trips, runs, own_compute, gather,
+                          sum(times) - gather, cross))
+
+  visit(program, 1)
+  return Prediction(device, tuple(loops), serial[0], serial[1])
