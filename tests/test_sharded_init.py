@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
+from zero_jax import init as init_lib
 from zero_jax.comm.layout import local_storage_shape
 from _feature_helpers import assert_tree_close, reference_run
 from _small_mlp import loss_fn as mlp_loss
@@ -60,17 +61,25 @@ def leaves_equal(a, b, what=""):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=where)
 
 
+@pytest.fixture
+def one_leaf_per_jit(monkeypatch):
+  """Small models are made inside the init jit; this makes them as big ones are: one jit
+  per group of leaves (here one leaf each), then the state built from their outputs."""
+  monkeypatch.setattr(init_lib, "MIN_GROUP_BYTES", 0)
+  monkeypatch.setattr(init_lib, "INIT_GROUPS", 10**6)
+
+
 def mesh2(names):
   return jax.make_mesh((4, 2) if names[1] == "model" else (2, 4), names)
 
 
-CONFIGS = {
+CONFIGS = {  # "grouped": made one leaf per jit (see one_leaf_per_jit)
     "stage1": dict(stage=1),
-    "stage2": dict(stage=2),
+    "stage2_grouped": dict(stage=2),
     "stage3": dict(stage=3),
-    "stage3_bf16_master": dict(stage=3, precision="bf16"),
+    "stage3_bf16_master_grouped": dict(stage=3, precision="bf16"),
     "stage2_offload": dict(stage=2, precision="bf16", offload="optimizer"),
-    "stage3_hpz": dict(stage=3, mesh=("outer", "inner"), axis_name=("outer", "inner"),
+    "stage3_hpz_grouped": dict(stage=3, mesh=("outer", "inner"), axis_name=("outer", "inner"),
                        hpz_axis="inner"),
     "stage3_param_specs": dict(stage=3, mesh=("data", "model"),
                                param_specs={"w1": P(None, "model"), "b1": P("model"),
@@ -89,7 +98,9 @@ def make_step(mesh, tx, config):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_init_from_a_function_equals_the_eager_init_bitwise(mesh, name):
+def test_init_from_a_function_equals_the_eager_init_bitwise(mesh, name, request):
+  if name.endswith("grouped"):
+    request.getfixturevalue("one_leaf_per_jit")
   step = make_step(mesh, optax.adam(1e-2), CONFIGS[name])
   from_fn = step.init(init_fn)
   eager = step.init(init_fn())  # whole on one device, then placed
@@ -137,7 +148,8 @@ def net_loss(model, batch):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_module_from_a_function_equals_the_eager_module_and_trains_alike(mesh, stage):
+def test_module_from_a_function_equals_the_eager_module_and_trains_alike(mesh, stage,
+                                                                          one_leaf_per_jit):
   step = zj.make_sharded_train_step(net_loss, optax.adam(1e-2), mesh=mesh, stage=stage)
   from_fn = step.init(lambda: Net(nnx.Rngs(0)))
   eager = step.init(Net(nnx.Rngs(0)))
@@ -239,6 +251,13 @@ def test_split_arrays_are_used_where_they_lie(mesh, how):
   assert all(split[k].is_deleted() for k in as_stored)
 
 
+def test_arrays_on_another_device_are_copied_and_left_to_the_user(mesh):
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3)
+  params = jax.device_put(init_fn(), jax.devices()[3])  # device_put may keep device 3's shard
+  leaves_equal(step.init(params), step.init(init_fn), what="state")
+  assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+
+
 def test_memory_report_and_abstract_state_take_a_function():
   tx = optax.adamw(1e-3)
   for fn, made in [(init_fn, init_fn()),
@@ -276,6 +295,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp, numpy as np, optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import zero_jax as zj
+from zero_jax import init as init_lib
 from zero_jax.comm.layout import local_storage_shape
 
 def status(field):
