@@ -157,22 +157,26 @@ def input_spec(spec: StepSpec, layout: lay.Layout):
   return layout.model_spec()
 
 
+def _buffers(x) -> set:
+  return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+
+
 def place(spec: StepSpec, x, layout: lay.Layout) -> tuple[jax.Array, bool]:
-  """``(leaf on the working mesh, whether it is a copy of host memory, free to donate)``,
-  moving as little as possible.
+  """``(leaf on the working mesh, whether it is a copy made here, free to donate)``, moving
+  as little as possible.
 
   A ``jax.Array`` with a ``NamedSharding`` on the step's mesh stays where it
   is (re-labelled onto the working mesh, no copy); anything else (host arrays,
   arrays on other devices) is put split as `input_spec` says. (``device_put``
   of a ``jax.Array`` may keep its buffer for a shard on the same device, even
-  with ``may_alias=False``: such a result is the user's, not ours to donate.)
+  with ``may_alias=False``: such a result still holds the user's buffers.)
   """
   mesh = spec.working_mesh()
   sh = getattr(x, "sharding", None)
   if isinstance(x, jax.Array) and on_step_mesh(sh, spec):
     return jax.device_put(x, NamedSharding(mesh, sh.spec)), False
   placed = context.device_put(x, NamedSharding(mesh, input_spec(spec, layout)))
-  return placed, not isinstance(x, jax.Array)
+  return placed, not (isinstance(x, jax.Array) and _buffers(placed) & _buffers(x))
 
 
 # ------------------------------------------------------------ from a function
