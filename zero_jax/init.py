@@ -172,8 +172,8 @@ def place(spec: StepSpec, x, layout: lay.Layout) -> tuple[jax.Array, bool]:
   with ``may_alias=False``: such a result still holds the user's buffers.)
   """
   mesh = spec.working_mesh()
-  sh = getattr(x, "sharding", None)
-  if isinstance(x, jax.Array) and on_step_mesh(sh, spec):
+  sh = x.sharding if isinstance(x, jax.Array) else None
+  if isinstance(sh, NamedSharding) and on_step_mesh(sh, spec):
     return jax.device_put(x, NamedSharding(mesh, sh.spec)), False
   placed = context.device_put(x, NamedSharding(mesh, input_spec(spec, layout)))
   return placed, not (isinstance(x, jax.Array) and _buffers(placed) & _buffers(x))
