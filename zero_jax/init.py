@@ -1,12 +1,13 @@
 """What ``step.init`` is given, made into a state without a whole model on any device.
 
-A zero-argument function (``step.init(lambda: Model(nnx.Rngs(0)))``) is traced once with
-``jax.eval_shape`` (the structure, the meta and every check) and then run inside the ``jax.jit``
-that builds the state, whose ``out_shardings`` are the state's storage shardings: XLA partitions
-the initializers, so each device computes only its own block. Arrays that are already split on
-the step's mesh enter that ``jit`` where they lie (resharding a split array to another split
-moves blocks, never a whole leaf); host arrays are first put on the devices split over the data
-axes where a dimension divides evenly. See the guide "Models bigger than one device".
+A zero-argument function (``step.init(lambda: Model(nnx.Rngs(0)))``) is traced once (the
+structure, the meta and every check come from the trace) and run under ``jax.jit`` with the
+storage shardings as ``out_shardings``: XLA partitions the initializers, so each device computes
+only its own block. A big model is made in groups of leaves, one ``jit`` each, whose outputs the
+``jit`` that builds the state then reuses. Arrays that are already split on the step's mesh
+enter that ``jit`` where they lie (resharding a split array to another split moves blocks, never
+a whole leaf); host arrays are first put on the devices split over the data axes where a
+dimension divides evenly. See the guide docs/guides/bigger_init.md.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
