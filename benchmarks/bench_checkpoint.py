@@ -28,8 +28,6 @@ Usage: python benchmarks/bench_checkpoint.py [--params-mb 128] [--reps 3]
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import pathlib
@@ -40,31 +38,10 @@ import sys
 import tempfile
 import time
 
+from _peak import reset_peak as _reset_peak, status as _status
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 N_DEVICES = 8
-
-
-def _status(field: str) -> int:
-  """A ``/proc/self/status`` field in bytes."""
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1]) * 1024
-  raise KeyError(field)
-
-
-def _reset_peak() -> int:
-  """Resets the peak resident set to the current one; returns the current one.
-
-  Memory that glibc keeps after earlier frees (it would be reused without
-  showing in the resident set) is first handed back, so the peak counts every
-  page the operation touches.
-  """
-  gc.collect()
-  ctypes.CDLL("libc.so.6").malloc_trim(0)
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-  return _status("VmRSS")
 
 
 # ------------------------------------------------------------------- child side

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from zero_jax import nnx as nnx_lib
+from zero_jax import init as init_lib
 from zero_jax import precision as prec
 from zero_jax.comm.layout import local_storage_shape, model_block_shape
 from zero_jax.spec import OFFLOAD_CHOICES, planning_spec
@@ -196,7 +196,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
     params: the parameter tree: arrays or ``jax.ShapeDtypeStruct``s; or an
       ``nnx.Module`` (concrete, or abstract from ``nnx.eval_shape``), whose
       ``wrt`` variables are counted as parameters (the model state is not
-      counted).
+      counted); or an init function as ``step.init`` takes (traced, not run).
     optimizer: the ``optax.GradientTransformation`` the step will use.
     n_devices: devices on the data axis (without ``mesh``).
     mesh: the step's mesh (without ``n_devices``).
@@ -236,7 +236,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   spec = planning_spec(n_devices=n_devices, mesh=mesh, axis_name=axis_name,
                        replica_axis=replica_axis, precision=precision, comm_dtype=comm_dtype,
                        hpz_axis=hpz_axis)
-  _, params, _ = nnx_lib.as_params(params, None, wrt)
+  params = init_lib.resolve(params, None, wrt).params  # a function is traced, not run
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [_shape_dtype(p, x) for p, x in paths_leaves]
   structs = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes])

@@ -118,7 +118,8 @@ def stacked_flags(value, params) -> tuple:
 
 
 # ------------------------------------------------------------------ model axes
-def _same_mesh(sharding, spec: StepSpec) -> bool:
+def on_step_mesh(sharding, spec: StepSpec) -> bool:
+  """Whether ``sharding`` is a NamedSharding on the step's mesh (any axis types)."""
   mesh = getattr(sharding, "mesh", None)
   if not isinstance(spec.mesh, Mesh):  # an abstract mesh (planning): no devices to match
     return False
@@ -146,7 +147,7 @@ def _found_specs(spec: StepSpec, params) -> list:
     box = node if is_box(node) else None
     for x in jax.tree.leaves(node.value) if box else [node]:
       sh = getattr(x, "sharding", None)
-      pspec = (sh.spec if _same_mesh(sh, spec) else
+      pspec = (sh.spec if on_step_mesh(sh, spec) else
                box.get_partition_spec() if type(box) is flax_meta.Partitioned else None)  # pylint: disable=unidiomatic-typecheck
       if pspec is None:
         out.append(None)

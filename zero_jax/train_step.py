@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zero_jax import batch as batching
 from zero_jax import context
 from zero_jax import grads as grads_lib
+from zero_jax import init as init_lib
 from zero_jax import layers
 from zero_jax import loss_scale as ls_lib
 from zero_jax import nnx as nnx_lib
@@ -91,43 +92,49 @@ class ShardedTrainStep:
     return st.partition_specs(self.spec, meta, treedef, model_state, rng,
                           self.initial_loss_scale if loss_scale is None else loss_scale)
 
-  def init(self, params, *, model_state=None, rng=None) -> TrainState:
-    """Places ``params`` on the mesh and builds the sharded optimizer state.
+  def init(self, params, *, model_state=None, rng=None, donate: bool = False) -> TrainState:
+    """Builds the state: parameters placed, optimizer state and master copy split.
+
+    No device holds a whole parameter it does not keep: a function runs under
+    ``jit`` with the state's shardings, and arrays already split on the mesh
+    are used where they lie (see `zero_jax.init`).
 
     Args:
-      params: a pytree of arrays (host numpy, on any device, or global arrays
-        whose sharding over the model axes gives their ``param_specs``), or an
-        ``nnx.Module``: its ``wrt`` variables train and the others are its
-        model state; ``loss_fn`` then gets the module (see `zero_jax.nnx`).
+      params: a zero-argument function returning the params pytree or an
+        ``nnx.Module`` (``lambda: Model(nnx.Rngs(0))``): each device computes
+        only its own block, with the values an eager call would give; or a
+        pytree of arrays (host numpy, on any device, or global arrays split
+        on the mesh over the data axes and, per ``param_specs``, the model
+        axes); or an ``nnx.Module``: its ``wrt`` variables train and the
+        others are its model state; ``loss_fn`` then gets the module (see
+        `zero_jax.nnx`).
       model_state: optional untrained state (e.g. Flax ``batch_stats``); when
         given, ``loss_fn`` is called with ``model_state=`` and returns the
         new one (see `make_sharded_train_step`). None with a module.
       rng: optional PRNG key; when given, ``loss_fn`` is called with ``rng=``,
         a key distinct for every step, device and micro-batch.
+      donate: hand the buffers of ``params`` arrays already on the mesh to the
+        state where it keeps them as they are (stage 3, same dtype and split:
+        no second copy of the model); those arrays cannot be used afterwards.
 
     Returns:
       The `TrainState`.
     """
-    module, params, model_state = nnx_lib.as_params(params, model_state, self.wrt)
-    treedef, meta = self._meta(params, module)
-    check_model_state(model_state)
+    source = init_lib.resolve(params, model_state, self.wrt)
+    if source.make is None:
+      init_lib.check_values(source)
+    treedef, meta = self._meta(source.params, source.module)
+    check_model_state(source.model_state)
     check_rng(rng)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(source.params)[0]]
     prec.warn_without_master(self.spec.policy, paths, meta.param_dtypes, meta.trainable)
     if not any(meta.trainable):
       warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
                     "is floating); every step will leave the parameters unchanged.",
                     RuntimeWarning, stacklevel=2)
-    spec = self.spec
-    placed = [jax.device_put(x, st.sharding(spec, l.model_spec()))
-              for x, l in zip(jax.tree.leaves(params), meta.param_layouts)]
-    extras = context.device_put((model_state, rng, self.initial_loss_scale), st.sharding(spec, P()))
-    specs = self._partition_specs(meta, treedef, model_state, rng)
-    body = functools.partial(st.init_state, spec, self.optimizer, meta, treedef)
-    init = jax.jit(context.in_auto(spec, body, lambda *_: specs),
-                   out_shardings=st.state_shardings(spec, specs))
-    with context.mesh_context(spec):
-      return init(placed, *extras)
+    return init_lib.make_state(self.spec, self.optimizer, meta, treedef, source, rng,
+                               self.initial_loss_scale, donate=donate)
 
   def abstract_state(self, params, *, model_state=None, rng=None) -> TrainState:
     """The `TrainState` that ``init`` would return, as shape/dtype/sharding only.
@@ -137,20 +144,15 @@ class ShardedTrainStep:
 
     Args:
       params: arrays or ``jax.ShapeDtypeStruct``s with the parameters' shapes,
-        or an ``nnx.Module`` (also an abstract one from ``nnx.eval_shape``).
+        an ``nnx.Module`` (also an abstract one from ``nnx.eval_shape``), or
+        an init function as for ``init`` (traced, not run).
       model_state: as for ``init`` (arrays or shape structs), or None.
       rng: as for ``init`` (a key or its shape struct), or None.
     """
-    module, params, model_state = nnx_lib.as_params(params, model_state, self.wrt)
-    treedef, meta = self._meta(params, module)
-    leaves = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
-    body = functools.partial(st.init_state, self.spec, self.optimizer, meta, treedef)
-    specs = self._partition_specs(meta, treedef, model_state, rng)
-    with context.mesh_context(self.spec):
-      shape = jax.eval_shape(context.in_auto(self.spec, body, lambda *_: specs), leaves, model_state,
-                             rng, self.initial_loss_scale)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shape, st.state_shardings(self.spec, specs))
+    source = init_lib.resolve(params, model_state, self.wrt)
+    treedef, meta = self._meta(source.params, source.module)
+    return init_lib.abstract_state(self.spec, self.optimizer, meta, treedef, source, rng,
+                                   self.initial_loss_scale)
 
   # ---------------------------------------------------------------- the step
   def _prepare(self, state, what: str = "the step") -> TrainState:
