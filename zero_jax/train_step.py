@@ -259,6 +259,7 @@ class ShardedTrainStep:
     """The full parameters: original shapes, tree and (master) dtypes, on the user's mesh
     (replicated over the data and replica axes, split over model axes as ``param_specs``)."""
     state = self._prepare(state, "get_params")
+    self._stall.flush()  # warnings about the steps that made this state, before it is used
     with context.mesh_context(self.spec):
       return self._get_params(state)
 

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from zero_jax import monitor
 from zero_jax.checkpoint import hyperparams as hyperparams_lib
 from zero_jax.checkpoint import store as store_lib
 from zero_jax.checkpoint import integrity
@@ -211,6 +212,7 @@ class CheckpointManager:
                       f"{type(state).__name__}.")
     check_alive(state, "CheckpointManager.save")
     self._check_open("save")
+    monitor.deliver()  # what the steps before this save went through, before it is kept
     step = int(state.step)
     self._claim()
     self._finish()
@@ -395,10 +397,12 @@ class CheckpointManager:
       OSError: the pending save failed (the message names its step and why, e.g. a
         full disk); its temporary directory is removed.
     """
+    monitor.deliver()
     self._finish()
 
   def close(self) -> None:
     """Waits for pending writes, releases Orbax's resources and the directory's lock."""
+    monitor.deliver()
     if self._closed:
       return
     self._closed = True
