@@ -673,7 +673,9 @@ def test_unwritable_directory_is_refused_at_once_naming_it_and_never_hangs(tmp_p
                         capture_output=True, text=True, timeout=90)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "NOT REFUSED" not in proc.stdout, proc.stdout
-  for d in dirs:
+  assert f"checkpoint directory {dirs[0]} is below {tmp_path / 'a_file'}, which is a file" in \
+      proc.stdout, proc.stdout
+  for d in dirs[1:]:
     assert f"refused: [Errno" in proc.stdout and f"checkpoint directory {d} is not writable" in (
         proc.stdout), proc.stdout
   assert time.monotonic() - t0 < 60

@@ -336,3 +336,17 @@ def logical_params(meta: StateMeta, params) -> Any:
   leaves, treedef = jax.tree.flatten(params)
   return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(l.shape, x.dtype)
                                       for l, x in zip(meta.param_layouts, leaves)])
+
+
+def check_values(**trees) -> None:
+  """Raises TypeError naming a leaf of ``init``'s arguments that is a shape without values."""
+  for name, tree in trees.items():
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if isinstance(x, jax.ShapeDtypeStruct):
+        raise TypeError(
+            f"init got {name}{jax.tree_util.keystr(path)}, a jax.ShapeDtypeStruct {x.shape} "
+            f"{x.dtype}: a shape without values, and init places values on the mesh. For a "
+            f"state without values use step.abstract_state(...) (what "
+            f"CheckpointManager.restore reads into: restore(step, params_like) takes shape "
+            f"structs); to make the values without one device holding them whole, create "
+            f"them under jax.jit(make_params, out_shardings=...) and pass those arrays.")

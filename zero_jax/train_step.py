@@ -109,6 +109,7 @@ class ShardedTrainStep:
       The `TrainState`.
     """
     module, params, model_state = nnx_lib.as_params(params, model_state, self.wrt)
+    st.check_values(params=params, model_state=model_state, rng=rng)
     treedef, meta = self._meta(params, module)
     check_model_state(model_state)
     check_rng(rng)

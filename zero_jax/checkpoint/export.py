@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import jax
@@ -52,7 +53,23 @@ def export_params(directory, params, *, force: bool = False) -> None:
     params: a pytree of arrays, e.g. ``train_step.get_params(state)``.
     force: replace an existing directory.
   """
+  path = epath.Path(abs_path(directory))
+  _check_export(path, params, force)
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_export_registry(),
                                         save_concurrent_gb=_CONCURRENT_GB)
   with ocp.Checkpointer(handler) as ckptr:
-    ckptr.save(epath.Path(abs_path(directory)), args=ocp.args.PyTreeSave(params), force=force)
+    ckptr.save(path, args=ocp.args.PyTreeSave(params), force=force)
+
+
+def _check_export(path: epath.Path, params, force: bool) -> None:
+  """Refuses an existing ``path`` (unless ``force``) and leaves Orbax cannot write."""
+  if path.exists() and not force:
+    kind = "directory" if path.is_dir() else "file"
+    raise FileExistsError(errno.EEXIST, f"export_params writes a new directory, and {path} "
+                                        f"exists (a {kind}). Export into a new path, or pass "
+                                        f"force=True to replace it.")
+  for keypath, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not np.prod(np.shape(x)):
+      raise ValueError(f"params{jax.tree_util.keystr(keypath)} has shape {np.shape(x)}, no "
+                       f"elements, and an Orbax checkpoint holds no zero-size array. Leave it "
+                       f"out of the exported tree (it has no values to keep).")
