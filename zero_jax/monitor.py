@@ -100,8 +100,7 @@ class StallWatch:
     """Queues a step's metrics; reads those ready (and the oldest beyond `MAX_PENDING`)."""
     self.pending.append(({k: metrics[k] for k in _READ}, (loss_scale.dynamic,
                                                           loss_scale.min_scale)))
-    while self.pending and (len(self.pending) > MAX_PENDING or
-                            self.pending[0][0]["health"].is_ready()):
+    while self.pending and (len(self.pending) > MAX_PENDING or _done(self.pending[0][0])):
       self._read(*self.pending.popleft())
 
   def flush(self, note: str = ""):
@@ -110,17 +109,23 @@ class StallWatch:
     ``note``: said after each warning where it is not raised at the user's call.
     """
     self.note = note
-    while self.pending:
-      self._read(*self.pending.popleft())
-    self.note = ""
+    try:
+      while self.pending:
+        self._read(*self.pending.popleft())
+    finally:
+      self.note = ""
 
   def __del__(self):
     try:
       self.flush(" (Reported as the step object was deleted.)")
+    except Warning:  # a warning filter made it an error: that is for the user to see
+      raise
     except Exception:  # pylint: disable=broad-except  (arrays gone at interpreter teardown)
       self.pending.clear()
 
   def _read(self, m, loss_scale):
+    if m["health"].is_deleted():  # the user deleted the metrics (or donated them)
+      return
     bits = int(_host(m["health"]))
     if bits:
       self._check(bits, {k: _host(v) for k, v in m.items()}, loss_scale)
@@ -182,6 +187,11 @@ def _register_at_exit() -> None:
   if not _at_exit:
     atexit.register(_deliver_at_exit)
     _at_exit = True
+
+
+def _done(metrics) -> bool:
+  health = metrics["health"]
+  return health.is_deleted() or health.is_ready()
 
 
 def _host(x):
