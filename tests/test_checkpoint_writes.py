@@ -3,7 +3,10 @@
 A failed background save is reported as soon as it is known, naming the step lost and
 why (a full disk as such), and leaves no temporary directory; ``save`` after ``close``
 and ``restore`` given a step number first are clear errors; an ``inject_hyperparams``
-learning rate restored from a checkpoint is warned about, or taken from the step.
+learning rate restored from a checkpoint is warned about, or taken from the step. Issue 28:
+a Python number in a saved state, leaves without elements, export into an existing path,
+restore(step="2"), a full disk deep in TensorStore's message or at the first save, a directory
+that is a file, and a mistyped directory that restore leaves uncreated.
 """
 
 import errno

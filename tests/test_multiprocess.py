@@ -8,6 +8,7 @@ of two workers (each launch pays process start-up and compilation).
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -233,14 +234,14 @@ def test_checkpoint_from_two_processes_restores_in_one(mesh8, one_process, two_p
 def _wait_for(path, text, procs, timeout=180):
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
-    if os.path.exists(path) and text in open(path).read():
+    if os.path.exists(path) and text in pathlib.Path(path).read_text():
       return
     if any(p.poll() is not None for p in procs):
       break
     time.sleep(0.1)
   for p in procs:
     p.kill()
-  raise AssertionError(f"{path} never showed {text!r}:\n{open(path).read()[-3000:]}")
+  raise AssertionError(f"{path} never showed {text!r}:\n{pathlib.Path(path).read_text()[-3000:]}")
 
 
 def _run_until_failure(tmp_path, extra_args, victim=None):

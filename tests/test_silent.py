@@ -1,7 +1,9 @@
 """Nothing silent, round two: skipped steps warned in modes without a dynamic loss scale,
 WeightedLoss steps without weight skipped (against one device), negative weights and a
 NaN loss with a finite gradient warned, low-precision leaves without a master copy
-warned, and param_specs that do not divide refused at init."""
+warned, and param_specs that do not divide refused at init. Round three: these warnings reach
+a run that stops a step after the trouble (at get_params, a checkpoint save, wait_until_finished,
+close, or interpreter exit)."""
 
 import contextlib
 import os

@@ -15,6 +15,7 @@ import shutil
 import warnings
 
 import jax
+import numpy as np
 from etils import epath
 
 from zero_jax import monitor
@@ -42,6 +43,16 @@ _READ_ERRORS = store_lib.READ_ERRORS
 def _step_optimizer(train_step: ShardedTrainStep):
   """The optax optimizer of a step (the one place that knows where a step keeps it)."""
   return getattr(train_step, "optimizer")
+
+
+def _with_step_scale(state: TrainState, train_step: ShardedTrainStep) -> TrainState:
+  """A static loss scale is the step's ``loss_scale=`` (its value is the policy); a dynamic
+  one continues from the saved value."""
+  ls = state.loss_scale
+  if ls.dynamic:
+    return state
+  mine = np.asarray(getattr(train_step, "initial_loss_scale").scale, ls.scale.dtype)
+  return state.replace(loss_scale=ls.replace(scale=jax.device_put(mine, ls.scale.sharding)))
 
 
 class CheckpointManager:
@@ -300,7 +311,9 @@ class CheckpointManager:
 
     Without ``step``, the newest checkpoint that is intact: a damaged newer
     one (files missing, truncated or altered, or unreadable) is skipped with a
-    `DamagedCheckpointWarning` that names it and what is wrong.
+    `DamagedCheckpointWarning` that names it and what is wrong. The loss-scale
+    policy is ``train_step``'s: a dynamic scale continues from the saved value,
+    a static one is the step's ``loss_scale=``.
 
     Args:
       train_step: the `ShardedTrainStep` to continue with (any mesh size and
@@ -350,9 +363,9 @@ class CheckpointManager:
       if problem is None:
         opt = masked_optimizer(_step_optimizer(train_step), jax.tree.structure(target.params),
                                state.meta.trainable)
-        state = state.replace(opt_state=hyperparams_lib.reconcile(
+        state = _with_step_scale(state.replace(opt_state=hyperparams_lib.reconcile(
             state.opt_state, opt, target.params, hyperparams,
-            f"the checkpoint of step {s} in {self.directory}"))
+            f"the checkpoint of step {s} in {self.directory}")), train_step)
         for d, why in damaged:
           warnings.warn(f"the checkpoint of step {d} in {self.directory} is damaged ({why}); "
                         f"restored step {s}, the newest intact one.", DamagedCheckpointWarning,

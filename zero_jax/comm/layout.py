@@ -2,8 +2,9 @@
 
 A leaf is split along the one dimension that needs the least padding (padded at its end to a
 multiple of the device count); scalars and leaves without elements are replicated; leaves split
-over model axes keep their model blocks whole. The logical view is the original shape, the storage view the padded one;
-converting is a local slice or pad. Details: the docs' "How it works"."""
+over model axes keep their model blocks whole. The logical view is the original shape, the
+storage view the padded one; converting is a local slice or pad. Details: the docs'
+"How it works"."""
 
 from __future__ import annotations
 
