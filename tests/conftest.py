@@ -8,3 +8,13 @@ import pytest
 def mesh():
   """The 8-device mesh with one "data" axis (Explicit axis types, as jax.make_mesh makes)."""
   return jax.make_mesh((8,), ("data",))
+
+
+@pytest.fixture(autouse=True)
+def _deliver_pending_warnings():
+  """After each test, the health warnings its steps left pending are raised, so a warning a
+  test does not expect fails that test (pyproject's filterwarnings), not a later one whose
+  CheckpointManager.save or step object's deletion would deliver it."""
+  yield
+  from zero_jax import monitor  # pylint: disable=g-import-not-at-top
+  monitor.deliver()

@@ -240,14 +240,33 @@ def _uneven_rows(out_dir):
       f.write(str(e))
 
 
+def _nan_warnings(out_dir):
+  """Infinite parameters, one step each: the skipped-step warning reaches every process, at
+  get_params for one step object and at interpreter exit for the other (in the log)."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  inf = jax.tree.map(lambda x: np.full_like(x, np.inf), init_params())  # (NaN != NaN)
+  steps = [make_step("stage2_sgd_clip") for _ in range(2)]
+  local = jax.tree.map(lambda x: x[zj.process_batch_slice(GLOBAL_BATCH, steps[0])],
+                       global_batch(0))
+  states = [s(s.init(inf), zj.make_global_batch(local, s))[0] for s in steps]
+  with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    steps[0].get_params(states[0])
+  with open(os.path.join(out_dir, f"warned_{jax.process_index()}.txt"), "w") as f:
+    f.write("\n".join(str(w.message) for w in rec))
+
+
 def main(argv):
   mode, out_dir = argv[1], argv[2]
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
   zj.initialize_distributed()
   if mode == "parity":
     _parity(out_dir, argv[3] if len(argv) > 3 else None)
-  elif mode == "rows":
+  elif mode == "misuse":
     _uneven_rows(out_dir)
+    _nan_warnings(out_dir)
   elif mode == "forever":
     _forever(out_dir, int(argv[3]) if len(argv) > 3 else None, argv[4:] == ["now"])
   else:

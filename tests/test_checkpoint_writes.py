@@ -3,7 +3,10 @@
 A failed background save is reported as soon as it is known, naming the step lost and
 why (a full disk as such), and leaves no temporary directory; ``save`` after ``close``
 and ``restore`` given a step number first are clear errors; an ``inject_hyperparams``
-learning rate restored from a checkpoint is warned about, or taken from the step.
+learning rate restored from a checkpoint is warned about, or taken from the step. Issue 28:
+a Python number in a saved state, leaves without elements, export into an existing path,
+restore(step="2"), a full disk deep in TensorStore's message or at the first save, a directory
+that is a file, and a mistyped directory that restore leaves uncreated.
 """
 
 import errno
@@ -160,3 +163,111 @@ def test_restore_refuses_an_unknown_hyperparams_choice(tmp_path):
     mngr.save(state)
     with pytest.raises(ValueError, match=r"hyperparams='new'.*'checkpoint'.*'step'"):
       mngr.restore(step, params(), hyperparams="new")
+
+
+# ------------------------------------------- the last raw errors (issue 28, items 10-11)
+def test_a_python_number_set_in_an_inject_hyperparams_state_is_saved_and_restored(tmp_path):
+  step, state = trained(optax.inject_hyperparams(optax.adam)(learning_rate=0.01))
+  state.opt_state.hyperparams["learning_rate"] = 1e-4  # by hand, as optax's docs show
+  with zj.CheckpointManager(tmp_path, async_save=False) as mngr:
+    mngr.save(state)
+    restored = mngr.restore(step, params(), hyperparams="checkpoint")
+    with pytest.raises(TypeError, match=r"step= is a checkpoint's step number, an int; got "
+                                        r"str '2'"):
+      mngr.restore(step, params(), step="2")
+  lr = restored.opt_state.hyperparams["learning_rate"]
+  assert lr.dtype == np.float32 and float(lr) == np.float32(1e-4)
+  for i in range(2):
+    restored, _ = step(restored, batch(2 + i))
+  want = _continue(1e-4, None)
+  for k, v in step.get_params(restored).items():
+    np.testing.assert_allclose(np.asarray(v), np.asarray(want[k]), rtol=2e-5, atol=1e-7)
+  state.opt_state.hyperparams["learning_rate"] = "1e-4"
+  with zj.CheckpointManager(tmp_path / "other") as mngr:
+    with pytest.raises(TypeError, match=r"state.opt_state.hyperparams\['learning_rate'\] is "
+                                        r"a str, not an array or a number"):
+      mngr.save(state)
+
+
+def test_export_into_an_existing_path_or_with_empty_leaves_is_refused(tmp_path):
+  tree = {"w": np.ones((3, 2), np.float32)}
+  zj.export_params(tmp_path / "params", tree)
+  with pytest.raises(FileExistsError, match=r"export_params writes a new directory, and .*"
+                                            r"params exists \(a directory\).*force=True"):
+    zj.export_params(tmp_path / "params", tree)
+  zj.export_params(tmp_path / "params", {"w": np.zeros((3, 2), np.float32)}, force=True)
+  with pytest.raises(ValueError, match=r"params\['e'\] has shape \(0, 2\), no elements"):
+    zj.export_params(tmp_path / "other", {**tree, "e": np.zeros((0, 2), np.float32)})
+
+
+def test_a_state_with_leaves_without_elements_is_saved_and_restored(tmp_path):
+  with_empty = {**params(), "e": np.zeros((0, 3), np.float32)}
+  loss = lambda p, b: loss_fn(p, b) + jnp.sum(p["e"])
+  step = zj.make_sharded_train_step(loss, optax.adam(1e-2), mesh=_mesh(), stage=3)
+  state, _ = step(step.init(with_empty), batch())
+  with zj.CheckpointManager(tmp_path, async_save=False) as mngr:
+    mngr.save(state)
+    restored = mngr.restore(step, with_empty)
+  got = step.get_params(restored)
+  assert got["e"].shape == (0, 3)
+  for k, v in step.get_params(state).items():
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v))
+
+
+def _tensorstore_disk_full(step, items, description):
+  """What TensorStore raises in a synchronous save on a full disk: the reason after a path
+  long enough that the message's first 400 characters do not hold it."""
+  del step, items, description
+  deep = "/".join(["checkpoints", "run-2026-11-25", "0.orbax-checkpoint-tmp"] * 6)
+  raise ValueError(f'RESOURCE_EXHAUSTED: Error opening "zarr" driver: Error writing '
+                   f'"opt_state.0001/.zarray" in OCDBT database at local file "/{deep}/": '
+                   f'Failed writing: "/{deep}/d/6c42ec3c": Failed to write 181 bytes to file '
+                   f"12: No space left on device [os_error_code='28']")
+
+
+def test_a_full_disk_in_a_synchronous_save_is_named_as_such(tmp_path, monkeypatch):
+  _, state = trained(optax.sgd(0.1))
+  mngr = zj.CheckpointManager(tmp_path, async_save=False)
+  monkeypatch.setattr(mngr._store, "write", _tensorstore_disk_full)
+  with pytest.raises(OSError, match=r"checkpoint of step 2 .* failed: the disk is full.*Free "
+                                    r"space") as e:
+    mngr.save(state)
+  assert e.value.errno == errno.ENOSPC
+  mngr.close()
+
+
+def test_a_full_disk_at_the_first_save_is_named_and_leaves_no_probe(tmp_path, monkeypatch):
+  from zero_jax.checkpoint import writer
+  real_open = open
+
+  def full_open(path, mode="r", *args, **kw):  # files are made, writing them fails
+    f = real_open(path, mode, *args, **kw)
+    if "w" in mode:
+      f.close()
+      raise OSError(errno.ENOSPC, "No space left on device", path)
+    return f
+  monkeypatch.setattr(writer, "open", full_open, raising=False)
+  _, state = trained(optax.sgd(0.1))
+  with pytest.raises(OSError, match=r"checkpoint directory .* is not writable: the disk is "
+                                    r"full") as e:
+    zj.CheckpointManager(tmp_path / "ckpt").save(state)
+  assert e.value.errno == errno.ENOSPC
+  assert os.listdir(tmp_path / "ckpt") == []  # the probe is gone
+
+
+def test_a_directory_that_is_a_file_is_named_and_a_mistyped_one_is_not_created(tmp_path):
+  step, state = trained(optax.sgd(0.1))
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(NotADirectoryError, match=r"checkpoint directory .*a_file is a file, not "
+                                               r"a directory"):
+    zj.CheckpointManager(tmp_path / "a_file")
+  mistyped = tmp_path / "runs" / "ckpt"
+  with zj.CheckpointManager(mistyped) as mngr:
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint in .*ckpt \(the "
+                                                r"directory does not exist\)"):
+      mngr.restore(step, params())
+    assert mngr.all_steps() == [] and mngr.latest_step() is None
+  assert not (tmp_path / "runs").exists()  # nothing left behind
+  with zj.CheckpointManager(mistyped) as mngr:  # the first save makes it
+    assert mngr.save(state)
+  assert zj.CheckpointManager(mistyped).all_steps() == [2]

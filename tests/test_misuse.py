@@ -4,10 +4,13 @@ to fix it, and a condition that is legal but almost surely a mistake warns.
 Classes: a state from another step; a donated state reused; inconsistent batches;
 dtypes (communication, float64, complex, numpy loss-scale numbers); a loss already
 averaged over the data axis and collectives over axes the step does not map;
-training that cannot progress.
+training that cannot progress; the last raw errors of issue 28 (leaves without elements,
+shape structs and an unused rng= at init, param_specs matched by path, model splits on a
+reordered mesh, a list of rows as a batch leaf).
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
 from _feature_helpers import assert_tree_close, reference_run
@@ -83,7 +87,9 @@ def test_state_with_another_loss_scale_policy_is_refused_and_restore_converts_it
   with zj.CheckpointManager(tmp_path, async_save=False) as mngr:
     mngr.save(state)
     restored = mngr.restore(other, init_params())
-  other(restored, batch())  # the restored state takes the step's policy
+  _, m = other(restored, batch())  # the restored state takes the step's policy
+  if not isinstance(run_with, str) and not hasattr(run_with, "dynamic"):  # static: its value
+    assert float(m["loss_scale"]) == run_with and bool(m["grads_finite"])
 
 
 def test_state_from_an_identically_built_step_is_accepted(mesh):
@@ -112,7 +118,7 @@ def test_batch_leaves_with_different_leading_sizes_are_refused_naming_them(mesh)
   step = make(mesh)
   state = step.init(init_params())
   bad = {"x": batch()["x"], "y": batch(rows=8)["y"]}  # 8 still divides 8 devices
-  with pytest.raises(ValueError, match=r"batch\['x'\] has 16, batch\['y'\] has 8"):
+  with pytest.raises(ValueError, match=r"batch\['x'\] has 16; batch\['y'\] has 8"):
     step(state, bad)
 
 
@@ -243,7 +249,8 @@ def test_nan_loss_at_every_step_warns_once_and_counts_the_skips(mesh):
                                     mesh=mesh)
   state = step.init(init_params())
   before = step.get_params(state)
-  with pytest.warns(RuntimeWarning, match=r"not progressing.*skipped.*NaN") as rec:
+  with pytest.warns(RuntimeWarning, match=r"step 0 was skipped because both the loss"), \
+      pytest.warns(RuntimeWarning, match=r"not progressing.*skipped.*NaN") as rec:
     for _ in range(8):
       state, m = step(state, batch())
       jax.block_until_ready(m)
@@ -278,3 +285,111 @@ def test_nothing_trainable_warns_at_init(mesh):
   step = make(mesh, trainable=False)
   with pytest.warns(RuntimeWarning, match="no parameter leaf trains"):
     step.init(init_params())
+
+
+# ------------------------------------------- 7. the last raw errors (issue 28, item 10)
+@pytest.mark.parametrize("stage,opt", [(2, "sgd"), (3, "adam")])
+def test_leaves_without_elements_train_with_the_rest_as_on_one_device(stage, opt, mesh):
+  def loss(p, b):  # the empty leaves take part (with nothing to add)
+    return loss_fn(p, b) + jnp.sum(p["e"]) + jnp.sum(p["f"] ** 2)
+  params = {**init_params(), "e": np.zeros((0, 4), np.float32),
+            "f": np.zeros((3, 0), np.float32)}
+  tx = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}[opt]
+  bs = [batch(seed=s) for s in range(2)]
+  ref, _, _ = reference_run(loss, tx(), params, bs)
+  step = zj.make_sharded_train_step(loss, tx(), mesh=mesh, stage=stage)
+  state = step.init(params)
+  for b in bs:
+    state, _ = step(state, b)
+  assert_tree_close(step.get_params(state), ref[-1])
+
+
+def test_init_with_shape_structs_points_to_abstract_state(mesh):
+  from flax import nnx
+  step = make(mesh)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                        init_params())
+  with pytest.raises(TypeError, match=r"init got params\['b1'\], a jax.ShapeDtypeStruct \(7,\) "
+                                      r"float32: a shape without values.*step.abstract_state"):
+    step.init(shapes)
+  step.abstract_state(shapes)  # what the message points to works
+  abstract = nnx.eval_shape(lambda: nnx.Linear(9, 5, rngs=nnx.Rngs(0)))
+  with pytest.raises(TypeError, match=r"init got params\['bias'\].*ShapeDtypeStruct"):
+    make(mesh).init(abstract)
+
+
+def test_rng_for_a_loss_that_takes_none_is_refused_naming_it(mesh):
+  from flax import nnx
+  step = make(mesh)
+  with pytest.raises(TypeError, match=r"init got rng=, so the step calls loss_fn with the "
+                                      r"keyword rng=.*loss_fn\(p, batch\) takes no rng.*Add it "
+                                      r"\(def loss_fn\(params, batch, \*, rng\)"):
+    step(step.init(init_params(), rng=jax.random.key(0)), batch())
+  nnx_step = zj.make_sharded_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+                                        optax.sgd(0.1), mesh=mesh)
+  with pytest.raises(TypeError, match=r"init got rng=.*takes no rng"):
+    nnx_step(nnx_step.init(nnx.Linear(9, 5, rngs=nnx.Rngs(0)), rng=jax.random.key(0)),
+             batch())
+
+
+def _tp_step(param_specs):
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  return zj.make_sharded_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"]) ** 2),
+                                    optax.sgd(0.1), mesh=mesh, param_specs=param_specs)
+
+
+TP = {"w": np.ones((9, 4), np.float32), "b": np.zeros(4, np.float32)}
+
+
+@pytest.mark.parametrize("specs,error", [
+    ({"w": (None, "model"), "b": None}, r"TypeError: param_specs\['w'\] is \(None, 'model'\); "
+                                        r"write P\(None, 'model'\).*a plain tuple is read as "
+                                        r"a subtree"),
+    ({"w": [None, "model"], "b": None}, r"param_specs\['w'\] is \[None, 'model'\]; write "
+                                        r"P\(None, 'model'\)"),
+    ({"w": P(None, "model")}, r"ValueError: param_specs has no entry for params\['b'\].*its "
+                              r"paths: \['w'\]"),
+    ({"w": P(None, "model"), "b": None, "c": P()}, r"param_specs\['c'\] is at a path that "
+                                                    r"holds no parameter"),
+], ids=["tuple", "list", "missing", "extra"])
+def test_param_specs_that_are_not_partition_specs_are_named(specs, error):
+  with pytest.raises((TypeError, ValueError)) as e:
+    _tp_step(specs).init(TP)
+  assert re.search(error, f"{type(e.value).__name__}: {e.value}"), str(e.value)
+
+
+def test_param_specs_none_subtrees_and_a_dict_for_a_module_are_accepted():
+  from flax import nnx
+  state = _tp_step({"w": P(None, "model"), "b": None}).init(TP)
+  assert state.params["w"].sharding.spec == P(None, "model")
+  lin = nnx.Linear(9, 4, rngs=nnx.Rngs(0))
+  step = zj.make_sharded_train_step(
+      lambda m, b: jnp.mean(m(b["x"]) ** 2), optax.sgd(0.1),
+      mesh=jax.make_mesh((4, 2), ("data", "model")),
+      param_specs={"kernel": P(None, "model"), "bias": None})  # a dict for the nnx.State
+  assert step.init(lin).params["kernel"].get_value().sharding.spec == P(None, "model")
+
+
+def test_model_split_params_on_a_mesh_of_another_device_order_are_read_and_train(mesh):
+  placed_on = jax.make_mesh((4, 2), ("data", "model"))
+  reordered = jax.sharding.Mesh(np.array(jax.devices())[::-1].reshape(4, 2), ("data", "model"))
+  params = {"w": jax.device_put(TP["w"], NamedSharding(placed_on, P(None, "model"))),
+            "b": TP["b"]}
+  loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"]) ** 2)
+  step = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=reordered)
+  state = step.init(params)  # no longer "no parameter is split over 'model'"
+  assert state.params["w"].sharding.spec == P(None, "model")
+  assert state.params["w"].sharding.mesh == reordered
+  b = {"x": batch()["x"]}
+  state, _ = step(state, b)
+  ref, _, _ = reference_run(loss, optax.sgd(0.1), TP, [b])
+  assert_tree_close(step.get_params(state), ref[-1])
+
+
+def test_a_batch_leaf_given_as_a_list_of_rows_is_named(mesh):
+  b = {"x": list(batch()["x"]), "y": batch()["y"]}  # 16 rows of shape (9,), as a list
+  with pytest.raises(ValueError, match=r"different leading sizes \(batch\['x'\]\[0\], "
+                                       r"batch\['x'\]\[1\] and 14 more have 9; batch\['y'\] "
+                                       r"has 16\).*batch\['x'\] is a Python list of 16 arrays "
+                                       r"of shape \(9,\).*np.stack\(batch\['x'\]\)"):
+    make(mesh)(make(mesh).init(init_params()), b)

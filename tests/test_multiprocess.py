@@ -8,6 +8,7 @@ of two workers (each launch pays process start-up and compilation).
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -159,13 +160,29 @@ def test_hpz_stage3_gathers_stay_within_a_process_and_int8_crosses_them(two_proc
     assert {op for op, _ in crossing} >= {"all-to-all", "all-gather"}, crossing
 
 
-def test_a_process_feeding_other_rows_than_its_peers_is_an_error_on_every_process(tmp_path):
-  rc = zj.launch_local([sys.executable, WORKER, "rows", str(tmp_path)], num_processes=2,
-                       devices_per_process=4, timeout=120, log_dir=str(tmp_path / "logs"))
-  assert rc == 0, (tmp_path / "logs" / "process_0.log").read_text()[-3000:]
+@pytest.fixture(scope="module")
+def misuse(tmp_path_factory):
+  """One launch of 2 processes for the misuse cases (mp_worker's "misuse" mode)."""
+  out = tmp_path_factory.mktemp("misuse")
+  rc = zj.launch_local([sys.executable, WORKER, "misuse", str(out)], num_processes=2,
+                       devices_per_process=4, timeout=120, log_dir=str(out / "logs"))
+  logs = [(out / "logs" / f"process_{i}.log").read_text() for i in range(2)]
+  assert rc == 0, logs[0][-3000:]
+  return out, logs
+
+
+def test_a_process_feeding_other_rows_than_its_peers_is_an_error_on_every_process(misuse):
   for i in range(2):
-    msg = (tmp_path / f"rows_{i}.txt").read_text()
+    msg = (misuse[0] / f"rows_{i}.txt").read_text()
     assert "process 0: 2, process 1: 1" in msg and "process_batch_slice" in msg, msg
+
+
+def test_a_skipped_step_is_warned_on_every_process_at_get_params_and_at_exit(misuse):
+  """The metrics span both processes (not fully addressable): each reads its own copy."""
+  for i in range(2):
+    warned = (misuse[0] / f"warned_{i}.txt").read_text()
+    assert "zero_jax: step 0 was skipped because both the loss and the gradient" in warned
+    assert misuse[1][i].count("zero_jax: step 0 was skipped") == 1, misuse[1][i][-3000:]
 
 
 def test_checkpoint_from_one_process_restores_in_two(one_process, two_processes):
@@ -196,14 +213,14 @@ def test_checkpoint_from_two_processes_restores_in_one(mesh8, one_process, two_p
 def _wait_for(path, text, procs, timeout=180):
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
-    if os.path.exists(path) and text in open(path).read():
+    if os.path.exists(path) and text in pathlib.Path(path).read_text():
       return
     if any(p.poll() is not None for p in procs):
       break
     time.sleep(0.1)
   for p in procs:
     p.kill()
-  raise AssertionError(f"{path} never showed {text!r}:\n{open(path).read()[-3000:]}")
+  raise AssertionError(f"{path} never showed {text!r}:\n{pathlib.Path(path).read_text()[-3000:]}")
 
 
 def _run_until_failure(tmp_path, extra_args, victim=None):

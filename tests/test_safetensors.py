@@ -315,7 +315,7 @@ def test_an_existing_export_an_unwritable_directory_and_a_failed_write(exports, 
     zj.export_safetensors(step, state, e["dir"], rename=rename)
   blocker = tmp_path / "a_file"
   blocker.write_text("")
-  with pytest.raises(OSError, match=r"a_file/sub is not writable"):
+  with pytest.raises(OSError, match=r"a_file/sub is below \S*a_file, which is a file"):
     zj.export_safetensors(step, state, blocker / "sub")
   before = (e["dir"] / "model.safetensors").read_bytes()
   calls = []

@@ -1,8 +1,17 @@
 """Nothing silent, round two: skipped steps warned in modes without a dynamic loss scale,
 WeightedLoss steps without weight skipped (against one device), negative weights and a
 NaN loss with a finite gradient warned, low-precision leaves without a master copy
-warned, and param_specs that do not divide refused at init."""
+warned, and param_specs that do not divide refused at init. Round three: these warnings reach
+a run that stops a step after the trouble (at get_params, a checkpoint save, wait_until_finished,
+close, or interpreter exit)."""
 
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
 import warnings
 
 import jax
@@ -207,3 +216,111 @@ def test_param_specs_splitting_an_indivisible_dimension_is_refused_at_init():
                                        r"\(size 2\).*Pad.*multiple of 2 \(e.g. 10\).*another "
                                        r"dimension.*unsplit"):
     step.init(params)
+
+
+# ------------------------------------- 5. warnings reach runs that stop a step later
+def slowed(loss):
+  """``loss`` with a 0.2 s host callback: the host runs ahead of the device, so a step's
+  metrics are not ready when the step returns (as on an accelerator) and the warning
+  must come from a later delivery point."""
+  def slow(x):
+    time.sleep(0.2)
+    return x
+  def fn(p, b):
+    out = loss(p, b)
+    total = out.total if isinstance(out, zj.WeightedLoss) else out
+    wait = 0 * jax.pure_callback(slow, jax.ShapeDtypeStruct((), jnp.float32),
+                                 jax.lax.stop_gradient(total).astype(jnp.float32))
+    return zj.WeightedLoss(out.total + wait, out.weight) \
+        if isinstance(out, zj.WeightedLoss) else out + wait
+  return fn
+
+
+def signed(p, b):  # weights +1 and -1 that cancel: the global weight is 0, the loss inf
+  out = weighted(p, b)
+  return zj.WeightedLoss(out.total, (b["mask"] * b["sign"]).sum())
+
+
+NEEDLES = {
+    "nan_params": r"step 0 was skipped because both the loss and the gradient were not finite",
+    "bf16_overflow": r"step 0 was skipped because the loss was finite but the gradient was not",
+    "norm_overflow": r"gradient was not \(an element is inf or NaN, or the sum of squares",
+    "negative_weight": r"step 0: a WeightedLoss weight is negative"}
+ALSO = {"negative_weight": r"step 0 was skipped: its WeightedLoss weight summed over the global "
+                           r"batch is not positive"}  # weights that cancel
+
+
+def short_run_case(name, mesh):
+  """(step, params, batch) for each kind of trouble of issue 28; `NEEDLES` says what is
+  warned."""
+  p, b, kw, loss = init_params(), batch(), {}, loss_fn
+  if name == "nan_params":
+    p["w1"] = np.full_like(p["w1"], np.nan)
+  elif name == "bf16_overflow":
+    kw, loss = {"precision": "bf16"}, lambda p, b: loss_fn(p, b) * 1e30
+  elif name == "norm_overflow":  # every element finite, the fp32 sum of squares is not
+    loss = lambda p, b: loss_fn(p, b) + 1e19 * jnp.sum(p["w1"])
+  else:
+    sign = np.ones(16, np.float32)
+    sign[8:] = -1
+    b, loss = {**masked_batch(1, 16), "sign": sign}, signed
+  return zj.make_sharded_train_step(slowed(loss), optax.sgd(0.1), mesh=mesh, **kw), p, b
+
+
+@pytest.mark.parametrize("case,point", [("nan_params", "get_params"),
+                                        ("bf16_overflow", "save"),
+                                        ("norm_overflow", "wait_until_finished"),
+                                        ("negative_weight", "close")])
+def test_a_run_that_stops_after_one_step_hears_of_the_trouble_by_its_next_call(
+    case, point, mesh, tmp_path):
+  step, p, b = short_run_case(case, mesh)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the step's metrics are not ready when it returns
+    state, m = step(step.init(p), b)
+  mngr = zj.CheckpointManager(tmp_path / "ckpt", async_save=False)
+  also = pytest.warns(RuntimeWarning, match=ALSO[case]) if case in ALSO else \
+      contextlib.nullcontext()
+  with also, pytest.warns(RuntimeWarning, match=NEEDLES[case]) as rec:
+    if point == "get_params":
+      step.get_params(state)
+    elif point == "save":
+      mngr.save(state)
+    else:
+      getattr(mngr, point)()
+  mngr.close()
+  got = [w for w in rec if re.search(NEEDLES[case], str(w.message))]
+  assert len(got) == 1 and got[0].filename == __file__  # at the user's line
+  assert int(m["skipped_steps"]) == 1
+
+
+def test_a_run_that_exits_after_1_2_or_3_steps_hears_of_the_trouble_at_exit(tmp_path):
+  """In a subprocess that ends without reading anything: one warning per step object.
+  Every case after 1 step (its metrics not ready when the step returned, so only the exit
+  reports it), and NaN parameters after 2 and 3 steps (whose program the persistent
+  compilation cache compiles once)."""
+  code = textwrap.dedent("""
+      import sys
+      sys.path.insert(0, %r)
+      import jax
+      jax.config.update("jax_num_cpu_devices", 8)
+      jax.config.update("jax_compilation_cache_dir", %r)
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+      import test_silent as T
+      mesh = jax.make_mesh((8,), ("data",))
+      keep = []
+      for case, n in [(c, 1) for c in T.NEEDLES] + [("nan_params", 2), ("nan_params", 3)]:
+        step, p, b = T.short_run_case(case, mesh)
+        state = step.init(p)
+        for _ in range(n):
+          state, _ = step(state, b)
+        keep.append((step, state))
+      print("exiting")
+  """ % (os.path.dirname(os.path.abspath(__file__)), str(tmp_path)))
+  out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0 and "exiting" in out.stdout, out.stderr[-3000:]
+  counts = {name: len(re.findall(needle, out.stderr)) for name, needle in NEEDLES.items()}
+  # bf16_overflow and norm_overflow get the same words
+  assert counts == {"nan_params": 3, "bf16_overflow": 2, "norm_overflow": 2,
+                    "negative_weight": 1}, out.stderr[-3000:]
+  assert out.stderr.count("(Reported at interpreter exit.)") >= 4, out.stderr[-3000:]

@@ -54,10 +54,10 @@ def check_batch(spec: StepSpec, batch) -> None:
     rows[name] = shape
   sizes = sorted({s[0] for s in rows.values()})
   if len(sizes) > 1:
-    listing = ", ".join(f"{n} has {s[0]}" for n, s in list(rows.items())[:8])
-    raise ValueError(f"the batch's leaves have different leading sizes ({listing}); the "
-                     f"leading dimension of every leaf is the global batch size, so they must "
-                     f"all be equal. Split or repeat the leaves so each has one row per example.")
+    raise ValueError(f"the batch's leaves have different leading sizes ({_by_size(rows)}); "
+                     f"the leading dimension of every leaf is the global batch size, so they "
+                     f"must all be equal. Split or repeat the leaves so each has one row per "
+                     f"example." + _rows_as_list(batch))
   name, shape = next(iter(rows.items()))
   if shape[0] == 0:
     raise ValueError(f"{name} has no rows (shape {shape}): an empty batch has no loss to "
@@ -66,7 +66,32 @@ def check_batch(spec: StepSpec, batch) -> None:
     raise ValueError(f"{name} has leading dimension {shape[0]} (shape {shape}), "
                      f"but every batch leaf's leading dimension is the global batch size and "
                      f"must be divisible by {div} ({need}); use a global batch size that is "
-                     f"a multiple of {div}, or drop the last incomplete batch.")
+                     f"a multiple of {div}, or drop the last incomplete batch." +
+                     _rows_as_list(batch))
+
+
+def _by_size(rows: dict) -> str:
+  """``"batch['x'][0], batch['x'][1] and 6 more have 3; batch['y'] has 8"``."""
+  groups: dict = {}
+  for name, shape in rows.items():
+    groups.setdefault(shape[0], []).append(name)
+  def one(size, names):
+    shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+    return f"{shown} {'have' if len(names) > 1 else 'has'} {size}"
+  return "; ".join(one(size, names) for size, names in groups.items())
+
+
+def _rows_as_list(batch) -> str:
+  """A hint for a Python list or tuple of equal arrays, which JAX reads as separate leaves."""
+  for path, node in jax.tree_util.tree_flatten_with_path(
+      batch, is_leaf=lambda x: isinstance(x, (list, tuple)))[0]:
+    if isinstance(node, (list, tuple)) and len(node) > 1 and all(
+        hasattr(x, "shape") for x in node) and len({np.shape(x) for x in node}) == 1:
+      name = f"batch{jax.tree_util.keystr(path)}"
+      return (f" {name} is a Python {type(node).__name__} of {len(node)} arrays of shape "
+              f"{np.shape(node[0])}, which JAX reads as {len(node)} separate leaves, not as "
+              f"rows: if they are examples, stack them (np.stack({name})).")
+  return ""
 
 
 def batch_sharding(spec: StepSpec, x) -> NamedSharding:

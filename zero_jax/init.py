@@ -136,16 +136,19 @@ def resolve(params, model_state, wrt) -> Source:
   return Source(module, shapes, made_state if module is not None else model_state, closed)
 
 
-def check_values(source: Source) -> None:
-  """Raises TypeError for an abstract leaf where ``init`` needs a value."""
-  for what, tree in (("params", source.params), ("model_state", source.model_state)):
+def check_values(source: Source, rng=None) -> None:
+  """Raises TypeError naming a leaf of ``init``'s arguments that is a shape without a value."""
+  for what, tree in (("params", source.params), ("model_state", source.model_state),
+                     ("rng", rng)):
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
       if isinstance(x, jax.ShapeDtypeStruct):
         raise TypeError(
-            f"{what}{jax.tree_util.keystr(path)} is a jax.ShapeDtypeStruct, a shape without a "
-            f"value; init needs values (abstract_state takes shapes). Pass a function that "
-            f"makes them, run under jit and split as the state keeps them (step.init(lambda: "
-            f"Model(nnx.Rngs(0)))), or arrays (e.g. loaded with zj.load_safetensors; for an "
+            f"init got {what}{jax.tree_util.keystr(path)}, a jax.ShapeDtypeStruct "
+            f"{tuple(x.shape)} {x.dtype}: a shape without values, and init places values on "
+            f"the mesh. For a state without values use step.abstract_state(...) (what "
+            f"CheckpointManager.restore reads into). To make the values with no device "
+            f"holding them whole, pass a function that makes them: step.init(lambda: "
+            f"Model(nnx.Rngs(0))); or arrays, e.g. loaded with zj.load_safetensors (for an "
             f"abstract module, nnx.update(model, loaded) and every other variable too).")
 
 

@@ -151,7 +151,7 @@ def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_
     kwargs["model_state"] = model_state
   if rng is not None:
     kwargs["rng"] = rng
-  _check_keywords(loss_fn, kwargs)
+  check_keywords(loss_fn, kwargs)
   try:
     out = loss_fn(params, batch, **kwargs)
   except AssertionError as e:
@@ -181,14 +181,23 @@ def _aval(x) -> str:
   return f"{jnp.result_type(x)}{list(np.shape(x))}"
 
 
-def _check_keywords(loss_fn, kwargs) -> None:
-  """Raises TypeError when ``loss_fn`` requires ``model_state=`` or ``rng=`` that init lacked."""
+def check_keywords(loss_fn, kwargs, names=("model_state", "rng")) -> None:
+  """Raises TypeError when ``loss_fn`` requires one of ``names`` that init lacked, or takes
+  none of one that init got (``kwargs``: what the step passes)."""
   try:
     params = inspect.signature(loss_fn).parameters
   except (TypeError, ValueError):  # a callable without a signature: let the call say
     return
-  for name in ("model_state", "rng"):
+  any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
+  for name in names:
     p = params.get(name)
+    if name in kwargs and not any_keyword and (p is None or p.kind is p.POSITIONAL_ONLY):
+      raise TypeError(
+          f"init got {name}=, so the step calls loss_fn with the keyword {name}= (" +
+          ("a key for every step, device and micro-batch" if name == "rng" else
+           "the model state, returned updated") + f"), but loss_fn"
+          f"{inspect.signature(loss_fn)} takes no {name}. Add it (def loss_fn(params, batch, "
+          f"*, {name}): ...), or leave {name}= out of init.")
     if p is not None and p.default is p.empty and name not in kwargs and \
         p.kind is not p.VAR_KEYWORD:
       raise TypeError(

@@ -96,8 +96,8 @@ def check_same_policy(step_scale: LossScaleState, state_scale: LossScaleState) -
         f"this TrainState's loss scale is {theirs}, this step's loss_scale= makes it "
         f"{mine}; running it would silently keep the state's policy. Build the step with the "
         f"loss_scale= the state was made with, or save the state with zj.CheckpointManager "
-        f"and restore it into this step (the scale's value is kept, the policy is the "
-        f"step's).")
+        f"and restore it into this step (the policy is then the step's; a dynamic scale "
+        f"continues from the saved value, a static one is the step's).")
 
 
 def static_loss_scale(scale: float) -> LossScaleState:

@@ -9,21 +9,35 @@ data or model trouble (an fp16 dynamic scale skips its early steps by design);
 a `WeightedLoss` step of weight zero (skipped); negative weights; a NaN loss
 with a finite gradient; and training that cannot progress (the dynamic scale
 at its minimum and steps still overflow, or `STALL_IN_A_ROW` skipped steps in
-a row). It looks only at metrics that are already computed
-(``jax.Array.is_ready``), so it never makes the host wait for the device; a
-warning comes at most a few steps late.
+a row). After each step it looks only at metrics that are already computed
+(``jax.Array.is_ready``), so the host does not wait for the device; a warning
+comes a few steps late, and at the latest when the user reads the results:
+``get_params``/``get_model``, a checkpoint ``save``, ``wait_until_finished``
+or ``close``, the step object's end, or interpreter exit (`StallWatch.flush`,
+`deliver`). In a multi-process run every process reads its own copy of the
+replicated metrics and warns.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import os
+import sys
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 STALL_IN_A_ROW = 3  # skipped steps in a row that warn without a dynamic loss scale
 SKIPPED, LOSS_NONFINITE, GRADS_NONFINITE, NO_WEIGHT, NEGATIVE_WEIGHT = 1, 2, 4, 8, 16
+MAX_PENDING = 32  # queued steps beyond which the oldest is read even if the host must wait
+_READ = ("health", "step", "loss", "skipped_in_a_row", "loss_scale")  # the metrics read
+_WATCHES: "weakref.WeakSet[StallWatch]" = weakref.WeakSet()
+_at_exit = False
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def health(applied, loss, grads_finite, weight=None) -> jax.Array:
@@ -44,7 +58,8 @@ def health(applied, loss, grads_finite, weight=None) -> jax.Array:
 _FIX = ("Likely causes: NaN or inf in the parameters (check step.get_params(state)); a loss "
         "that is NaN or inf for this data (log metrics['loss']); in fp16, values beyond its "
         "range that no loss scale fixes (try precision='bf16', a lower learning rate or "
-        "max_grad_norm=).")
+        "max_grad_norm=); gradients whose global norm exceeds float32 (about 1.8e19): "
+        "scale the loss down.")
 
 
 def _why(bits: int, step: int) -> str:
@@ -55,39 +70,75 @@ def _why(bits: int, step: int) -> str:
             f"optimizer state and model state are unchanged and metrics['skipped_steps'] "
             f"counts it. Check the batch's mask/weights.")
   what = ("both the loss and the gradient were not finite" if bits & LOSS_NONFINITE else
-          "the loss was finite but the gradient was not")
+          "the loss was finite but the gradient was not (an element is inf or NaN, or the "
+          "sum of squares for its global norm overflowed float32)")
   return (f"step {step} was skipped because {what} (metrics['grads_finite'] is False; "
           f"metrics['skipped_steps'] counts skipped steps). Without a dynamic loss scale "
           f"there is no overflow to expect, so this points to data or model trouble. " + _FIX)
 
 
 class StallWatch:
-  """Warns about skipped steps and suspicious losses (reads finished metrics, never blocks).
+  """Warns about skipped steps and suspicious losses, each kind once per step object.
 
-  Each kind of warning comes once per step object.
+  `observe` queues a step's metrics and reads those already computed, never
+  blocking; `flush` reads every queued one, waiting for the device if it must.
+  The step flushes in ``get_params`` (and so ``get_model``); `deliver` flushes
+  every live watch, which `zero_jax.CheckpointManager` does in ``save``,
+  ``wait_until_finished`` and ``close``, and which runs at interpreter exit; a
+  watch whose step is garbage collected flushes then. So a run that stops a
+  step after the trouble still hears of it.
   """
 
   def __init__(self):
-    self.pending = collections.deque(maxlen=8)
+    self.pending: collections.deque = collections.deque()
     self.warned: set[str] = set()
+    self.note = ""
+    _WATCHES.add(self)
+    _register_at_exit()
 
   def observe(self, metrics, loss_scale):
-    self.pending.append((metrics, loss_scale))
-    while self.pending and self.pending[0][0]["health"].is_ready():
-      m, ls_state = self.pending.popleft()
-      if jax.process_count() > 1 and not m["health"].is_fully_addressable:
-        continue
-      bits = int(m["health"])
-      if bits:
-        self._check(bits, m, ls_state)
+    """Queues a step's metrics; reads those ready (and the oldest beyond `MAX_PENDING`)."""
+    self.pending.append(({k: metrics[k] for k in _READ}, (loss_scale.dynamic,
+                                                          loss_scale.min_scale)))
+    while self.pending and (len(self.pending) > MAX_PENDING or _done(self.pending[0][0])):
+      self._read(*self.pending.popleft())
 
-  def _warn(self, kind: str, message: str, level: int = 5):
-    """Warns once per kind, at the user's call of the step (``level`` frames up)."""
+  def flush(self, note: str = ""):
+    """Reads every queued step's metrics (waiting for them), warning as `observe` would.
+
+    ``note``: said after each warning where it is not raised at the user's call.
+    """
+    self.note = note
+    try:
+      while self.pending:
+        self._read(*self.pending.popleft())
+    finally:
+      self.note = ""
+
+  def __del__(self):
+    try:
+      self.flush(" (Reported as the step object was deleted.)")
+    except Warning:  # a warning filter made it an error: that is for the user to see
+      raise
+    except Exception:  # pylint: disable=broad-except  (arrays gone at interpreter teardown)
+      self.pending.clear()
+
+  def _read(self, m, loss_scale):
+    if m["health"].is_deleted():  # the user deleted the metrics (or donated them)
+      return
+    bits = int(_host(m["health"]))
+    if bits:
+      self._check(bits, {k: _host(v) for k, v in m.items()}, loss_scale)
+
+  def _warn(self, kind: str, message: str):
+    """Warns once per kind, at the user's line that called into zero_jax."""
     if kind not in self.warned:
       self.warned.add(kind)
-      warnings.warn("zero_jax: " + message, RuntimeWarning, stacklevel=level)
+      warnings.warn("zero_jax: " + message + self.note, RuntimeWarning,
+                    stacklevel=2 if self.note else _user_level())
 
-  def _check(self, bits: int, m, ls_state):
+  def _check(self, bits: int, m, loss_scale):
+    dynamic, min_scale = loss_scale
     if bits & NEGATIVE_WEIGHT:
       self._warn("negative", f"step {int(m['step'])}: a WeightedLoss weight is negative on "
                  f"some device; weights are counts (of tokens, examples), and a negative one "
@@ -99,18 +150,60 @@ class StallWatch:
                  f"whose examples are all padding; return zj.WeightedLoss(total=sum(loss * "
                  f"mask), weight=sum(mask)) instead: the step then divides by the global "
                  f"count.")
-    if bits & SKIPPED and (bits & NO_WEIGHT or not ls_state.dynamic):
+    if bits & SKIPPED and (bits & NO_WEIGHT or not dynamic):
       self._warn("skipped", _why(bits, int(m["step"])))
     if bits & SKIPPED:
-      self._check_stall(int(m["skipped_in_a_row"]), float(m["loss_scale"]), ls_state)
+      self._check_stall(int(m["skipped_in_a_row"]), float(m["loss_scale"]), dynamic, min_scale)
 
-  def _check_stall(self, in_a_row, scale, ls_state):
-    at_min = ls_state.dynamic and scale <= ls_state.min_scale and in_a_row >= 2
-    if not (at_min or (not ls_state.dynamic and in_a_row >= STALL_IN_A_ROW)):
+  def _check_stall(self, in_a_row, scale, dynamic, min_scale):
+    at_min = dynamic and scale <= min_scale and in_a_row >= 2
+    if not (at_min or (not dynamic and in_a_row >= STALL_IN_A_ROW)):
       return
-    why = (f"the dynamic loss scale sits at its minimum ({ls_state.min_scale:g}) and steps "
+    why = (f"the dynamic loss scale sits at its minimum ({min_scale:g}) and steps "
            f"still overflow" if at_min else f"the last {in_a_row} steps were all skipped")
     self._warn("stall", f"training is not progressing: {why}, because their gradients were "
                f"not finite (metrics['grads_finite'] is False) or, with a WeightedLoss, their "
-               f"weight was zero; metrics['skipped_steps'] counts skipped steps. " + _FIX,
-               level=6)
+               f"weight was zero; metrics['skipped_steps'] counts skipped steps. " + _FIX)
+
+
+def deliver(note: str = "") -> None:
+  """Flushes every live `StallWatch`: pending warnings are raised now.
+
+  Example:
+    >>> deliver()   # nothing pending: nothing happens
+  """
+  for watch in list(_WATCHES):
+    watch.flush(note)
+
+
+def _deliver_at_exit() -> None:
+  deliver(" (Reported at interpreter exit.)")
+
+
+def _register_at_exit() -> None:
+  """`deliver` at interpreter exit, before JAX's own exit hook frees the devices (atexit
+  runs hooks in reverse order of registration, and JAX registers its hook on import)."""
+  global _at_exit
+  if not _at_exit:
+    atexit.register(_deliver_at_exit)
+    _at_exit = True
+
+
+def _done(metrics) -> bool:
+  health = metrics["health"]
+  return health.is_deleted() or health.is_ready()
+
+
+def _host(x):
+  """A replicated scalar's value from this process's copy (also in multi-process runs,
+  where the global array is not fully addressable)."""
+  return np.asarray(x.addressable_data(0))
+
+
+def _user_level() -> int:
+  """The ``stacklevel`` of the first frame outside zero_jax (the user's call), seen from
+  the caller of ``warnings.warn``."""
+  frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
+  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    frame, level = frame.f_back, level + 1
+  return level

@@ -37,7 +37,7 @@ import jax
 from flax import nnx
 from flax.nnx import filterlib
 
-from zero_jax.loss import split_output as split_loss_output
+from zero_jax.loss import check_keywords, split_output as split_loss_output
 
 OPTIMIZER_ERROR = (
     "optimizer is an nnx.Optimizer, which holds the model and an unsharded optimizer state; "
@@ -208,6 +208,7 @@ def module_loss(loss_fn: Callable, module: ModuleDef, wrt, has_aux: bool) -> Cal
   """
   def loss(params, batch, *, model_state, rng=None):
     model = merge(module, params, model_state)
+    check_keywords(loss_fn, {} if rng is None else {"rng": rng}, names=("rng",))
     out = loss_fn(model, batch) if rng is None else loss_fn(model, batch, rng=rng)
     value, aux, _ = split_loss_output(out, has_aux, False)
     _, _, new_state = nnx.split(model, wrt, ...)

@@ -119,13 +119,14 @@ def stacked_flags(value, params) -> tuple:
 
 # ------------------------------------------------------------------ model axes
 def on_step_mesh(sharding, spec: StepSpec) -> bool:
-  """Whether ``sharding`` is a NamedSharding on the step's mesh (any axis types)."""
+  """Whether ``sharding`` is on a mesh like the step's: the same axes, sizes and devices
+  (in any order: the spec says the split, ``init`` moves the blocks where the step wants)."""
   mesh = getattr(sharding, "mesh", None)
   if not isinstance(spec.mesh, Mesh):  # an abstract mesh (planning): no devices to match
     return False
   return (isinstance(sharding, NamedSharding) and tuple(mesh.axis_names) ==
           tuple(spec.mesh.axis_names) and mesh.devices.shape == spec.mesh.devices.shape and
-          all(a.id == b.id for a, b in zip(mesh.devices.flat, spec.mesh.devices.flat)))
+          {d.id for d in mesh.devices.flat} == {d.id for d in spec.mesh.devices.flat})
 
 
 def _spec_entries(pspec: P, ndim: int) -> list[tuple[str, ...]]:
@@ -158,23 +159,53 @@ def _found_specs(spec: StepSpec, params) -> list:
   return out
 
 
+def _key_names(path) -> tuple:
+  """A key path as plain names and indices (a dict key, attribute and index alike), so
+  that ``{"lin": {"kernel": P(...)}}`` describes an ``nnx.State`` or a Linen dict."""
+  return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
+def _spec_like(x) -> bool:
+  """A tuple or list that reads as a PartitionSpec's entries (names and None)."""
+  entry = lambda e: e is None or isinstance(e, str) or (
+      isinstance(e, (tuple, list)) and bool(e) and all(isinstance(a, str) for a in e))
+  return isinstance(x, (tuple, list)) and any(isinstance(e, str) for e in x) and \
+      all(entry(e) for e in x)
+
+
 def _given_specs(spec: StepSpec, params, param_specs) -> list:
-  """One PartitionSpec (or None) per leaf, from param_specs=, or as the leaves arrive."""
+  """One PartitionSpec (or None) per leaf, from param_specs=, or as the leaves arrive.
+
+  Each entry of ``param_specs`` covers the leaves at and below its path in the params.
+  """
   if param_specs is None:
     return _found_specs(spec, params)
-  is_leaf = lambda x: x is None or isinstance(x, P)
-  try:
-    full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), param_specs, params,
-                        is_leaf=is_leaf)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"param_specs= must be a pytree of PartitionSpecs with the structure of "
-                     f"the params or a prefix of it (None for a replicated subtree); it does "
-                     f"not match the params: {e}") from None
-  out = jax.tree.leaves(full, is_leaf=is_leaf)
-  for path_x, s in zip(jax.tree_util.tree_flatten_with_path(params)[0], out):
+  is_leaf = lambda x: x is None or isinstance(x, P) or _spec_like(x)
+  entries = jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=is_leaf)[0]
+  for path, s in entries:
     if s is not None and not isinstance(s, P):
-      raise TypeError(f"param_specs for params{jax.tree_util.keystr(path_x[0])} is {s!r}; "
-                      f"pass a jax.sharding.PartitionSpec (or None).")
+      fix = (f"write P{tuple(s)!r} (jax.sharding.PartitionSpec): a plain "
+             f"{type(s).__name__} is read as a subtree of param_specs" if _spec_like(s) else
+             "pass a jax.sharding.PartitionSpec, or None for a replicated subtree")
+      raise TypeError(f"param_specs{jax.tree_util.keystr(path)} is {s!r}; {fix}.")
+  table = {_key_names(path): s for path, s in entries}
+  out, used = [], set()
+  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    names = _key_names(path)
+    match = [k for k in table if names[:len(k)] == k]
+    if not match:
+      raise ValueError(
+          f"param_specs has no entry for params{jax.tree_util.keystr(path)}: give every leaf, "
+          f"or a subtree above it, a PartitionSpec (None: replicated); param_specs= is a "
+          f"pytree of the params' structure or a prefix of it (its paths: "
+          f"{', '.join(jax.tree_util.keystr(p) for p, _ in entries[:6])}).")
+    used.add(match[0])
+    out.append(table[match[0]])
+  for path, _ in entries:
+    if _key_names(path) not in used:
+      raise ValueError(f"param_specs{jax.tree_util.keystr(path)} is at a path that holds no "
+                       f"parameter; param_specs= follows the params' tree (or a prefix of "
+                       f"it). Remove the entry or fix its keys.")
   return out
 
 

@@ -122,7 +122,7 @@ class ShardedTrainStep:
     """
     source = init_lib.resolve(params, model_state, self.wrt)
     if source.make is None:
-      init_lib.check_values(source)
+      init_lib.check_values(source, rng)
     treedef, meta = self._meta(source.params, source.module)
     check_model_state(source.model_state)
     check_rng(rng)
@@ -261,6 +261,7 @@ class ShardedTrainStep:
     """The full parameters: original shapes, tree and (master) dtypes, on the user's mesh
     (replicated over the data and replica axes, split over model axes as ``param_specs``)."""
     state = self._prepare(state, "get_params")
+    self._stall.flush()  # warnings about the steps that made this state, before it is used
     with context.mesh_context(self.spec):
       return self._get_params(state)
 

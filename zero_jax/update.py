@@ -2,14 +2,18 @@
 
 Gradient blocks, optimizer state and master weights are viewed in their original shapes, still
 sharded, and the optax transformation runs on those views under XLA's SPMD partitioner, so any
-``GradientTransformation`` gives its single-device result. A step with non-finite gradients
+``GradientTransformation`` gives its single-device result (one that takes extra arguments gets
+``value=``, the global loss). A step with non-finite gradients
 changes only the loss scale and skip counters (a ``lax.cond``); `full_params` gives the whole
 parameters. Details: the docs' "How it works"."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
+import optax
 
 from zero_jax.comm import collectives
 from zero_jax import context
@@ -153,9 +157,9 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
         full_grads[i] = jnp.zeros(meta.param_layouts[i].shape, leaves[i].dtype)
         if spec.stage == 3:
           full_src[i] = lay.unpad(leaves[i], meta.param_layouts[i])
-    updates, new_opt = opt.update(jax.tree.unflatten(treedef, full_grads),
-                                  jax.tree.unflatten(o_def, o_views),
-                                  jax.tree.unflatten(treedef, full_src))
+    updates, new_opt = optimizer_update(opt, jax.tree.unflatten(treedef, full_grads),
+                                        jax.tree.unflatten(o_def, o_views),
+                                        jax.tree.unflatten(treedef, full_src), loss)
     updates = jax.tree.leaves(updates)
     new_src = [(s + updates[i]).astype(s.dtype) for s, i in zip(src, idx)]
     return new_src, [x.astype(y.dtype) for x, y in zip(jax.tree.leaves(new_opt), o_leaves)]
@@ -184,6 +188,29 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
   if spec.has_aux:
     metrics["aux"] = aux
   return new_state, metrics
+
+
+def optimizer_update(opt, grads, opt_state, params, loss):
+  """``opt.update``, with ``value=`` the step's global loss for an optimizer that takes extra
+  arguments (``optax.GradientTransformationExtraArgs``: ``reduce_on_plateau``,
+  ``polyak_sgd``, ...), as single-device code passes it; an extra argument the step cannot
+  give (a line search's ``value_fn=``, ``grad=``) is a TypeError naming it."""
+  if not isinstance(opt, optax.GradientTransformationExtraArgs):
+    return opt.update(grads, opt_state, params)
+  try:
+    return opt.update(grads, opt_state, params, value=loss)
+  except TypeError as e:
+    missing = re.search(r"missing \d+ required keyword-only arguments?: (.*)$", str(e))
+    if missing is None:
+      raise
+    names = ", ".join(f"{n}=" for n in re.findall(r"'(\w+)'", missing.group(1)))
+    raise TypeError(
+        f"the optimizer's update needs {names}, which the step cannot give: it passes only "
+        f"value=, the step's loss over the global batch (as opt.update(grads, state, params, "
+        f"value=loss) on one device). Line searches (optax.scale_by_backtracking_linesearch, "
+        f"scale_by_zoom_linesearch, optax.lbfgs) need value_fn= and grad= to evaluate the "
+        f"loss again at other parameters on the whole batch; use an optimizer without them "
+        f"(optax.contrib.reduce_on_plateau and optax.polyak_sgd need only value=).") from None
 
 
 def _new_params(spec: StepSpec, meta, leaves, new_src, t_layouts) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import jax
@@ -23,21 +24,31 @@ def _export_registry():
       (jax.Array, th.ArrayHandler(enable_write_sharding_file=False)))
 
 
-def _check_params(params) -> None:
-  """Refuses a `TrainState`, and a stage-3 state's padded storage (``state.params``)."""
+def _check_export(path: epath.Path, params, force: bool) -> None:
+  """Refuses a `TrainState`, a stage-3 state's padded storage (``state.params``), an
+  existing ``path`` (unless ``force``) and leaves Orbax cannot write."""
   if isinstance(params, TrainState):
     raise TypeError("export_params takes the parameters, not a TrainState: pass "
                     "step.get_params(state), or write safetensors from the shards with "
                     "zj.export_safetensors(step, state, directory).")
-  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    layout = is_padded_storage(x)
+  if path.exists() and not force:
+    kind = "directory" if path.is_dir() else "file"
+    raise FileExistsError(errno.EEXIST, f"export_params writes a new directory, and {path} "
+                                        f"exists (a {kind}). Export into a new path, or pass "
+                                        f"force=True to replace it.")
+  for keypath, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    where, layout = f"params{jax.tree_util.keystr(keypath)}", is_padded_storage(x)
     if layout is not None:
       raise ValueError(
-          f"params{jax.tree_util.keystr(path)} has shape {tuple(x.shape)}: it is a stage-3 "
-          f"state's padded, split storage (state.params), not the parameter of shape "
-          f"{tuple(layout.shape)}; exported as it is it would be silently wrong. Pass "
-          f"step.get_params(state), or write safetensors from the shards with "
-          f"zj.export_safetensors(step, state, directory).")
+          f"{where} has shape {tuple(x.shape)}: it is a stage-3 state's padded, split "
+          f"storage (state.params), not the parameter of shape {tuple(layout.shape)}; "
+          f"exported as it is it would be silently wrong. Pass step.get_params(state), or "
+          f"write safetensors from the shards with zj.export_safetensors(step, state, "
+          f"directory).")
+    if not np.prod(np.shape(x)):
+      raise ValueError(f"{where} has shape {np.shape(x)}, no elements, and an Orbax "
+                       f"checkpoint holds no zero-size array. Leave it out of the exported "
+                       f"tree (it has no values to keep).")
 
 
 def export_params(directory, params, *, force: bool = False) -> None:
@@ -72,10 +83,13 @@ def export_params(directory, params, *, force: bool = False) -> None:
 
   Raises:
     TypeError: ``params`` is a `TrainState`.
-    ValueError: a leaf is a stage-3 state's padded storage (``state.params``).
+    FileExistsError: ``directory`` exists and ``force`` is False.
+    ValueError: a leaf is a stage-3 state's padded storage (``state.params``), or has no
+      elements.
   """
-  _check_params(params)
+  path = epath.Path(abs_path(directory))
+  _check_export(path, params, force)
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_export_registry(),
                                         save_concurrent_gb=_CONCURRENT_GB)
   with ocp.Checkpointer(handler) as ckptr:
-    ckptr.save(epath.Path(abs_path(directory)), args=ocp.args.PyTreeSave(params), force=force)
+    ckptr.save(path, args=ocp.args.PyTreeSave(params), force=force)

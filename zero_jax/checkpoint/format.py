@@ -10,9 +10,11 @@ that Orbax writes.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.state import TrainState
@@ -130,22 +132,55 @@ def describe(state: TrainState) -> dict:
 
 
 def to_items(state: TrainState) -> dict:
-  """``{group: {"0000": leaf}}`` of the state's arrays, empty groups left out."""
+  """``{group: {"0000": leaf}}`` of the state's arrays, empty groups left out.
+
+  Leaves without elements (a dimension of size 0) are left out too: they hold no values,
+  and Orbax writes no zero-size array; `from_items` makes them again.
+  """
   items = {}
   for g, tree in _groups(state).items():
-    leaves = jax.tree.leaves(tree)
+    leaves = {_key(i): x for i, x in enumerate(jax.tree.leaves(tree)) if np.prod(x.shape)}
     if leaves:
-      items[g] = {_key(i): x for i, x in enumerate(leaves)}
+      items[g] = leaves
   return items
 
 
+def as_arrays(state: TrainState) -> TrainState:
+  """``state`` with Python and NumPy scalars (a learning rate set by hand in an
+  ``optax.inject_hyperparams`` state) as the replicated arrays a step would make of them.
+
+  Raises:
+    TypeError: a leaf that is neither an array nor a number, naming it.
+  """
+  def one(group, path, x):
+    if isinstance(x, (jax.Array, np.ndarray)) and np.ndim(x):
+      return x
+    if isinstance(x, (jax.Array, int, float, bool, np.generic, np.ndarray)):
+      return x if isinstance(x, jax.Array) else jax.device_put(
+          np.asarray(x, jnp.asarray(x).dtype), state.step.sharding)
+    raise TypeError(f"state.{group}{jax.tree_util.keystr(path)} is a {type(x).__name__}, "
+                    f"not an array or a number, so it cannot be saved. Keep the arrays "
+                    f"step.init or the step returned, or set a new value as an array.")
+  return state.replace(**{g: jax.tree_util.tree_map_with_path(functools.partial(one, g),
+                                                              getattr(state, g))
+                          for g in GROUPS if g != "step"})
+
+
+def zeros_like(like) -> jax.Array:
+  """Zeros of ``like``'s shape, dtype and sharding (a shape struct of the target state)."""
+  return jax.make_array_from_callback(like.shape, like.sharding,
+                                      lambda i: np.zeros(like.shape, like.dtype)[i])
+
+
 def from_items(target: TrainState, items: dict) -> TrainState:
-  """Puts restored ``items`` into the tree structure of ``target``."""
+  """Puts restored ``items`` into the tree structure of ``target`` (leaves without elements,
+  which `to_items` leaves out, made from the target)."""
   fields = {}
   for g, tree in _groups(target).items():
-    treedef = jax.tree.structure(tree)
-    n = treedef.num_leaves
-    fields[g] = jax.tree.unflatten(treedef, [items[g][_key(i)] for i in range(n)]) if n else tree
+    leaves, treedef = jax.tree.flatten(tree)
+    got = items.get(g, {})
+    fields[g] = jax.tree.unflatten(treedef, [got[_key(i)] if _key(i) in got else zeros_like(x)
+                                             for i, x in enumerate(leaves)])
   return target.replace(**fields)
 
 

@@ -9,6 +9,7 @@ in the docs' checkpoints guide; `CheckpointManager` has a complete example.
 
 from __future__ import annotations
 
+import numbers
 import os
 import shutil
 import warnings
@@ -17,6 +18,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from zero_jax import monitor
 from zero_jax.checkpoint import hyperparams as hyperparams_lib
 from zero_jax.checkpoint import store as store_lib
 from zero_jax.checkpoint import integrity
@@ -24,7 +26,8 @@ from zero_jax.checkpoint import preemption as preemption_lib
 from zero_jax.checkpoint import writer
 from zero_jax.checkpoint.export import export_params  # noqa: F401  (re-exported)
 from zero_jax.checkpoint.format import (  # noqa: F401  (FORMAT, describe: re-exported)
-    FORMAT, added_since, check_compatible, describe, from_items, to_items)
+    FORMAT, added_since, as_arrays, check_compatible, describe, from_items, to_items,
+    zeros_like)
 from zero_jax.checkpoint.integrity import (  # noqa: F401  (re-exported)
     DamagedCheckpointError, DamagedCheckpointWarning)
 from zero_jax.checkpoint.writer import DirectoryInUseError  # noqa: F401  (re-exported)
@@ -41,6 +44,16 @@ _READ_ERRORS = store_lib.READ_ERRORS
 def _step_optimizer(train_step: ShardedTrainStep):
   """The optax optimizer of a step (the one place that knows where a step keeps it)."""
   return getattr(train_step, "optimizer")
+
+
+def _with_step_scale(state: TrainState, train_step: ShardedTrainStep) -> TrainState:
+  """A static loss scale is the step's ``loss_scale=`` (its value is the policy); a dynamic
+  one continues from the saved value."""
+  ls = state.loss_scale
+  if ls.dynamic:
+    return state
+  mine = np.asarray(getattr(train_step, "initial_loss_scale").scale, ls.scale.dtype)
+  return state.replace(loss_scale=ls.replace(scale=jax.device_put(mine, ls.scale.sharding)))
 
 
 class CheckpointManager:
@@ -80,15 +93,16 @@ class CheckpointManager:
     1
 
   Args:
-    directory: where the step directories go (created if missing).
+    directory: where the step directories go (created by the first ``save``).
     max_to_keep: how many of the latest checkpoints to keep (None: all).
     async_save: write in a background thread.
     store: the storage class (`zero_jax.checkpoint.store`): `OrbaxStore` by
       default, or `DirectoryStore` (plain ``.npz`` files, one process).
 
   Raises:
-    OSError: ``directory`` cannot be created, or it can be written to no more
-      than it can be read from (it holds no checkpoint and is not writable).
+    NotADirectoryError: ``directory``, or a folder above it, is a file.
+    OSError: ``directory`` exists and can be written to no more than it can be
+      read from (it holds no checkpoint and is not writable).
   """
 
   def __init__(self, directory, *, max_to_keep: int | None = 3, async_save: bool = True,
@@ -110,12 +124,14 @@ class CheckpointManager:
         self.directory, max_to_keep=max_to_keep, async_save=async_save, local=local)
 
   def _check_directory(self) -> None:
-    """Creates the directory; refuses one that can be neither written nor read from."""
+    """Refuses a file, and a directory that can be neither written nor read from. Creates
+    nothing: the first save does (a mistyped path to restore from leaves nothing behind)."""
     path = os.fspath(self.directory)
-    writer.make_directory(path)
-    error = writer.writable_problem(path)
-    if error is not None and not self._step_dirs():
-      raise error
+    writer.check_directory(path)
+    if os.path.isdir(path):
+      error = writer.writable_problem(path)
+      if error is not None and not self._step_dirs():
+        raise error
 
   # --------------------------------------------------------------- queries
   def _step_dirs(self) -> list[int]:
@@ -167,10 +183,15 @@ class CheckpointManager:
 
   def _candidates(self, step: int | None) -> list[int]:
     """The steps to try, newest first."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+      raise TypeError(f"step= is a checkpoint's step number, an int; got "
+                      f"{type(step).__name__} {step!r}. Pass e.g. step=int(...), or no step= "
+                      f"for the latest intact checkpoint.")
     steps = self._step_dirs()
     if not steps:
-      raise FileNotFoundError(f"no complete checkpoint in {self.directory}: nothing to "
-                              f"restore. Check the path, or start from step.init(params).")
+      missing = "" if self.directory.exists() else " (the directory does not exist)"
+      raise FileNotFoundError(f"no complete checkpoint in {self.directory}{missing}: nothing "
+                              f"to restore. Check the path, or start from step.init(params).")
     if step is None:
       return steps[::-1]
     if step not in steps:
@@ -212,7 +233,9 @@ class CheckpointManager:
                       f"{type(state).__name__}.")
     check_alive(state, "CheckpointManager.save")
     self._check_open("save")
+    monitor.deliver()  # what the steps before this save went through, before it is kept
     step = int(state.step)
+    state = as_arrays(state)
     self._claim()
     self._finish()
     if (self.directory / str(step)).exists():
@@ -262,6 +285,7 @@ class CheckpointManager:
       return
     if writer.is_local(self.directory):
       path = os.fspath(self.directory)
+      writer.make_directory(path)
       writer.check_writable(path)
       if jax.process_index() == 0:
         self._lock = writer.DirectoryLock(path)
@@ -288,7 +312,9 @@ class CheckpointManager:
 
     Without ``step``, the newest checkpoint that is intact: a damaged newer
     one (files missing, truncated or altered, or unreadable) is skipped with a
-    `DamagedCheckpointWarning` that names it and what is wrong.
+    `DamagedCheckpointWarning` that names it and what is wrong. The loss-scale
+    policy is ``train_step``'s: a dynamic scale continues from the saved value,
+    a static one is the step's ``loss_scale=``.
 
     Args:
       train_step: the `ShardedTrainStep` to continue with (any mesh size and
@@ -338,9 +364,9 @@ class CheckpointManager:
       if problem is None:
         opt = masked_optimizer(_step_optimizer(train_step), jax.tree.structure(target.params),
                                state.meta.trainable)
-        state = state.replace(opt_state=hyperparams_lib.reconcile(
+        state = _with_step_scale(state.replace(opt_state=hyperparams_lib.reconcile(
             state.opt_state, opt, target.params, hyperparams,
-            f"the checkpoint of step {s} in {self.directory}"))
+            f"the checkpoint of step {s} in {self.directory}")), train_step)
         for d, why in damaged:
           warnings.warn(f"the checkpoint of step {d} in {self.directory} is damaged ({why}); "
                         f"restored step {s}, the newest intact one.", DamagedCheckpointWarning,
@@ -383,9 +409,7 @@ class CheckpointManager:
       self._unreadable[step] = f"reading its arrays failed: {writer.first_line(e)}"
       return None, self._unreadable[step]
     for (g, k), like in fill.items():
-      out[g][k] = jax.make_array_from_callback(like.shape, like.sharding,
-                                               lambda i, like=like: np.zeros(like.shape,
-                                                                             like.dtype)[i])
+      out[g][k] = zeros_like(like)
     return from_items(target, out), None
 
   # ------------------------------------------------------------ preemption
@@ -425,10 +449,12 @@ class CheckpointManager:
       OSError: the pending save failed (the message names its step and why, e.g. a
         full disk); its temporary directory is removed.
     """
+    monitor.deliver()
     self._finish()
 
   def close(self) -> None:
     """Waits for pending writes, releases Orbax's resources and the directory's lock."""
+    monitor.deliver()
     if self._closed:
       return
     self._closed = True

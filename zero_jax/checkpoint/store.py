@@ -48,7 +48,8 @@ class OrbaxStore:
   def __init__(self, directory, *, max_to_keep: int | None, async_save: bool, local: bool):
     policy = None if max_to_keep is None else ocp.checkpoint_managers.LatestN(n=max_to_keep)
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=policy, enable_async_checkpointing=async_save, create=True,
+        # A local directory is made by the manager's first save, not here (see its docs).
+        preservation_policy=policy, enable_async_checkpointing=async_save, create=not local,
         # A reader must not delete a save in progress: the writer cleans up (local dirs).
         cleanup_tmp_directories=not local,
         # Directories are made before save() returns, so that a failure raises there.

@@ -14,6 +14,7 @@ import datetime
 import errno
 import json
 import os
+import shutil
 import socket
 import sys
 import uuid
@@ -45,20 +46,33 @@ def is_local(directory) -> bool:
 
 def _unwritable(directory: str, e: OSError) -> OSError:
   """``e`` (keeping its class, e.g. PermissionError) with a message naming ``directory``."""
+  if disk_full(e):
+    return OSError(errno.ENOSPC, f"the checkpoint directory {directory} is not writable: the "
+                                 f"disk is full (no space left on the device). Free space or "
+                                 f"choose a directory on another disk.")
   return type(e)(e.errno, f"the checkpoint directory {directory} is not writable: "
                           f"{e.strerror or e} ({e.filename or directory}). Choose a directory "
                           f"this process can create files and directories in.")
 
 
+def check_directory(directory: str) -> None:
+  """Raises NotADirectoryError when ``directory``, or a folder above it, is a file."""
+  path = directory
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)  # the nearest that exists
+  if os.path.exists(path) and not os.path.isdir(path):
+    where = "is a file" if path == directory else f"is below {path}, which is a file"
+    raise NotADirectoryError(errno.ENOTDIR, f"the checkpoint directory {directory} {where}, "
+                                            f"not a directory. Choose another path.")
+
+
 def make_directory(directory: str) -> None:
   """Creates ``directory`` (and its parents); raises an OSError naming it if it cannot."""
+  check_directory(directory)
   try:
     os.makedirs(directory, exist_ok=True)
   except OSError as e:
     raise _unwritable(directory, e) from e
-  if not os.path.isdir(directory):
-    raise NotADirectoryError(errno.ENOTDIR, f"the checkpoint directory {directory} is not a "
-                                            f"directory. Choose another path.")
 
 
 def writable_problem(directory: str) -> OSError | None:
@@ -73,9 +87,8 @@ def writable_problem(directory: str) -> OSError | None:
     try:
       with open(os.path.join(probe, "f"), "wb") as f:
         f.write(b"0")
-      os.remove(os.path.join(probe, "f"))
-    finally:
-      os.rmdir(probe)
+    finally:  # what was made goes, whatever failed (a full disk fails the write)
+      shutil.rmtree(probe, ignore_errors=True)
   except OSError as e:
     return _unwritable(directory, e)
   return None
@@ -189,16 +202,33 @@ _pending: dict[int, object] = {}  # managers that saved and are not closed yet
 _hook_registered = False
 
 
+def disk_full(e: BaseException) -> bool:
+  """Whether ``e`` (or an error it was raised from) says the disk is full: ``ENOSPC`` or
+  ``EDQUOT``, or TensorStore's ``RESOURCE_EXHAUSTED`` text (``os_error_code=28``), anywhere
+  in its message (TensorStore puts the reason after a long path)."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    text = str(e)
+    if "No space left" in text or "os_error_code='28'" in text or "Disk quota" in text:
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
 def save_failed(directory, step: int | None, e: BaseException) -> OSError:
   """The error a failed save is reported with: its step, why (a full disk named as such)."""
-  text = f"{type(e).__name__}: {first_line(e)}"
-  full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in text
-  why = "the disk is full (no space left on the device)" if full else text
+  full = disk_full(e)
+  why = "the disk is full (no space left on the device)" if full else \
+      f"{type(e).__name__}: {first_line(e)}"
   what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
+  fix = "Free space or choose another directory" if full else "Fix the cause"
   err = OSError(errno.ENOSPC if full else getattr(e, "errno", None),
                 f"saving {what} into {directory} failed: {why}. That step is not saved (its "
-                f"temporary directory was removed); earlier checkpoints are intact. Free space "
-                f"or choose another directory, then save again.")
+                f"temporary directory was removed); earlier checkpoints are intact. {fix}, "
+                f"then save again.")
   return err
 
 

@@ -1,9 +1,10 @@
 """How each leaf is split across the data axes (and kept split over model axes).
 
 A leaf is split along the one dimension that needs the least padding (padded at its end to a
-multiple of the device count); scalars are replicated; leaves split over model axes keep their
-model blocks whole. The logical view is the original shape, the storage view the padded one;
-converting is a local slice or pad. Details: the docs' "How it works"."""
+multiple of the device count); scalars and leaves without elements are replicated; leaves split
+over model axes keep their model blocks whole. The logical view is the original shape, the
+storage view the padded one; converting is a local slice or pad. Details: the docs'
+"How it works"."""
 
 from __future__ import annotations
 
@@ -120,6 +121,8 @@ def leaf_layout(shape, n: int, *, stacked: bool = False, model=None,
     model, model_size = (), ()
   first = 1 if stacked else 0
   total = math.prod(shape)
+  if total == 0:  # no elements: nothing to split (a zero-size dimension divides nothing)
+    return Layout(shape, None, 0, model, model_size)
   best = None
   for d in range(first, len(shape)):
     size, m = shape[d], (model_size[d] if model else 1)
