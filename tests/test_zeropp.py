@@ -19,6 +19,7 @@ from _feature_helpers import assert_tree_close, reference_run, shapes_in
 from _small_mlp import init_params, loss_fn
 from test_meshes import batches, train as run
 from zero_jax.comm import hlo as hlo_lib
+from zero_jax.comm.collectives import DEFAULT_BUCKET_BYTES
 
 OPTS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
 MESHES = {"2x4": (2, 4), "4x2": (4, 2)}
@@ -471,3 +472,83 @@ def test_stage3_across_hosts_with_accumulation_equals_reference(kw):
   ref, ref_losses, _ = reference_run(loss_fn, optax.sgd(0.1), params, bs)
   assert_tree_close(step.get_params(state), ref[-1])
   np.testing.assert_allclose(losses, [float(x) for x in ref_losses], rtol=1e-5)
+
+
+# ------------------------------------------------ bytes and collectives, from the HLO
+HOSTS = ({0, 1, 2, 3}, {4, 5, 6, 7})   # the (2, 4) mesh's rows: the replica axis crosses
+
+
+def _crosses(c) -> bool:
+  return bool(c.groups) and any(not (set(g) <= HOSTS[0] or set(g) <= HOSTS[1])
+                                for g in c.groups)
+
+
+def _sent(c) -> float:
+  """Bytes one device sends for ``c`` with ring algorithms (as benchmarks/bench_meshes.py)."""
+  g = len(c.groups[0]) if c.groups else 1
+  per = {"reduce-scatter": g - 1, "all-gather": (g - 1) / g, "all-to-all": (g - 1) / g,
+         "all-reduce": 2 * (g - 1) / g}
+  return per.get(c.op, 1.0) * c.nbytes if g > 1 else 0.0
+
+
+def _collectives(step, params, batch):
+  return hlo_lib.collectives(step.lower(step.init(params), batch).compile().as_text())
+
+
+@pytest.mark.parametrize("q", [None, zj.Quantize(weights=False, block_size=64)],
+                         ids=["exact", "int8"])
+def test_hpz_cross_host_gradient_hop_goes_through_the_buckets(q):
+  """Issue 29: stage 3's reduction across hosts (hpZ's outer reduce-scatter, exact or an
+  int8 all-to-all) moves a bucket of leaves at once, as the other hops do; with
+  ``bucket_bytes=0`` it is one collective per leaf, as before the buckets."""
+  params, b = init_params(), batches(1)[0]
+  count = {}
+  for bucket in (0, DEFAULT_BUCKET_BYTES):
+    step = hpz_step((2, 4), optax.sgd(0.1), quantize=q, bucket_bytes=bucket)
+    count[bucket] = sum(1 for c in _collectives(step, params, b)
+                        if _crosses(c) and c.op in ("reduce-scatter", "all-to-all"))
+  split = sum(1 for x in params.values() if np.ndim(x))   # every leaf but the scalar
+  assert count == {0: split, DEFAULT_BUCKET_BYTES: 1}, count
+
+
+def _lm39():
+  import test_scanned_layers as tsl
+  model = tsl.LM(scanned=False, box=lambda init, names: init)   # 39 plain leaves
+  tokens = tsl.make_batches(1)[0]
+  params = jax.tree.map(np.asarray, model.init(jax.random.key(0), tokens["inputs"][:1])["params"])
+  def loss(p, batch):
+    logits = model.apply({"params": p}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+  return loss, params, {k: tokens[k] for k in ("inputs", "targets")}
+
+
+def _mlp6x24():
+  r = np.random.default_rng(0)
+  params = {f"l{i}": {"w": r.normal(size=(24, 24)).astype(np.float32) / 5,
+                      "b": np.zeros(24, np.float32)} for i in range(6)}
+  def loss(p, batch):
+    x = batch["x"]
+    for i in range(6):
+      x = jnp.tanh(x.astype(p[f"l{i}"]["w"].dtype) @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+    return jnp.mean(jnp.square(x.astype(jnp.float32) - batch["y"]))
+  b = {"x": r.normal(size=(16, 24)).astype(np.float32), "y": r.normal(size=(16, 24))
+       .astype(np.float32)}
+  return loss, params, b
+
+
+@pytest.mark.parametrize("model", [_mlp6x24, _lm39], ids=["mlp_6x24", "lm_39_leaves"])
+def test_quantized_steps_never_send_more_than_the_exact_step(model):
+  """Models of many small leaves (the issue's 2.5x and 3.0x cases): with int8 weights and
+  gradients, and with int4 gradients, each device sends at most the exact step's bytes,
+  across hosts and within them (hpZ, bf16, stage 3, the default bucket and block size)."""
+  loss, params, b = model()
+  kw = dict(stage=3, axis_name=("replica", "data"), hpz_axis="data", precision="bf16")
+  sent = {}
+  for name, q in (("exact", None), ("int8", zj.Quantize()), ("int4", zj.Quantize(grad_bits=4))):
+    step = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=_mesh((2, 4)), quantize=q,
+                                      **kw)
+    colls = [c for c in _collectives(step, params, b) if c.nbytes > 64]   # not the scalars
+    sent[name] = (sum(_sent(c) for c in colls if _crosses(c)),
+                  sum(_sent(c) for c in colls if not _crosses(c)))
+  for name in ("int8", "int4"):
+    assert sent[name][0] <= sent["exact"][0] and sent[name][1] <= sent["exact"][1], sent

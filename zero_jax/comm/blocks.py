@@ -202,7 +202,12 @@ class _Seg(NamedTuple):
 
 
 def _plan(length: int, segments, dtype, block_size: int, bits: int, parts: int = 1):
-  """The static wire layout of a row of ``length`` elements cut into ``segments``."""
+  """The static wire layout of a row of ``length`` elements cut into ``segments``.
+
+  A segment shorter than ``block_size`` is one block, computed in a block of the next
+  power of two (zeros do not change an absmax), so that segments of like sizes are
+  quantized together (`_groups`) with little padding.
+  """
   sizes = (length,) if segments is None else tuple(int(s) for s in segments)
   if sum(sizes) != length or any(s < 0 for s in sizes):
     raise ValueError(f"segments={segments!r} must be lengths that add up to the row's "
@@ -211,47 +216,76 @@ def _plan(length: int, segments, dtype, block_size: int, bits: int, parts: int =
   for s in sizes:
     q = s > 0 and sends_quantized(s, itemsize=jnp.dtype(dtype).itemsize, block_size=block_size,
                                   bits=bits, parts=parts)
-    block = min(block_size, s + (s % 2 if bits == 4 else 0)) if q else 0
+    block = min(block_size, max(2, 1 << (s - 1).bit_length())) if q else 0
     plan.append(_Seg(start, s, block))
     start += s
   return tuple(plan)
 
 
-def _encode(x: jax.Array, plan, bits: int, dtype) -> jax.Array:
-  """(..., L) -> (..., W) int8: per segment its values and scales, or its exact bytes."""
-  lead, parts = x.shape[:-1], []
+def _groups(plan) -> dict:
+  """The quantized segments by block size (in order): each group is quantized at once."""
+  out: dict = {}
   for seg in plan:
-    piece = x[..., seg.start:seg.start + seg.size]
     if seg.block:
-      q, scale = _quantize_last(piece, seg.block, bits)
-      vals = jax.lax.bitcast_convert_type(q, jnp.int8).reshape(*lead, -1)
-      parts += [vals[..., :-(-seg.size * bits // 8)],
-                jax.lax.bitcast_convert_type(scale, jnp.int8).reshape(*lead, -1)]
-    elif seg.size:
-      raw = jax.lax.bitcast_convert_type(piece.astype(dtype), jnp.int8)
-      parts.append(raw.reshape(*lead, -1))
+      out.setdefault(seg.block, []).append(seg)
+  return out
+
+
+def _padded(seg: _Seg) -> int:
+  return -(-seg.size // seg.block) * seg.block
+
+
+def _encode(x: jax.Array, plan, bits: int, dtype) -> jax.Array:
+  """(..., L) -> (..., W) int8: per group of segments their values (each segment's padding
+  dropped) and scales, then the exact segments' own bytes."""
+  lead, parts = x.shape[:-1], []
+  piece = lambda seg: x[..., seg.start:seg.start + seg.size]
+  for block, segs in _groups(plan).items():
+    padded = jnp.concatenate([_pad_last(piece(s), _padded(s)) for s in segs], axis=-1)
+    q, scale = _quantize_last(padded, block, bits)
+    vals = jax.lax.bitcast_convert_type(q, jnp.int8).reshape(*lead, -1)
+    offsets = np.cumsum([0] + [_padded(s) * bits // 8 for s in segs])
+    parts += [vals[..., o:o + -(-s.size * bits // 8)] for s, o in zip(segs, offsets)]
+    parts.append(jax.lax.bitcast_convert_type(scale, jnp.int8).reshape(*lead, -1))
+  exact = [s for s in plan if not s.block and s.size]
+  if exact:
+    raw = jnp.concatenate([piece(s) for s in exact], axis=-1).astype(dtype)
+    parts.append(jax.lax.bitcast_convert_type(raw, jnp.int8).reshape(*lead, -1))
   return jnp.concatenate(parts, axis=-1) if parts else jnp.zeros((*lead, 0), jnp.int8)
 
 
 def _decode(w: jax.Array, plan, bits: int, dtype) -> jax.Array:
   """The inverse of `_encode`: (..., W) int8 -> (..., L) float32."""
-  lead, parts, pos = w.shape[:-1], [], 0
-  take = lambda k: (w[..., pos:pos + k], pos + k)
-  for seg in plan:
-    if seg.block:
-      nb = -(-seg.size // seg.block)
-      per_block = seg.block * bits // 8
-      vals, pos = take(-(-seg.size * bits // 8))
-      vals = jnp.pad(vals, [(0, 0)] * len(lead) + [(0, nb * per_block - vals.shape[-1])])
-      vals = vals.reshape(*lead, nb, per_block)
-      if bits == 4:
-        vals = jax.lax.bitcast_convert_type(vals, jnp.uint8)
-      scale, pos = take(nb * _SCALE_BYTES)
-      scale = jax.lax.bitcast_convert_type(scale.reshape(*lead, nb, _SCALE_BYTES), jnp.float32)
-      parts.append(_dequantize_last(vals, scale, seg.size))
-    elif seg.size:
-      k = jnp.dtype(dtype).itemsize
-      raw, pos = take(seg.size * k)
-      raw = raw.reshape(*lead, seg.size, k) if k > 1 else raw
-      parts.append(jax.lax.bitcast_convert_type(raw, dtype).astype(jnp.float32))
-  return jnp.concatenate(parts, axis=-1) if parts else jnp.zeros((*lead, 0), jnp.float32)
+  lead, out, pos = w.shape[:-1], {}, 0
+  for block, segs in _groups(plan).items():
+    pieces = []
+    for s in segs:
+      k = -(-s.size * bits // 8)
+      pieces.append(_pad_last(w[..., pos:pos + k], _padded(s) * bits // 8))
+      pos += k
+    nb = sum(_padded(s) for s in segs) // block
+    vals = jnp.concatenate(pieces, axis=-1).reshape(*lead, nb, block * bits // 8)
+    if bits == 4:
+      vals = jax.lax.bitcast_convert_type(vals, jnp.uint8)
+    scale = w[..., pos:pos + nb * _SCALE_BYTES].reshape(*lead, nb, _SCALE_BYTES)
+    pos += nb * _SCALE_BYTES
+    values = _dequantize_last(vals, jax.lax.bitcast_convert_type(scale, jnp.float32), nb * block)
+    offsets = np.cumsum([0] + [_padded(s) for s in segs])
+    out.update((s, values[..., o:o + s.size]) for s, o in zip(segs, offsets))
+  exact = [s for s in plan if not s.block and s.size]
+  if exact:
+    k = jnp.dtype(dtype).itemsize
+    n = sum(s.size for s in exact)
+    raw = w[..., pos:pos + n * k]
+    raw = raw.reshape(*lead, n, k) if k > 1 else raw
+    values = jax.lax.bitcast_convert_type(raw, dtype).astype(jnp.float32)
+    offsets = np.cumsum([0] + [s.size for s in exact])
+    out.update((s, values[..., o:o + s.size]) for s, o in zip(exact, offsets))
+  pieces = [out[s] for s in plan if s.size]
+  return jnp.concatenate(pieces, axis=-1) if pieces else jnp.zeros((*lead, 0), jnp.float32)
+
+
+def _pad_last(x: jax.Array, size: int) -> jax.Array:
+  """``x`` zero-padded along its last axis to ``size``."""
+  extra = size - x.shape[-1]
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)]) if extra else x
