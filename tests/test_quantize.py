@@ -503,6 +503,8 @@ def test_clear_errors_for_what_cannot_be_quantized():
   for bad in (0, -8, 2.5, True, "256"):
     with pytest.raises(ValueError, match=f"block_size={bad!r}.*positive int"):
       zq.quantize(jnp.ones(4), block_size=bad)
+  with pytest.raises(ValueError, match="block_size=131072 for x: at most 65536"):
+    zq.quantize(jnp.ones(4), block_size=2**17)
   with pytest.raises(ValueError, match="block_size=7 .*int4 packs two values a byte.*use 8"):
     zq.quantize(jnp.ones(4), block_size=7, bits=4)
   with pytest.raises(ValueError, match="bits=3 .*expected 8 .*or 4"):

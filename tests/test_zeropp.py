@@ -116,6 +116,9 @@ def test_hpz_errors_name_the_option_and_the_fix():
     make(stage=3, axis_name="data", replica_axis="replica", hpz_axis="data")
   with pytest.raises(ValueError, match=r"not an axis of the mesh"):
     make(stage=3, axis_name=("replica", "data"), hpz_axis="host")
+  for empty in ((), []):   # a whole copy of the parameters on every device
+    with pytest.raises(ValueError, match=r"names no axis.*hpz_axis='data'"):
+      make(stage=3, axis_name=("replica", "data"), hpz_axis=empty)
 
 
 def test_quantize_errors_name_the_option_and_the_fix():
@@ -123,6 +126,10 @@ def test_quantize_errors_name_the_option_and_the_fix():
   make = lambda **kw: zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, **kw)
   with pytest.raises(ValueError, match=r"block_size=3.*positive even int"):
     make(quantize=zj.Quantize(block_size=3))
+  for big in (2**31, 2**16 + 2):   # was accepted, and 2**31 died in XLA with out-of-memory
+    with pytest.raises(ValueError, match=rf"block_size={big}\): at most 65536.*256 to 4096"):
+      make(quantize=zj.Quantize(block_size=big))
+  make(quantize=zj.Quantize(block_size=2**16, weights=False))   # the bound itself is fine
   with pytest.raises(ValueError, match=r"grad_bits=2.*8 or 4"):
     make(quantize=zj.Quantize(grad_bits=2))
   with pytest.raises(ValueError, match=r"stage 1 all-reduces"):
