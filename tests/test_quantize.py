@@ -395,6 +395,34 @@ def test_hlo_two_hop_reduce_scatter_sends_int8_within_then_across_hosts():
   assert nbytes[4] < 0.52 * nbytes[8]
 
 
+def test_hlo_a_bucket_sends_what_the_rule_says_never_more_than_exact():
+  """Segments of a bucket: tiny leaves travel exactly, the others quantized with a short last
+  block; the all-to-all's buffer is the rule's bytes, below the exact bytes."""
+  mesh = make_mesh((8,), ("data",))
+  segs = (1, 3, 4, 5, 300, 1000)   # bf16: up to 4 elements exact (4 + 4 bytes > 8)
+  x = np.zeros((8, 8, sum(segs)), jnp.bfloat16)
+  cs = compiled_collectives(mesh, lambda r: zq.psum_scatter_rows(
+      r, [("data",)], block_size=256, segments=segs), x)
+  rule = [zq.quantized_bytes(s, block_size=256) if zq.sends_quantized(
+      s, itemsize=2, block_size=256) else 2 * s for s in segs]
+  assert rule == [2, 6, 8, 9, 300 + 8, 1000 + 16]
+  assert [c.op for c in cs] == ["all-to-all"] and cs[0].nbytes == 8 * sum(rule)
+  assert cs[0].nbytes < 8 * 2 * sum(segs)
+
+
+def test_psum_sums_exact_and_quantized_leaves():
+  mesh = make_mesh((2, 4), ("replica", "data"))
+  segs = (1, 2, 130)   # f32: the 1-element leaf is summed exactly, the others in int8
+  rng = np.random.default_rng(17)
+  x = rng.standard_normal((8, sum(segs))).astype(np.float32)
+  got = per_device(mesh, lambda r: zq.psum(r, "replica", block_size=64, segments=segs), x)
+  exact = x + np.roll(x, 4, axis=0)   # device d and d +- 4 (the other host)
+  np.testing.assert_array_equal(got[:, 0], exact[:, 0])
+  err = np.abs(got - exact)[:, 1:]   # rounded twice: the reduce-scatter and the all-gather
+  assert (err <= 2 * 2 * np.abs(x).max() / (2 * 127) * 1.01).all() and err.max() > 0
+  assert (got == got[np.arange(8) % 4]).all()   # both hosts hold the same sum
+
+
 def test_hlo_quantized_gather_is_an_int8_all_gather():
   mesh = make_mesh((8,), ("data",))
   cs = compiled_collectives(mesh, lambda r: zq.all_gather_rows(r, "data", block_size=128,
