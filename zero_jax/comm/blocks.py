@@ -256,7 +256,8 @@ def _encode(x: jax.Array, plan, bits: int, dtype) -> jax.Array:
 
 def _decode(w: jax.Array, plan, bits: int, dtype) -> jax.Array:
   """The inverse of `_encode`: (..., W) int8 -> (..., L) float32."""
-  lead, out, pos = w.shape[:-1], {}, 0
+  lead, pos = w.shape[:-1], 0
+  out: dict = {}
   for block, segs in _groups(plan).items():
     pieces = []
     for s in segs:

@@ -146,12 +146,12 @@ def reduce_rows(rows: jax.Array, comm: Comm, hops=None, segments=None) -> jax.Ar
     if n > 1:
       out = scatter_rows(out.reshape(n, -1), axes, wire, segments)
   wire = comm.wire("grads", True)
-  if comm.replica_axes and wire is None:
-    out = jax.lax.psum(out, comm.replica_axes)
-  elif comm.replica_axes:
-    out = quantize.psum(out, comm.replica_axes, block_size=wire.block_size, bits=wire.bits,
-                        segments=segments).astype(_wide(out.dtype))
-  return out
+  if not comm.replica_axes:
+    return out
+  if wire is None:
+    return jax.lax.psum(out, comm.replica_axes)
+  return quantize.psum(out, comm.replica_axes, block_size=wire.block_size, bits=wire.bits,
+                       segments=segments).astype(_wide(out.dtype))
 
 
 def _rows(x: jax.Array, layout: Layout, n: int) -> jax.Array:

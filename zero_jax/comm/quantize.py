@@ -183,7 +183,7 @@ def psum(row: jax.Array, axes, *, block_size: int, bits: int = 8, segments=None)
   quant = [s for s in plan if s.block and n > 1]
   exact = [s for s in plan if s.size and s not in quant]
   piece = lambda s: row[s.start:s.start + s.size]
-  out = {}
+  out: dict = {}
   if exact:
     summed = jax.lax.psum(jnp.concatenate([piece(s) for s in exact]), axes)
     out.update(zip(exact, _split(summed.astype(jnp.float32), [s.size for s in exact], 0)))
