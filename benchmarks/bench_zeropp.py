@@ -14,6 +14,13 @@ sends (G-1)/G of its input, an all-gather (G-1)/G of its output, an all-reduce t
 an all-to-all (G-1)/G of its buffer). Step times are interleaved rounds on the fake CPU
 devices, where the network is free and quantizing costs real compute.
 
+A second table checks the rule that a quantized step never sends more than the exact one
+(a leaf's share too short to gain travels exactly) on models of many small leaves: an MLP
+6 x 24^2, a 41-leaf transformer of width 12, and GPT-2 small's 148 leaves (124M
+parameters), whose step is lowered and compiled on abstract shapes (``step.abstract_state``:
+nothing is allocated), hpZ in bf16 against hpZ + int8 weights and gradients (and int4
+gradients), all at ``block_size=256``.
+
 Usage: ``python benchmarks/bench_zeropp.py [--quick] [--no-write]``.
 """
 
@@ -26,8 +33,12 @@ import _step_common as sc  # 8 fake CPU devices, before anything touches JAX
 import jax  # noqa: E402
 import optax  # noqa: E402
 
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
 import zero_jax as zj  # noqa: E402
 from bench_meshes import crosses_hosts, ring_sent  # noqa: E402
+from bench_zeropp_error import LM  # noqa: E402
 from zero_jax.comm import hlo as hlo_lib  # noqa: E402
 
 BASE = "hybrid fp32"
@@ -75,10 +86,95 @@ def measure(args) -> dict:
       out.setdefault("params_mib", {})[name] = sc.bytes_per_device(states[name].params) / sc.MIB
       out.setdefault("state_mib", {})[name] = sc.bytes_per_device(
           (states[name].opt_state, states[name].master)) / sc.MIB
+  if not args.timing_only:
+    out["models"] = model_bytes(args)
   t = sc.interleave(sc.steppers(steps, states, batch), rounds=rounds, iters=iters)
   out["times"] = {k: sc.spread(v) for k, v in t.items()}
   out["ratios"] = {k: sc.ratio_iqr(t, k, BASE) for k in t}
   return out
+
+
+# ------------------------------------------------ many small leaves: never above exact
+def _gpt2(layers=12, d=768, vocab=50257, ctx=1024, heads=12):
+  """GPT-2 small's parameter shapes (abstract) and a loss over them."""
+  f = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  norm = lambda: {"scale": f(d), "bias": f(d)}
+  dense = lambda a, b: {"kernel": f(a, b), "bias": f(b)}
+  params = {"wte": f(vocab, d), "wpe": f(ctx, d), "ln_f": norm()}
+  for i in range(layers):
+    params[f"h{i:02d}"] = {"ln_1": norm(), "c_attn": dense(d, 3 * d), "c_proj": dense(d, d),
+                           "ln_2": norm(), "c_fc": dense(d, 4 * d), "mlp_proj": dense(4 * d, d)}
+
+  def loss(p, tokens):
+    ln = lambda x, n: (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(
+        x.var(-1, keepdims=True) + 1e-5) * n["scale"] + n["bias"]
+    lin = lambda x, n: x @ n["kernel"] + n["bias"]
+    t = tokens.shape[1] - 1
+    x = (p["wte"][tokens[:, :-1]] + p["wpe"][:t]).astype(p["wte"].dtype)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    for i in range(layers):
+      h = p[f"h{i:02d}"]
+      q, k, v = jnp.split(lin(ln(x, h["ln_1"]), h["c_attn"]).reshape(
+          x.shape[0], t, 3 * heads, d // heads), 3, axis=2)
+      a = jnp.where(mask, jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads), -1e4)
+      y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(a, -1), v).reshape(x.shape)
+      x = x + lin(y, h["c_proj"])
+      x = x + lin(jax.nn.gelu(lin(ln(x, h["ln_2"]), h["c_fc"])), h["mlp_proj"])
+    logits = (ln(x, p["ln_f"]) @ p["wte"].T).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+  return loss, params, jax.ShapeDtypeStruct((8, 17), jnp.int32)
+
+
+def _small_models(quick: bool) -> dict:
+  mlp = sc.init_mlp(jax.random.key(2), [24] * 7)
+  mlp_batch = sc.make_batches(jax.random.key(3), 1, 64, 24, 24)[0]
+  lm = LM(vocab=16, dim=12, heads=2, mlp=24, layers=3)
+  tokens = np.zeros((16, 9), np.int32)
+  lm_params = jax.tree.map(np.asarray, lm.init(jax.random.key(0), tokens[:1, :-1])["params"])
+
+  def lm_loss(p, t):
+    logits = lm.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), t[:, 1:, None], -1))
+  out = {"MLP 6 x 24^2": (sc.mlp_loss, mlp, mlp_batch),
+         "transformer, width 12": (lm_loss, lm_params, tokens)}
+  if not quick:
+    out["GPT-2 small (abstract)"] = _gpt2()
+  return out
+
+
+def model_bytes(args) -> dict:
+  """Per model: leaves, parameters, and per configuration the bytes (across, within)."""
+  mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  hpz = {"axis_name": ("replica", "data"), "hpz_axis": "data", "precision": "bf16"}
+  cfgs = {"hpZ bf16 (exact)": None, "int8": zj.Quantize(), "int4 grads": zj.Quantize(grad_bits=4)}
+  out = {}
+  for name, (loss, params, batch) in _small_models(args.quick).items():
+    leaves = jax.tree.leaves(params)
+    row = {"leaves": len(leaves), "params": int(sum(np.prod(x.shape) for x in leaves))}
+    for cfg, q in cfgs.items():
+      step = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh, stage=3, quantize=q,
+                                        **hpz)
+      state = step.abstract_state(params)
+      tr = traffic(hlo_lib.collectives(step.lower(state, batch).compile().as_text()))
+      row[cfg] = (tr["cross_mib"], tr["within_mib"])
+    out[name] = row
+  return out
+
+
+def _models_table(models) -> list:
+  rows = []
+  for name, r in models.items():
+    exact = r["hpZ bf16 (exact)"]
+    cells = [name, str(r["leaves"]), f"{r['params']:,}", f"{exact[0] * 1024:.1f}"]
+    for cfg in ("int8", "int4 grads"):
+      cells += [f"{r[cfg][0] * 1024:.1f}", f"{r[cfg][0] / exact[0]:.3f}",
+                f"{r[cfg][1] / exact[1]:.3f}"]
+    rows.append(cells)
+  return ["Never more than the exact step: per device and step, hpZ in bf16 against the same "
+          "step with int8 weights and gradients (and int4 gradients), `block_size=256`:", "",
+          sc.table(["model", "leaves", "params", "exact KiB between hosts", "int8 KiB",
+                    "int8 vs exact, between", "int8 vs exact, within", "int4 KiB",
+                    "int4 vs exact, between", "int4 vs exact, within"], rows), ""]
 
 
 def _gpu_ms(tr) -> float:
@@ -102,6 +198,7 @@ def render(results, args, seconds) -> str:
         f"{first['params_mib'][k]:.2f}", f"{first['state_mib'][k]:.2f}",
         ", ".join(v["int8_ops"]) or "-", f"{_gpu_ms(v):.3f}"]
        for k, v in tr.items()]), ""]
+  lines += _models_table(first["models"])
   for cond, r in results.items():
     lines += [f"Step time, {sc.CONDITION_TEXT[cond]}:", "",
               sc.table(["configuration", "ms / step", "vs hybrid fp32"],

@@ -247,17 +247,109 @@ def test_psum_scatter_rows_error_within_the_bound_on_normal_data(bits):
       assert rel <= gaussian_bound(block, bits, len(hops)), (block, hops, rel)
 
 
-def test_non_finite_survives_the_collectives():
+# ------------------------------------------------- non-finite values, explicitly
+# XLA:CPU's vectorized max drops a NaN (in blocks of 64 and more: the max of the others, or
+# -inf, when a reduction holds 64 blocks or more), so finiteness must be carried
+# explicitly. A row is a bucket of four leaves: one element (it travels exactly), 64 whole
+# blocks, one short block, and a block plus a short one. Each output gets at most one
+# poisoned value per block, over the outputs at every position class: first, second,
+# middle, second-to-last and last of a block, in the second and a later block of a leaf,
+# in a short block, in the one-element leaf.
+NB = 64
+SEGS = (1, 64 * NB, 10, NB + 10)
+WIDTH = sum(SEGS)
+POSITIONS = [  # per leaf of SEGS: per block of it, the position poisoned for output o
+    [[0, 0, None, None, None, None, 0, None]],
+    [[0, 1, 7, NB // 2, NB - 2, NB - 1, None, 0],
+     [NB, None, NB + 7, 2 * NB - 1, NB + 1, NB + 7, None, 2 * NB - 1],
+     [None, 41 * NB + 3, None, 41 * NB, 42 * NB - 1, None, 41 * NB + 30, None]],
+    [[None, 0, 5, None, 9, 9, 0, None]],
+    [[NB - 1, None, 0, NB // 2, None, 1, None, NB - 2],
+     [None, NB, None, NB + 9, NB + 4, None, NB + 9, None]],
+]
+BAD = [np.nan, np.inf, -np.inf, np.nan, np.nan, -np.inf, np.inf, np.nan]
+
+
+def poison(row, o):
+  """Poisons ``row`` (WIDTH,) in place at output ``o``'s positions."""
+  for start, leaf in zip(np.cumsum((0,) + SEGS[:-1]), POSITIONS):
+    for k, block in enumerate(leaf):
+      if block[o] is not None:
+        row[start + block[o]] = BAD[(o + k) % 8]
+
+
+def block_ids(bits, parts=1):
+  """Per element of a SEGS row, the block it travels in (-1: an exact leaf, every element
+  on its own); ``parts``: each leaf first cut into that many parts (`zq.psum`)."""
+  ids = []
+  for j, size in enumerate(SEGS):
+    i = np.arange(size)
+    if not zq.sends_quantized(size, itemsize=4, block_size=NB, bits=bits, parts=parts):
+      ids.append(np.full(size, -1))
+      continue
+    chunk = -(-size // parts)
+    ids.append(j * 10**6 + (i // chunk) * 1000 + (i % chunk) // NB)
+  return np.concatenate(ids)
+
+
+def blocks_hit(bad_mask, ids):
+  """Every element whose block holds a non-finite value (an exact element: only itself)."""
+  return (np.isin(ids, ids[bad_mask]) & (ids >= 0)) | bad_mask
+
+
+RS_CASES = {  # hops over the (2, 4) mesh; "across only": the rows of one hop over hosts
+    "within_then_across": [("data",), ("replica",)],
+    "across_then_within": [("replica",), ("data",)],
+    "one_hop": [("replica", "data")],
+    "across_only": [("replica",)],
+}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("case", RS_CASES)
+def test_psum_scatter_rows_never_hides_a_nan_or_inf(case, bits):
   mesh = make_mesh((2, 4), ("replica", "data"))
-  x = np.random.default_rng(11).standard_normal((8, 8, 64)).astype(np.float32)
-  x[5, 2, 40] = np.inf   # device 5's contribution to device 2's row, second block
-  got = per_device(mesh, lambda r: zq.psum_scatter_rows(r, [("data",), ("replica",)],
-                                                        block_size=32), x)
-  assert np.isnan(got[2, 32:]).all() and np.isfinite(got[2, :32]).all()
-  assert np.isfinite(np.delete(got, 2, axis=0)).all()
-  g = per_device(mesh, lambda r: zq.all_gather_rows(r, ("replica", "data"), block_size=32,
-                                                    to="varying"), x[:, 2])
-  assert np.isnan(g[:, 5, 32:]).all() and np.isfinite(np.delete(g, 5, axis=1)).all()
+  hops = RS_CASES[case]
+  rng = np.random.default_rng(20)
+  rows = 2 if case == "across_only" else 8
+  x = rng.standard_normal((8, rows, WIDTH)).astype(np.float32)
+  sources = {}   # output device -> the (device, row) pairs summed into it
+  for o in range(8):
+    if case == "across_only":
+      sources[o] = [(o % 4, o // 4), (o % 4 + 4, o // 4)]
+    else:
+      sources[o] = [(d, o) for d in range(8)]
+    d, r = sources[o][-1] if o < 4 else sources[o][0]   # a device of the other host
+    poison(x[d, r], o)
+  got = per_device(mesh, lambda r: zq.psum_scatter_rows(r, hops, block_size=NB, bits=bits,
+                                                        segments=SEGS), x)
+  for o in range(8):
+    with np.errstate(invalid="ignore"):
+      exact = sum(x[d, r].astype(np.float64) for d, r in sources[o])
+    want = blocks_hit(~np.isfinite(exact), block_ids(bits))
+    assert want.any()
+    np.testing.assert_array_equal(~np.isfinite(got[o]), want, err_msg=f"output {o}")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_all_gather_rows_and_psum_never_hide_a_nan_or_inf(bits):
+  mesh = make_mesh((2, 4), ("replica", "data"))
+  x = np.random.default_rng(21).standard_normal((8, WIDTH)).astype(np.float32)
+  for o in range(8):
+    poison(x[o], o)
+  got = per_device(mesh, lambda r: zq.all_gather_rows(r, ("replica", "data"), block_size=NB,
+                                                      bits=bits, to="varying",
+                                                      segments=SEGS), x)
+  for o in range(8):
+    want = blocks_hit(~np.isfinite(x[o]), block_ids(bits))
+    assert (~np.isfinite(got[:, o]) == want).all(), o   # on every device alike
+  summed = per_device(mesh, lambda r: zq.psum(r, "replica", block_size=NB, bits=bits,
+                                              segments=SEGS), x)
+  for o in range(8):   # the all-reduce across hosts: a reduce-scatter, then an all-gather
+    with np.errstate(invalid="ignore"):
+      exact = x[o % 4].astype(np.float64) + x[o % 4 + 4]
+    want = blocks_hit(~np.isfinite(exact), block_ids(bits, parts=2))
+    np.testing.assert_array_equal(~np.isfinite(summed[o]), want, err_msg=f"device {o}")
 
 
 def test_psum_scatter_any_dimension_matches_lax():
@@ -301,6 +393,34 @@ def test_hlo_two_hop_reduce_scatter_sends_int8_within_then_across_hosts():
     assert across.nbytes == 2 * (L // block) * per_block      # only the 2 partial sums
     nbytes[bits] = within.nbytes + across.nbytes
   assert nbytes[4] < 0.52 * nbytes[8]
+
+
+def test_hlo_a_bucket_sends_what_the_rule_says_never_more_than_exact():
+  """Segments of a bucket: tiny leaves travel exactly, the others quantized with a short last
+  block; the all-to-all's buffer is the rule's bytes, below the exact bytes."""
+  mesh = make_mesh((8,), ("data",))
+  segs = (1, 3, 4, 5, 300, 1000)   # bf16: up to 4 elements exact (4 + 4 bytes > 8)
+  x = np.zeros((8, 8, sum(segs)), jnp.bfloat16)
+  cs = compiled_collectives(mesh, lambda r: zq.psum_scatter_rows(
+      r, [("data",)], block_size=256, segments=segs), x)
+  rule = [zq.quantized_bytes(s, block_size=256) if zq.sends_quantized(
+      s, itemsize=2, block_size=256) else 2 * s for s in segs]
+  assert rule == [2, 6, 8, 9, 300 + 8, 1000 + 16]
+  assert [c.op for c in cs] == ["all-to-all"] and cs[0].nbytes == 8 * sum(rule)
+  assert cs[0].nbytes < 8 * 2 * sum(segs)
+
+
+def test_psum_sums_exact_and_quantized_leaves():
+  mesh = make_mesh((2, 4), ("replica", "data"))
+  segs = (1, 2, 130)   # f32: the 1-element leaf is summed exactly, the others in int8
+  rng = np.random.default_rng(17)
+  x = rng.standard_normal((8, sum(segs))).astype(np.float32)
+  got = per_device(mesh, lambda r: zq.psum(r, "replica", block_size=64, segments=segs), x)
+  exact = x + np.roll(x, 4, axis=0)   # device d and d +- 4 (the other host)
+  np.testing.assert_array_equal(got[:, 0], exact[:, 0])
+  err = np.abs(got - exact)[:, 1:]   # rounded twice: the reduce-scatter and the all-gather
+  assert (err <= 2 * 2 * np.abs(x).max() / (2 * 127) * 1.01).all() and err.max() > 0
+  assert (got == got[np.arange(8) % 4]).all()   # both hosts hold the same sum
 
 
 def test_hlo_quantized_gather_is_an_int8_all_gather():
@@ -411,6 +531,8 @@ def test_clear_errors_for_what_cannot_be_quantized():
   for bad in (0, -8, 2.5, True, "256"):
     with pytest.raises(ValueError, match=f"block_size={bad!r}.*positive int"):
       zq.quantize(jnp.ones(4), block_size=bad)
+  with pytest.raises(ValueError, match="block_size=131072 for x: at most 65536"):
+    zq.quantize(jnp.ones(4), block_size=2**17)
   with pytest.raises(ValueError, match="block_size=7 .*int4 packs two values a byte.*use 8"):
     zq.quantize(jnp.ones(4), block_size=7, bits=4)
   with pytest.raises(ValueError, match="bits=3 .*expected 8 .*or 4"):

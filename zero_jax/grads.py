@@ -221,10 +221,6 @@ def reduce_some(spec: StepSpec, layouts, grads, which, stacked) -> list:
   out = [_upcast(g) for g in grads]
   if not idx or (spec.param_stage == 3 and not outer_reduced(spec)):
     return out
-  if spec.param_stage == 3:
-    for j in idx:
-      out[j] = _upcast(collectives.reduce_outer(grads[j], layouts[j], spec.comm))
-    return out
   if spec.stage == 1:
     for j in idx:  # XLA combines these all-reduces itself; one device needs none
       if spec.n_batch > 1 or layouts[j].dim is None:
@@ -234,9 +230,10 @@ def reduce_some(spec: StepSpec, layouts, grads, which, stacked) -> list:
   groups = collectives.plan_buckets(sub, [grads[j].dtype for j in idx],
                                     bucket_bytes=spec.comm.bucket_bytes,
                                     alone=[stacked[j] for j in idx])
-  reduced = collectives.reduce_scatter_many([grads[j] for j in idx], sub, groups, spec.comm)
-  for j, g in zip(idx, reduced):
-    out[j] = g
+  many = collectives.reduce_outer_many if spec.param_stage == 3 else \
+      collectives.reduce_scatter_many
+  for j, g in zip(idx, many([grads[j] for j in idx], sub, groups, spec.comm)):
+    out[j] = _upcast(g)
   return out
 
 

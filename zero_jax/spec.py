@@ -20,6 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from zero_jax.comm import layout as lay
 from zero_jax.aux import parse_aux_reduce
 from zero_jax import placement
+from zero_jax.comm.blocks import MAX_BLOCK_SIZE
 from zero_jax.comm.collectives import DEFAULT_BUCKET_BYTES, Comm, Quantize
 
 from zero_jax import loss_scale as ls
@@ -314,6 +315,11 @@ def _hpz_axes(hpz_axis, mesh: Mesh, stage: int, data, replica, gather_once) -> t
   if hpz_axis is None:
     return data
   inner = _axis_tuple(hpz_axis, "hpz_axis", mesh)
+  if not inner:
+    raise ValueError(f"hpz_axis={hpz_axis!r} names no axis: the secondary copy would be "
+                     f"split over no device, a whole replica of the parameters on each, and "
+                     f"stage 3's saving would be gone. Name the data axes within a host, e.g. "
+                     f"hpz_axis='data', or drop hpz_axis (hpz_axis=None).")
   if stage != 3 or gather_once:
     raise ValueError(f"hpz_axis={hpz_axis!r} keeps stage 3's secondary copy of the parameters "
                      f"split within a host; at stage {stage}"
@@ -346,6 +352,11 @@ def _quantize(quantize, stage: int, policy: Policy, hpz: bool, replica, sizes):
   if isinstance(bs, bool) or not isinstance(bs, numbers.Integral) or bs < 2 or bs % 2:
     raise ValueError(f"Quantize(block_size={bs!r}): pass a positive even int (elements per "
                      f"scale; 256 is the default, int4 packs two values a byte).")
+  if bs > MAX_BLOCK_SIZE:
+    raise ValueError(f"Quantize(block_size={bs}): at most {MAX_BLOCK_SIZE}. A larger block "
+                     f"saves under 0.01% of the bytes (one 4-byte scale per block) while the "
+                     f"rounding error grows with the block, and a leaf shorter than the block "
+                     f"is one block anyway; pass 256 to 4096.")
   if bits not in (8, 4):
     raise ValueError(f"Quantize(grad_bits={bits!r}): choose 8 or 4.")
   if not (quantize.weights or quantize.grads):

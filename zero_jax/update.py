@@ -177,7 +177,7 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
     if state.master is not None:
       master = [spec.to_storage(s, l) if meta.master[i] else None
                 for s, i, l in zip(new_src, idx, t_layouts)]
-  new_params = _new_params(spec, meta, leaves, new_src, t_layouts)
+  new_params = _new_params(spec, meta, leaves, new_src, t_layouts, ok)
   new_scale = ls.adjust_loss_scale(state.loss_scale, finite, applied=ok)
   new_state = state.replace(
       step=state.step + 1, params=jax.tree.unflatten(treedef, new_params), master=master,
@@ -213,18 +213,23 @@ def optimizer_update(opt, grads, opt_state, params, loss):
         f"(optax.contrib.reduce_on_plateau and optax.polyak_sgd need only value=).") from None
 
 
-def _new_params(spec: StepSpec, meta, leaves, new_src, t_layouts) -> list:
-  """The parameters after the update: stage 3 keeps blocks, stages 1-2 all-gather."""
+def _new_params(spec: StepSpec, meta, leaves, new_src, t_layouts, ok) -> list:
+  """The parameters after the update: stage 3 keeps blocks, stages 1-2 all-gather.
+
+  A gather with int8 weights (qwZ) rounds what it rebuilds, so after a skipped step
+  (``ok`` false) the old parameters are kept as they were, bit for bit."""
   blocks = [spec.to_storage(s.astype(leaves[i].dtype), l)
             for s, i, l in zip(new_src, meta.train_idx, t_layouts)]
   out = list(leaves)
+  gathered = spec.stage != 3 or bool(spec.comm.outer_axes)
   if spec.stage == 3:
-    full = refresh_secondary(spec, t_layouts, blocks) if spec.comm.outer_axes else blocks
+    full = refresh_secondary(spec, t_layouts, blocks) if gathered else blocks
   else:
     full = gather_params(spec, t_layouts, blocks, [meta.stacked[i] for i in meta.train_idx],
                          [leaves[i] for i in meta.train_idx])
+  rounded = gathered and spec.comm.quantize is not None and spec.comm.quantize.weights
   for i, x in zip(meta.train_idx, full):
-    out[i] = x
+    out[i] = jnp.where(ok, x, leaves[i]) if rounded else x
   return out
 
 

@@ -114,36 +114,29 @@ def _wide(dtype):
 
 
 # ------------------------------------------------------------ one hop, rows
-def scatter_rows(rows: jax.Array, axes, wire: Wire | None) -> jax.Array:
-  """``(n, L)`` rows -> this device's row summed over ``axes`` (n = their size)."""
+def scatter_rows(rows: jax.Array, axes, wire: Wire | None, segments=None) -> jax.Array:
+  """``(n, L)`` rows -> this device's row summed over ``axes`` (n = their size).
+
+  ``segments``: the lengths of the leaves each row holds (a bucket), so that a
+  quantization block never spans two leaves.
+  """
   if wire is None:
     return jax.lax.psum_scatter(rows, _axes(axes), scatter_dimension=0, tiled=True)[0]
   return quantize.psum_scatter_rows(rows, (_axes(axes),), block_size=wire.block_size,
-                                    bits=wire.bits).astype(_wide(rows.dtype))
+                                    bits=wire.bits, segments=segments).astype(_wide(rows.dtype))
 
 
-def gather_rows(row: jax.Array, axes, wire: Wire | None, *, to: str) -> jax.Array:
+def gather_rows(row: jax.Array, axes, wire: Wire | None, *, to: str,
+                segments=None) -> jax.Array:
   """This device's row -> ``(n, L)``, every device's row (int8 on the wire if ``wire``)."""
   if wire is None:
     return jax.lax.all_gather(row, _axes(axes), axis=0, tiled=False, to=to)
   out = quantize.all_gather_rows(row, _axes(axes), block_size=wire.block_size,
-                                 bits=wire.bits, to=to)
+                                 bits=wire.bits, to=to, segments=segments)
   return out.astype(row.dtype)
 
 
-def _all_reduce_rows(row: jax.Array, axes, wire: Wire | None) -> jax.Array:
-  """Sum of a row over ``axes``; quantized as a reduce-scatter then an all-gather."""
-  if wire is None:
-    return jax.lax.psum(row, _axes(axes))
-  n = axes_size(axes)
-  size = row.shape[0]
-  chunk = -(-size // n)
-  rows = jnp.pad(row, (0, chunk * n - size)).reshape(n, chunk)
-  mine = scatter_rows(rows, axes, wire)
-  return gather_rows(mine.astype(row.dtype), axes, wire, to="invarying").reshape(-1)[:size]
-
-
-def reduce_rows(rows: jax.Array, comm: Comm, hops=None) -> jax.Array:
+def reduce_rows(rows: jax.Array, comm: Comm, hops=None, segments=None) -> jax.Array:
   """``(n, L)`` rows over the data axes -> this device's summed row, then all-reduced
   over the replica axes. Each hop carries 1/its size of the previous one."""
   hops = comm.reduce_hops() if hops is None else hops
@@ -151,10 +144,14 @@ def reduce_rows(rows: jax.Array, comm: Comm, hops=None) -> jax.Array:
   for axes, wire in hops:
     n = axes_size(axes)
     if n > 1:
-      out = scatter_rows(out.reshape(n, -1), axes, wire)
-  if comm.replica_axes:
-    out = _all_reduce_rows(out, comm.replica_axes, comm.wire("grads", True))
-  return out
+      out = scatter_rows(out.reshape(n, -1), axes, wire, segments)
+  wire = comm.wire("grads", True)
+  if not comm.replica_axes:
+    return out
+  if wire is None:
+    return jax.lax.psum(out, comm.replica_axes)
+  return quantize.psum(out, comm.replica_axes, block_size=wire.block_size, bits=wire.bits,
+                       segments=segments).astype(_wide(out.dtype))
 
 
 def _rows(x: jax.Array, layout: Layout, n: int) -> jax.Array:
@@ -170,27 +167,25 @@ def _block(row: jax.Array, like: jax.Array, layout: Layout, n: int) -> jax.Array
   return jnp.moveaxis(row.reshape(moved), 0, layout.dim)
 
 
-def _cat(pieces, axis: int, multiple: int = 1):
-  """``pieces`` concatenated along ``axis``, each zero-padded to a multiple of ``multiple``
-  (a quantization block then never holds two leaves); and how to `_uncat` it."""
-  sizes = [p.shape[axis] for p in pieces]
-  padded = [-(-s // multiple) * multiple for s in sizes]
-  widths = lambda p, extra: [(0, extra if d == axis % p.ndim else 0) for d in range(p.ndim)]
-  out = [jnp.pad(p, widths(p, e - s)) if e > s else p for p, s, e in zip(pieces, sizes, padded)]
-  return jnp.concatenate(out, axis=axis), (sizes, padded)
+def _cat(pieces, axis: int):
+  """``pieces`` concatenated along ``axis``; their lengths there (the segments of the
+  quantized collectives, and how to `_uncat` the buffer)."""
+  return jnp.concatenate(pieces, axis=axis), tuple(p.shape[axis] for p in pieces)
 
 
-def _uncat(buf: jax.Array, how, axis: int) -> list:
-  """The pieces of a `_cat` buffer, padding dropped."""
-  sizes, padded = how
-  offsets = [sum(padded[:i]) for i in range(1, len(padded))]
-  return [jax.lax.slice_in_dim(p, 0, s, axis=axis)
-          for p, s in zip(jnp.split(buf, offsets, axis=axis), sizes)]
+def _uncat(buf: jax.Array, sizes, axis: int) -> list:
+  """The pieces of a `_cat` buffer."""
+  return jnp.split(buf, [sum(sizes[:i]) for i in range(1, len(sizes))], axis=axis)
 
 
-def _quant_multiple(comm: Comm, kind: str) -> int:
-  return comm.quantize.block_size if comm.quantize is not None and getattr(
-      comm.quantize, kind) else 1
+def _reduce_buckets(xs, layouts, groups, comm: Comm, hops, n: int) -> list:
+  """Each group of ``xs`` as one ``(n, L)`` buffer through `reduce_rows`, back to blocks."""
+  out = [None] * len(xs)
+  for g in groups:
+    rows, sizes = _cat([_rows(xs[i], layouts[i], n) for i in g], 1)
+    for i, piece in zip(g, _uncat(reduce_rows(rows, comm, hops, sizes), sizes, 0)):
+      out[i] = _block(piece, xs[i], layouts[i], n)
+  return out
 
 
 # ------------------------------------------------------------ gradients
@@ -224,30 +219,31 @@ def all_reduce(x: jax.Array, axes, comm: Comm, *, out_dtype=None) -> jax.Array:
 
 def reduce_scatter_many(xs, layouts, groups, comm: Comm) -> list:
   """`reduce_scatter` of every leaf of ``xs``, one collective per group of ``groups``."""
-  out = [None] * len(xs)
   n = axes_size(comm.data_axes)
+  many = [g for g in groups if len(g) > 1 and n > 1]
+  wire = [x.astype(comm.reduce_dtype or x.dtype) for x in xs]
+  out = _reduce_buckets(wire, layouts, many, comm, None, n)
   for g in groups:
-    if len(g) == 1 or n == 1:
-      for i in g:
-        out[i] = reduce_scatter(xs[i], layouts[i], comm)
-      continue
-    wire = comm.reduce_dtype or xs[g[0]].dtype
-    rows, how = _cat([_rows(xs[i].astype(wire), layouts[i], n) for i in g], 1,
-                     _quant_multiple(comm, "grads"))
-    for i, piece in zip(g, _uncat(reduce_rows(rows, comm), how, 0)):
-      out[i] = _block(piece, xs[i], layouts[i], n).astype(_wide(xs[i].dtype))
+    for i in g:
+      out[i] = reduce_scatter(xs[i], layouts[i], comm) if out[i] is None else \
+          out[i].astype(_wide(xs[i].dtype))
   return out
 
 
-def reduce_outer(g: jax.Array, layout: Layout, comm: Comm) -> jax.Array:
-  """A gradient block already reduced over the gather axes -> this device's block
-  of the data axes, all-reduced over the replica axes (hpZ's hop across hosts)."""
-  if layout.dim is None:
-    return jax.lax.psum(g, comm.outer_axes + comm.replica_axes)
-  n = axes_size(comm.outer_axes)
-  sub = Layout(g.shape, layout.dim, g.shape[layout.dim])
+def reduce_outer_many(gs, layouts, groups, comm: Comm) -> list:
+  """Gradient blocks already reduced over the gather axes -> this device's blocks of the
+  data axes, all-reduced over the replica axes: stage 3's hops across hosts (hpZ's outer
+  reduce-scatter, hybrid's all-reduce), one collective per group of ``groups``."""
+  n = axes_size(comm.outer_axes) if comm.outer_axes else 1
   hops = [(comm.outer_axes, comm.wire("grads", True))] if comm.outer_axes else []
-  return _block(reduce_rows(_rows(g, sub, n), comm, hops), g, sub, n)
+  subs = [l if l.dim is None else Layout(g.shape, l.dim, g.shape[l.dim])
+          for g, l in zip(gs, layouts)]
+  out = _reduce_buckets(gs, subs, [g for g in groups if subs[g[0]].dim is not None], comm,
+                        hops, n)
+  for i, l in enumerate(subs):
+    if l.dim is None:
+      out[i] = jax.lax.psum(gs[i], comm.outer_axes + comm.replica_axes)
+  return out
 
 
 # ------------------------------------------------------------ parameters
@@ -297,9 +293,8 @@ def all_gather_many(blocks, layouts, groups, comm: Comm, *, axes=None, to: str =
       for i in g:
         out[i] = _gather_one(blocks[i], layouts[i], axes, to=to, whole=whole)
       continue
-    flat, how = _cat([jnp.moveaxis(blocks[i], layouts[i].dim, 0).reshape(-1) for i in g], 0,
-                     w.block_size if w else 1)
-    for i, piece in zip(g, _uncat(gather_rows(flat, axes, w, to=to), how, 1)):
+    flat, sizes = _cat([jnp.moveaxis(blocks[i], layouts[i].dim, 0).reshape(-1) for i in g], 0)
+    for i, piece in zip(g, _uncat(gather_rows(flat, axes, w, to=to, segments=sizes), sizes, 1)):
       out[i] = _from_rows(piece, blocks[i].shape, layouts[i], whole)
   return out
 
@@ -346,10 +341,9 @@ def _quantized_gather_bwd(layouts, groups, comm, _, cts):
         out[i] = cts[i]
     if not idx:
       continue
-    rows, how = _cat([_rows(cts[i], layouts[i], n) for i in idx], 1,
-                     _quant_multiple(comm, "grads"))
-    mine = reduce_rows(rows, Comm(comm.gather_axes), hop)
-    for i, piece in zip(idx, _uncat(mine, how, 0)):
+    rows, sizes = _cat([_rows(cts[i], layouts[i], n) for i in idx], 1)
+    mine = reduce_rows(rows, Comm(comm.gather_axes), hop, sizes)
+    for i, piece in zip(idx, _uncat(mine, sizes, 0)):
       out[i] = _block(piece, cts[i], layouts[i], n).astype(cts[i].dtype)
   return (tuple(out),)
 

@@ -1,16 +1,16 @@
-"""Block quantization and the quantized collectives of ZeRO++ (qwZ, qgZ).
+"""The quantized collectives of ZeRO++ (qwZ, qgZ), inside ``shard_map``.
 
-An array is flattened, padded to whole blocks of ``block_size`` elements, and
-each block is stored as int8 values (or int4, two to a byte) with one float32
-scale: symmetric absmax, ``scale = max|block| / qmax`` (qmax 127 or 7). The
-collectives run inside ``shard_map`` on the "rows" form of
-`zero_jax.comm.collectives`: row ``d`` belongs to device ``d``, numbered row-major
-over the axes in mesh order. Values and scales travel as one int8 buffer.
-`all_gather_rows` is qwZ; `psum_scatter_rows` is qgZ: per hop an all-to-all of
-quantized pieces, dequantized and summed in float32, never in int8. Over axes
-of size 1 nothing is sent and nothing is rounded. A block holding a NaN or an
-infinity dequantizes to NaN throughout, so a non-finite value never becomes
-finite. Error bounds: ``docs/guides/zeropp_error.md``.
+They work on the "rows" form of `zero_jax.comm.collectives`: row ``d`` belongs
+to device ``d``, numbered row-major over the axes in mesh order, and travel in
+the block format of `zero_jax.comm.blocks` (re-exported here: `quantize`,
+`dequantize`). `all_gather_rows` is qwZ; `psum_scatter_rows` is qgZ: per hop
+an all-to-all of quantized pieces, dequantized and summed in float32, never
+in int8; `psum` is an all-reduce made of the two. Over axes of size 1 nothing
+is sent and nothing is rounded. A row may hold several leaves (``segments=``);
+a leaf too short to gain travels exactly, so a quantized collective never
+sends more bytes than the exact one. A block holding a NaN or an infinity
+arrives as NaN throughout, checked explicitly at every hop. Error bounds:
+``docs/guides/zeropp_error.md``.
 """
 
 from __future__ import annotations
@@ -24,144 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.comm.axes import make_varying as _varying
-
-QMAX = {8: 127, 4: 7}
-_SCALE_BYTES = 4  # float32 scales, bit-cast to 4 int8 bytes on the wire
-
-
-def check_quantizable(dtype, *, block_size, bits, name: str = "the array") -> None:
-  """Raises a clear error unless ``dtype``, ``block_size`` and ``bits`` can be quantized.
-
-  Call it at build time with the leaf's ``jax.tree_util.keystr`` path as ``name``.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> check_quantizable(jnp.bfloat16, block_size=256, bits=8, name="params['w']")
-    >>> check_quantizable(jnp.int32, block_size=256, bits=8, name="params['step']")
-    Traceback (most recent call last):
-    ...
-    TypeError: quantization of a non-float leaf: params['step'] has dtype int32; ...
-
-  Args:
-    dtype: the dtype of the array to quantize.
-    block_size: elements per scale: a positive int, even for ``bits=4``.
-    bits: 8 (int8) or 4 (int4, two values a byte).
-    name: what to call the array in the message.
-  """
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f"quantization of a non-float leaf: {name} has dtype {jnp.dtype(dtype)}; quantization "
-        f"needs a floating leaf (float32, bfloat16, float16). Leave it out of the quantized "
-        f"collectives (move it exactly) or cast it to a float dtype.")
-  if bits not in QMAX:
-    raise ValueError(f"bits={bits!r} for {name}: expected 8 (int8) or 4 (int4, two values a "
-                     f"byte).")
-  if (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
-      or block_size <= 0):
-    raise ValueError(f"block_size={block_size!r} for {name}: expected a positive int (the "
-                     f"elements that share one scale), e.g. 256 or 2048.")
-  if bits == 4 and block_size % 2:
-    raise ValueError(f"block_size={block_size} for {name}: int4 packs two values a byte, so "
-                     f"block_size must be even; use {block_size + 1}.")
-
-
-# ----------------------------------------------------------- block quantization
-def _pack4(q: jax.Array) -> jax.Array:
-  """int8 values in [-7, 7] (..., B) -> (..., B/2) uint8, two nibbles a byte."""
-  u = jax.lax.bitcast_convert_type(q, jnp.uint8) & 0xF
-  return u[..., 0::2] | (u[..., 1::2] << 4)
-
-
-def _unpack4(p: jax.Array) -> jax.Array:
-  """The inverse of `_pack4`, sign-extending each nibble."""
-  nib = jnp.stack([p & 0xF, p >> 4], axis=-1).astype(jnp.int8)
-  nib = jnp.where(nib >= 8, nib - 16, nib).astype(jnp.int8)
-  return nib.reshape(*p.shape[:-1], 2 * p.shape[-1])
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _quantize_last(x: jax.Array, block_size: int, bits: int):
-  """(..., L) -> q (..., nb, B) int8 (int4: (..., nb, B/2) uint8) and scales (..., nb) float32."""
-  length = x.shape[-1]
-  nb = max(1, -(-length // block_size))
-  x = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, nb * block_size - length)])
-  x = x.reshape(*x.shape[:-1], nb, block_size)
-  qmax = QMAX[bits]
-  absmax = jnp.max(jnp.abs(x), axis=-1)
-  scale = jnp.where(jnp.isfinite(absmax), absmax / qmax, jnp.nan)
-  ok = jnp.isfinite(scale) & (scale > 0)  # zero blocks: scale 0, values 0
-  q = jnp.clip(jnp.round(x / scale[..., None]), -qmax, qmax)  # clip: subnormal scales
-  q = jnp.where(ok[..., None], q, 0).astype(jnp.int8)
-  return (_pack4(q) if bits == 4 else q), scale
-
-
-@_quantize_last.defjvp
-def _no_derivative(block_size, bits, primals, tangents):
-  raise TypeError(
-      "zero_jax.comm.quantize: rounding to int8/int4 has a zero derivative almost everywhere, so "
-      "differentiating through quantize, all_gather_rows, all_gather, psum_scatter_rows or "
-      "psum_scatter would silently give zero gradients. Differentiate gather_rows_vjp "
-      "instead (its backward pass is the reduce-scatter you choose), or apply "
-      "jax.lax.stop_gradient to the input if no gradient is wanted.")
-
-
-def _dequantize_last(q: jax.Array, scale: jax.Array, length: int) -> jax.Array:
-  """The inverse of `_quantize_last` (bits read off ``q``'s dtype): (..., length) float32."""
-  vals = _unpack4(q) if q.dtype == jnp.uint8 else q
-  x = vals.astype(jnp.float32) * scale[..., None]
-  return x.reshape(*x.shape[:-2], -1)[..., :length]
-
-
-def quantize(x: jax.Array, *, block_size: int, bits: int = 8):
-  """Block-quantizes the flattened ``x``: one float32 scale per ``block_size`` elements.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> x = jnp.array([64.0, -127.0, 32.0, 0.0, 0.5])
-    >>> q, scale = quantize(x, block_size=4)
-    >>> q.shape, q.dtype, scale.shape
-    ((2, 4), dtype('int8'), (2,))
-    >>> dequantize(q, scale, shape=x.shape).tolist()  # exactly representable here
-    [64.0, -127.0, 32.0, 0.0, 0.5]
-
-  Args:
-    x: a floating array of any shape (padded with zeros to whole blocks).
-    block_size: elements per scale.
-    bits: 8 or 4.
-
-  Returns:
-    ``(q, scale)``: ``q`` of shape ``(blocks, block_size)`` int8 (bits=4:
-    ``(blocks, block_size // 2)`` uint8, two values a byte), ``scale`` of
-    shape ``(blocks,)`` float32 (0 for an all-zero block, NaN for a block
-    holding a non-finite value).
-  """
-  check_quantizable(x.dtype, block_size=block_size, bits=bits, name="x")
-  return _quantize_last(x.reshape(-1), block_size, bits)
-
-
-def dequantize(q: jax.Array, scale: jax.Array, *, shape, dtype=jnp.float32) -> jax.Array:
-  """The array `quantize` was given (to within its error), with ``shape`` and ``dtype``.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> q, scale = quantize(jnp.full((2, 3), 7.0), block_size=2, bits=4)
-    >>> dequantize(q, scale, shape=(2, 3), dtype=jnp.bfloat16).tolist()
-    [[7.0, 7.0, 7.0], [7.0, 7.0, 7.0]]
-  """
-  shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-  return _dequantize_last(q, scale, math.prod(shape)).reshape(shape).astype(dtype)
-
-
-def _to_wire(q: jax.Array, scale: jax.Array) -> jax.Array:
-  """Values and scales as one int8 buffer (..., nb, B(/2) + 4)."""
-  s = jax.lax.bitcast_convert_type(scale, jnp.int8)  # (..., nb, 4)
-  return jnp.concatenate([jax.lax.bitcast_convert_type(q, jnp.int8), s], axis=-1)
-
-
-def _from_wire(w: jax.Array, bits: int):
-  q = w[..., :-_SCALE_BYTES]
-  scale = jax.lax.bitcast_convert_type(w[..., -_SCALE_BYTES:], jnp.float32)
-  return (jax.lax.bitcast_convert_type(q, jnp.uint8) if bits == 4 else q), scale
+from zero_jax.comm.blocks import (  # noqa: F401  (re-exported)
+    MAX_BLOCK_SIZE, QMAX, _decode, _encode, _plan, check_quantizable, dequantize, quantize,
+    quantized_bytes, sends_quantized)
 
 
 # ----------------------------------------------------------------- collectives
@@ -181,7 +46,7 @@ def _size(axes) -> int:
 
 
 def all_gather_rows(row: jax.Array, axes, *, block_size: int, bits: int = 8,
-                    to: str = "invarying") -> jax.Array:
+                    to: str = "invarying", segments=None) -> jax.Array:
   """Every device's ``row``, int8 (int4) on the wire: ``(n, L)`` float32 (qwZ).
 
   Row ``d`` is device ``d``'s ``row`` (row-major over ``axes`` in mesh order),
@@ -204,14 +69,15 @@ def all_gather_rows(row: jax.Array, axes, *, block_size: int, bits: int = 8,
     block_size: elements per scale.
     bits: 8 or 4.
     to: ``"invarying"`` (returnable with ``P()``) or ``"varying"``.
+    segments: the lengths of the leaves the row holds, in order (default: one).
   """
   check_quantizable(row.dtype, block_size=block_size, bits=bits, name="row")
   axes = mesh_order(axes)
   if _size(axes) == 1:  # nothing on the wire: nothing rounded
     return jax.lax.all_gather(row.astype(jnp.float32), axes, axis=0, to=to)
-  wire = jax.lax.all_gather(_to_wire(*_quantize_last(row, block_size, bits)), axes, axis=0,
-                            to=to)
-  return _dequantize_last(*_from_wire(wire, bits), row.shape[-1])
+  plan = _plan(row.shape[-1], segments, row.dtype, block_size, bits)
+  wire = jax.lax.all_gather(_encode(row, plan, bits, row.dtype), axes, axis=0, to=to)
+  return _decode(wire, plan, bits, row.dtype)
 
 
 def _check_hops(hops, n_rows: int) -> tuple[tuple[str, ...], ...]:
@@ -227,7 +93,8 @@ def _check_hops(hops, n_rows: int) -> tuple[tuple[str, ...], ...]:
   return hops
 
 
-def psum_scatter_rows(rows: jax.Array, hops, *, block_size: int, bits: int = 8) -> jax.Array:
+def psum_scatter_rows(rows: jax.Array, hops, *, block_size: int, bits: int = 8,
+                      segments=None) -> jax.Array:
   """This device's row of the sum of ``rows`` over the hops' axes, quantized per hop (qgZ).
 
   Equals ``lax.psum_scatter(rows, axes, scatter_dimension=0, tiled=True)[0]``
@@ -254,12 +121,14 @@ def psum_scatter_rows(rows: jax.Array, hops, *, block_size: int, bits: int = 8) 
       e.g. ``(("data",), ("replica",))``: within a host, then across.
     block_size: elements per scale.
     bits: 8 or 4.
+    segments: the lengths of the leaves each row holds, in order (default: one).
 
   Returns:
     ``(L,)`` float32, varying over the hops' axes.
   """
   check_quantizable(rows.dtype, block_size=block_size, bits=bits, name="rows")
   hops = _check_hops(hops, rows.shape[0])
+  plan = _plan(rows.shape[-1], segments, rows.dtype, block_size, bits)
   names = list(mesh_order([a for h in hops for a in h]))
   x = _varying(rows.astype(jnp.float32), names)
   x = x.reshape([jax.lax.axis_size(a) for a in names] + [rows.shape[-1]])
@@ -270,11 +139,69 @@ def psum_scatter_rows(rows: jax.Array, hops, *, block_size: int, bits: int = 8) 
     m = _size(hop)
     x = x.reshape((m,) + x.shape[k:])
     if m > 1:
-      wire = jax.lax.all_to_all(_to_wire(*_quantize_last(x, block_size, bits)), hop, 0, 0)
-      x = _dequantize_last(*_from_wire(wire, bits), rows.shape[-1])
+      wire = jax.lax.all_to_all(_encode(x, plan, bits, rows.dtype), hop, 0, 0)
+      x = _decode(wire, plan, bits, rows.dtype)
     x = jnp.sum(x, axis=0)  # in float32
   return x
 
+
+
+
+def psum(row: jax.Array, axes, *, block_size: int, bits: int = 8, segments=None) -> jax.Array:
+  """The sum of ``row`` over ``axes`` (an all-reduce), quantized where that sends less.
+
+  Each segment is cut into one part per device; a segment whose parts send
+  fewer bytes quantized (`sends_quantized` with ``parts``) is reduce-scattered
+  (`psum_scatter_rows`) and all-gathered (`all_gather_rows`), rounded once
+  each way; the others are summed by the exact ``lax.psum``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> f = jax.shard_map(lambda r: psum(r[0], "data", block_size=64, segments=(3, 509)),
+    ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
+    >>> out = f(jnp.ones((jax.device_count(), 512)))
+    >>> bool((out == jax.device_count()).all())
+    True
+
+  Args:
+    row: ``(L,)`` floating.
+    axes: the mesh axes to sum over (taken in mesh order).
+    block_size: elements per scale.
+    bits: 8 or 4.
+    segments: the lengths of the leaves the row holds, in order (default: one).
+
+  Returns:
+    ``(L,)`` float32, the same on every device of ``axes``.
+  """
+  check_quantizable(row.dtype, block_size=block_size, bits=bits, name="row")
+  axes = mesh_order(axes)
+  n = _size(axes)
+  plan = _plan(row.shape[-1], segments, row.dtype, block_size, bits, parts=n if n > 1 else 1)
+  quant = [s for s in plan if s.block and n > 1]
+  exact = [s for s in plan if s.size and s not in quant]
+  piece = lambda s: row[s.start:s.start + s.size]
+  out: dict = {}
+  if exact:
+    summed = jax.lax.psum(jnp.concatenate([piece(s) for s in exact]), axes)
+    out.update(zip(exact, _split(summed.astype(jnp.float32), [s.size for s in exact], 0)))
+  if quant:
+    chunks = [-(-s.size // n) for s in quant]
+    rows = jnp.concatenate([jnp.pad(piece(s), (0, c * n - s.size)).reshape(n, c)
+                            for s, c in zip(quant, chunks)], axis=1)
+    mine = psum_scatter_rows(rows, (axes,), block_size=block_size, bits=bits, segments=chunks)
+    full = all_gather_rows(mine.astype(row.dtype), axes, block_size=block_size, bits=bits,
+                           segments=chunks)
+    out.update((s, part.reshape(-1)[:s.size])
+               for s, part in zip(quant, _split(full, chunks, 1)))
+  return jnp.concatenate([out[s] for s in plan if s.size] or [jnp.zeros(0, jnp.float32)])
+
+
+def _split(x: jax.Array, sizes, axis: int) -> list:
+  """``x`` cut along ``axis`` into consecutive pieces of ``sizes``."""
+  return jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=axis)
 
 # --------------------------------------------------------- any-dimension forms
 def all_gather(x: jax.Array, axes, *, axis: int = 0, block_size: int, bits: int = 8,
