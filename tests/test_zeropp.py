@@ -8,6 +8,8 @@ stated tolerance, and the compiled programs are read for which collectives
 cross the "host" boundary (the replica axis) and in which dtype.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -319,7 +321,10 @@ def test_a_nonfinite_gradient_skips_the_quantized_step_bit_for_bit(case):
   state = step.init(params)
   read = lambda s: jax.tree.map(np.asarray, (s.params, s.master, s.opt_state))
   before = read(state)
-  state, m = step(state, b)
+  fp16 = kw.get("precision") == "fp16"  # an overflow is what a dynamic loss scale expects
+  with contextlib.nullcontext() if fp16 else pytest.warns(RuntimeWarning, match="was skipped"):
+    state, m = step(state, b)
+    step.get_params(state)  # the pending health warning is delivered here at the latest
   assert not bool(m["grads_finite"]) and not np.isfinite(float(m["grad_norm"]))
   jax.tree.map(np.testing.assert_array_equal, read(state), before)
   assert int(state.loss_scale.skipped_steps) == 1
