@@ -141,8 +141,21 @@ def psum_scatter_rows(rows: jax.Array, hops, *, block_size: int, bits: int = 8,
     if m > 1:
       wire = jax.lax.all_to_all(_encode(x, plan, bits, rows.dtype), hop, 0, 0)
       x = _decode(wire, plan, bits, rows.dtype)
-    x = jnp.sum(x, axis=0)  # in float32
+    x = _sum_rows(x)  # in float32
   return x
+
+
+def _sum_rows(x: jax.Array) -> jax.Array:
+  """``x.sum(axis=0)`` as a tree of elementwise adds of the (few) rows.
+
+  XLA:CPU hands a lone ``reduce`` over a leading axis to YNNPACK, which takes
+  40x the time of the adds (16 ms against 0.4 ms for 4 x 262656 float32); adds
+  also fuse with the dequantization that produces the rows.
+  """
+  rows = [x[i] for i in range(x.shape[0])]
+  while len(rows) > 1:
+    rows = [a + b for a, b in zip(rows[0::2], rows[1::2])] + rows[len(rows) // 2 * 2:]
+  return rows[0]
 
 
 
