@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -214,6 +215,9 @@ def main(argv=None) -> dict:
   jax.config.update("jax_num_cpu_devices", args.devices)  # affects only the CPU backend
   import optax
   from flax import nnx
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if os.path.exists(os.path.join(root, "zero_jax", "__init__.py")):
+    sys.path.insert(0, root)  # run from a checkout: its zero_jax, installed or not
   import zero_jax as zj
 
   work = tempfile.mkdtemp(prefix="finetune_llama_") if args.out is None else \
