@@ -179,7 +179,8 @@ def write_tiny_checkpoint(directory, cfg: LlamaConfig, seed: int = 0) -> dict:
 
 def text_batches(batch_size: int, seq_len: int, vocab: int, seed: int = 0):
   """Windows of the bytes of a Python source file (``json/decoder.py``), forever."""
-  data = np.frombuffer(open(json.decoder.__file__, "rb").read(), np.uint8).astype(np.int32)
+  with open(json.decoder.__file__, "rb") as f:
+    data = np.frombuffer(f.read(), np.uint8).astype(np.int32)
   data %= vocab
   rng = np.random.default_rng(seed)
   while True:
