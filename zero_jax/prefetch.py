@@ -22,7 +22,7 @@ from flax import nnx
 
 from zero_jax import nnx as nnx_lib
 from zero_jax.comm.axes import make_varying, varying_axes
-from zero_jax.stacked import ShardedParam, _gather_many, gather, scatter_many
+from zero_jax.stacked import ShardedParam, gather, gather_many, scatter_many
 
 PREFETCH_CHOICES = (0, 1)
 
@@ -291,7 +291,9 @@ class _Sharded:
   def __init__(self, sps: list):
     self.leaves, self.treedef = jax.tree.flatten(sps)
     self.ahead = all(x.full is None for x in sps)
-    self.block_pos = np.cumsum([0] + [1 + (x.full is not None) for x in sps])[:-1].tolist()
+    # the flat index of each one's differentiated child (`ShardedParam.differentiated`)
+    starts = np.cumsum([0] + [len(jax.tree.leaves(x)) for x in sps])[:-1]
+    self.diff_pos = [int(s) + x.differentiated for s, x in zip(starts, sps)]
 
   def at(self, leaves, i) -> list:
     """Layer ``i``'s `ShardedParam`s."""
@@ -299,11 +301,11 @@ class _Sharded:
 
   def fetch(self, leaves, i):
     """What a loop carries for layer ``i``: its gathered values (stage 3), or None."""
-    return _gather_many(self.at(leaves, i)) if self.ahead else None
+    return gather_many(self.at(leaves, i)) if self.ahead else None
 
   def use(self, leaves, i, w) -> list:
     """Layer ``i``'s values for ``f``: the carried ``w``, or taken here (stage 2)."""
-    return w if self.ahead else _gather_many(self.at(leaves, i))
+    return w if self.ahead else gather_many(self.at(leaves, i))
 
 
 def _scan_prefetched(f, init, layers: _Layers):
@@ -325,7 +327,7 @@ def _scan_prefetched(f, init, layers: _Layers):
     y_out, defs["y"] = jax.tree.flatten(y)
     return c_out, y_out, list(new)
 
-  ex_w = [_zeros(s) for s in jax.eval_shape(lambda ls: _gather_many(sharded.at(ls, 0)),
+  ex_w = [_zeros(s) for s in jax.eval_shape(lambda ls: gather_many(sharded.at(ls, 0)),
                                              sharded.leaves)]
   ex_x = [_zeros(s) for s in jax.eval_shape(lambda xs: [x[0] for x in xs], plain)]
   init_leaves = _carry_like(init_leaves, init_def, defs,
@@ -404,7 +406,7 @@ def _backward(conv, sharded: _Sharded, length: int, saved, sp, xs, ks, perturbed
   Returns the cotangents of ``run``'s inputs (init, sharded leaves, per-layer arrays,
   closed-over values); None where nothing flows.
   """
-  layer_sps, pos = sharded.at(sp, 0), sharded.block_pos
+  layer_sps, pos = sharded.at(sp, 0), sharded.diff_pos
   masks = ([_is_float(x) for x in saved],
            [_is_float(x.block) and perturbed["sp"][p] for x, p in zip(layer_sps, pos)],
            [_is_float(x) and p for x, p in zip(xs, perturbed["xs"])],
