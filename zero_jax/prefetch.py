@@ -65,6 +65,24 @@ def _barrier(tree):
   return jax.tree.unflatten(treedef, leaves)
 
 
+def _after(sps: list, x) -> list:
+  """The `ShardedParam`s ``sps``, their split blocks computed from a value of ``x`` (a
+  cotangent) so that their gathers cannot start before ``x`` exists, and unchanged.
+
+  XLA:GPU keeps the ordering barriers until it has scheduled; XLA:CPU drops them first,
+  and would otherwise issue the backward pass's first gathers at the start of the step
+  and keep them through the forward pass. A sign bit is never above 1, but XLA cannot
+  tell (the select fuses into the gather's packing).
+  """
+  xs = [v for v in jax.tree.leaves(x) if _is_float(v) and v.size]
+  if not xs:
+    return sps
+  bits = jax.lax.bitcast_convert_type(xs[0].reshape(-1)[0].astype(jnp.float32), jnp.uint32)
+  never = jax.lax.shift_right_logical(bits, jnp.uint32(31)) > 1
+  return [p.with_block(jnp.where(never, jnp.zeros((), p.block.dtype), p.block))
+          if p.layout.dim is not None and _is_float(p.block) else p for p in sps]
+
+
 def _vma(x) -> tuple:
   """The axes an array, or a struct from ``jax.eval_shape`` inside ``shard_map``, varies over."""
   if isinstance(x, jax.ShapeDtypeStruct):  # (its aval cannot always be rebuilt: model axes)
@@ -299,9 +317,10 @@ class _Sharded:
     """Layer ``i``'s `ShardedParam`s."""
     return jax.tree.unflatten(self.treedef, [_at(x, i) for x in leaves])
 
-  def fetch(self, leaves, i):
-    """What a loop carries for layer ``i``: its gathered values (stage 3), or None."""
-    return gather_many(self.at(leaves, i)) if self.ahead else None
+  def fetch(self, leaves, i, after=None):
+    """What a loop carries for layer ``i``: its gathered values (stage 3), or None;
+    gathered only once ``after`` exists (see `_after`)."""
+    return gather_many(_after(self.at(leaves, i), after)) if self.ahead else None
 
   def use(self, leaves, i, w) -> list:
     """Layer ``i``'s values for ``f``: the carried ``w``, or taken here (stage 2)."""
@@ -426,11 +445,9 @@ def _backward(conv, sharded: _Sharded, length: int, saved, sp, xs, ks, perturbed
     return scatter_many([layer[j] for j in red], [g[j] for j in red])
 
   top = length - 1
-  # The first gathers wait for the backward pass to start (XLA:GPU schedules with the
-  # barrier; XLA:CPU drops barriers before scheduling and may hoist them).
-  first, dc = _barrier((list(sp), list(cts[0])))
-  w = sharded.fetch(first, top)
-  w_prev = sharded.fetch(first, top - 1) if length > 1 else None  # before layer L-1's backward
+  dc = list(cts[0])  # the backward pass's gathers wait for a cotangent (`_after`)
+  w = sharded.fetch(sp, top, after=cts[:2])
+  w_prev = sharded.fetch(sp, top - 1, after=cts[:2]) if length > 1 else None
   dc, g, dx, dk = back(top, dc, w)
   dxb = put([None if d is None else _zeros(d, (length,)) for d in dx], dx, top)
   dbl = [_zeros(s, (length,)) for s in jax.eval_shape(lambda g: reduce(top, g), g)]
@@ -442,7 +459,7 @@ def _backward(conv, sharded: _Sharded, length: int, saved, sp, xs, ks, perturbed
     def step(k, st):
       i = top - 1 - k
       dc, w, pending, dk, dxb, dbl = st
-      w_prev = sharded.fetch(sp, i - 1)  # layer i-1, before layer i's backward
+      w_prev = sharded.fetch(sp, i - 1, after=dc)  # layer i-1, before layer i's backward
       r = reduce(i + 1, pending)         # layer i+1's gradient, one iteration late
       dc, g, dx, dk_i = back(i, dc, w)
       w_prev, r, dc = _barrier((w_prev, r, dc))

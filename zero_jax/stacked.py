@@ -68,6 +68,11 @@ class ShardedParam:
   def tree_unflatten(cls, aux, children):
     return cls(children[0], aux[0], aux[1], aux[2], children[1], aux[3], children[2])
 
+  def with_block(self, block) -> "ShardedParam":
+    """The same leaf with another block (same shape and dtype)."""
+    return ShardedParam(block, self.layout, self.comm, self.path, self.full, self.batch_axes,
+                        self.sink)
+
   @property
   def differentiated(self) -> int:
     """Which of its flattened children the step differentiates: the sink where there is
