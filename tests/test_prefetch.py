@@ -366,6 +366,49 @@ def test_cross_host_and_replica_hops_run_in_the_backward_loop_one_layer_late(hos
       (c.op, tuple(c.groups or ())) for c in old}
 
 
+# ------------------------------------------------- stage 2's parameter rebuild
+def two_stacks_loss(p, b):
+  """A 5-layer stack of four uneven leaves (12 rows, padded to 16) and a 3-layer one."""
+  def block(h, lp):
+    lp = zj.gather(lp)
+    h = jnp.tanh(h @ lp["w"] + lp["b"])
+    return jnp.tanh(h @ lp["up"]) @ lp["down"] + h, None
+  h, _ = jax.lax.scan(jax.checkpoint(block), b["x"] @ p["emb"], p["blocks"])
+  h, _ = jax.lax.scan(jax.checkpoint(lambda h, w: (jnp.tanh(h @ zj.gather(w)), None)), h,
+                      p["enc"])
+  return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+
+def test_stage2_rebuilds_each_stack_in_one_loop_bucketed_bit_for_bit(mesh):
+  """The update gathers every stacked leaf of a depth in one loop over the layers, a
+  layer's leaves in one bucketed all-gather, into the leaves' own buffers; the parameters
+  equal, bit for bit, those of the same step without stacked= (whole leaves gathered)."""
+  r = np.random.default_rng(2)
+  f = lambda *s: (r.normal(size=s) * 0.3).astype(np.float32)
+  params = {"emb": f(5, W), "blocks": {"w": f(5, W, W), "b": f(5, W), "up": f(5, W, 2 * W),
+                                       "down": f(5, 2 * W, W)},
+            "enc": f(3, W, W), "head": f(W, 3)}
+  got = {}
+  for stacked in (lambda path, _: "'blocks'" in jax.tree_util.keystr(path) or
+                  "'enc'" in jax.tree_util.keystr(path), None):
+    step = zj.make_sharded_train_step(two_stacks_loss, optax.adam(1e-2), mesh=mesh, stage=2,
+                                      stacked=stacked)
+    state = step.init(params)
+    if stacked is not None:
+      text = step.lower(state, make_batches()[0]).compile().as_text()
+    for b in make_batches():
+      state, _ = step(state, b)
+    got[stacked is not None] = step.get_params(state)
+  jax.tree.map(np.testing.assert_array_equal, got[True], got[False])
+  gathers = [l for l in hlo_lib.loops(text) if any(c.op == "all-gather" for c in l.collectives)]
+  assert sorted(l.trip_count for l in gathers) == [3, 5]  # one loop per depth
+  five = next(l for l in gathers if l.trip_count == 5)
+  # one all-gather per layer carrying w (12 rows padded to 16: 2 a device), b (2), up and
+  # down (24 split 8 ways: 3 a device)
+  assert [(c.op, c.shapes) for c in five.collectives] == [
+      ("all-gather", [(8, 2 * W + 2 + W * 3 + 3 * W)])]
+
+
 # ----------------------------------------------------------- outside, misuse
 def test_outside_the_step_it_is_lax_scan_and_modules_update():
   p, b = make_params(4), make_batches()[0]
