@@ -110,6 +110,12 @@ CASES = {
                                                     "layers": {"w": P(None, None, "model"),
                                                                "b": P(), "gain": P()}}},
                            True, 0),
+    "s3_sgd_param_specs_replica": (2, SGD, {"stage": 3, "mesh_shape": (2, 2, 2),
+                                            "axes": ("replica", "data", "model"),
+                                            "replica_axis": "replica",
+                                            "param_specs": {"emb": P(), "head": P(), "layers": {
+                                                "w": P(None, None, "model"), "b": P(),
+                                                "gain": P()}}}, True, 0),
     "s3_adam_bf16_qwz_qgz": (2, ADAM, {"stage": 3, "precision": "bf16", "quantize": Q}, False, 0),
     "s3_sgd_fp16": (3, SGD, {"stage": 3, "precision": "fp16",
                              "loss_scale": zj.static_loss_scale(2.0 ** 8)}, False, 0),
