@@ -298,7 +298,7 @@ def test_init_function_misuse_is_named(mesh):
       ({**NO_SPECS, "w1": P(None, None, "model")},
        r"param_specs for params\['w1'\] is .* 3 entries, but the leaf has shape \(9, 8\)"),
       ({**NO_SPECS, "emb": P(None, "model"), "w3": None},
-       r"param_specs= must be a pytree .* does not match the params(.|\n)*w3")]:
+       r"param_specs\['w3'\] is at a path that holds no parameter.*Remove the entry")]:
     tp = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh2(("data", "model")),
                                     stage=3, param_specs=specs)
     with pytest.raises(ValueError, match=message):
