@@ -105,7 +105,8 @@ def measure(args) -> dict:
           "fwd": fwd, "bwd": bwd, "compute": pred.compute, "n": n,
           "rest": rest_of_step(pred, (fwd, bwd)),
           "gather_loops": gather_loops(program),
-          "cross_after": [overlap.transfer_time(t, overlap.H100_SXM, args.link_efficiency)
+          "cross_after": [(t.op, overlap.transfer_time(t, overlap.H100_SXM,
+                                                       args.link_efficiency))
                           for t in program.transfers
                           if overlap.crosses_hosts(t, overlap.H100_SXM)],
           "step": {p: pred.step(p) for p in (0, 1)},
@@ -136,11 +137,11 @@ def reading(out: dict) -> list:
     two = out[(model, "8, ZeRO-2")]
     lines.append(
         f"- **{model}, ZeRO-2:** only the backward reduce-scatter is in the layer loop. After "
-        f"the update, each stacked leaf is gathered in a loop of its own "
-        f"({two['gather_loops'][0]} loops of one all-gather a layer), serial in both "
-        f"schedules: of its {ms(two['rest'][1])} ms of communication outside the layer loops, "
-        f"{ms(two['gather_loops'][1])} ms is those gathers' ring latency, which gathering a "
-        f"layer's leaves together would divide by the number of leaves.")
+        f"the update, the stacked leaves are gathered back one layer at a time in "
+        f"{two['gather_loops'][0]} loop (one per stack depth; a layer's leaves together, those "
+        f"above the bucket size in collectives of their own), serial in both schedules: of "
+        f"the {ms(two['rest'][1])} ms of communication outside the layer loops, "
+        f"{ms(two['gather_loops'][1])} ms is that loop's ring latency.")
     if flat:
       lines.append(
           f"- **{model}, two hosts, flat ZeRO-3:** every gather crosses the "
@@ -150,13 +151,15 @@ def reading(out: dict) -> list:
           f"{flat['step'][0] / flat['step'][1]:.2f}x faster.")
     hpz = out.get((model, "2x8, ZeRO-3 hpZ"))
     if hpz:
+      grads = [t for op, t in hpz["cross_after"] if op != "all-gather"]
+      refresh = [t for op, t in hpz["cross_after"] if op == "all-gather"]
       lines.append(
-          f"- **{model}, two hosts, hpZ:** the per-layer collectives stay in the host; the "
-          f"gradient's cross-host hop runs after the backward loop in today's program, "
-          f"{len(hpz['cross_after'])} collectives across the hosts (one per leaf, and the "
-          f"step's scalars) taking {ms(sum(hpz['cross_after']))} ms, where no schedule of the "
-          f"layer loop hides it. Bucketing that hop, or issuing it inside the loop one layer "
-          f"late, is what would.")
+          f"- **{model}, two hosts, hpZ:** the gathers stay in the host; the gradient's "
+          f"cross-host hop runs per layer in the backward loop ({ms(hpz['bwd'].cross_host)} ms "
+          f"a layer), issued one layer late with prefetch 1. Outside the loops "
+          f"{len(grads)} gradient collectives cross the hosts (the unstacked leaves' hop, the "
+          f"step's scalars: {ms(sum(grads))} ms) and {len(refresh)} all-gathers refresh the "
+          f"secondary copy after the update ({ms(sum(refresh))} ms), serial in both schedules.")
   return lines
 
 

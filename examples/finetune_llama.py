@@ -5,8 +5,9 @@ attention, SwiGLU MLP) whose parameters map onto Hugging Face's names through on
 ``rename`` function (Flax kernels are ``(in, out)``, PyTorch ``Linear`` weights ``(out,
 in)``: those are transposed). The model is never whole on a device or on the host:
 
-* ``nnx.eval_shape`` describes it without allocating anything;
-* ``zj.load_safetensors`` reads each device's block of each tensor from the files;
+* ``zj.load_safetensors`` traces the function that builds it (nothing is allocated) and
+  reads each device's block of each tensor from the files; ``step.init(..., donate=True)``
+  keeps those blocks as the state;
 * ZeRO-3 (``stage=3``) fine-tunes it on the bytes of a Python source file;
 * ``zj.export_safetensors`` writes the result from the shards, in the layout it came in
   (``config.json`` copied along), ready for ``transformers``' ``from_pretrained``.
@@ -27,6 +28,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -177,7 +179,8 @@ def write_tiny_checkpoint(directory, cfg: LlamaConfig, seed: int = 0) -> dict:
 
 def text_batches(batch_size: int, seq_len: int, vocab: int, seed: int = 0):
   """Windows of the bytes of a Python source file (``json/decoder.py``), forever."""
-  data = np.frombuffer(open(json.decoder.__file__, "rb").read(), np.uint8).astype(np.int32)
+  with open(json.decoder.__file__, "rb") as f:
+    data = np.frombuffer(f.read(), np.uint8).astype(np.int32)
   data %= vocab
   rng = np.random.default_rng(seed)
   while True:
@@ -213,6 +216,9 @@ def main(argv=None) -> dict:
   jax.config.update("jax_num_cpu_devices", args.devices)  # affects only the CPU backend
   import optax
   from flax import nnx
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if os.path.exists(os.path.join(root, "zero_jax", "__init__.py")):
+    sys.path.insert(0, root)  # run from a checkout: its zero_jax, installed or not
   import zero_jax as zj
 
   work = tempfile.mkdtemp(prefix="finetune_llama_") if args.out is None else \
@@ -224,9 +230,11 @@ def main(argv=None) -> dict:
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   step = zj.make_sharded_train_step(loss_fn, optax.adamw(args.lr), mesh=mesh, stage=3)
 
-  abstract = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))  # nothing allocated
-  model = zj.load_safetensors(checkpoint, abstract, step=step, rename=hf_name)
-  state = step.init(model)
+  # The same function step.init would take, traced (nothing allocated): each device reads
+  # its block of each tensor; the state keeps those blocks (donate=True: no second copy).
+  make_model = lambda: build_model(cfg, nnx.Rngs(0))
+  model = zj.load_safetensors(checkpoint, make_model, step=step, rename=hf_name)
+  state = step.init(model, donate=True)
   losses = []
   batches = text_batches(args.batch_size, args.seq_len, cfg.vocab_size)
   for i in range(args.steps):

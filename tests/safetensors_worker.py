@@ -3,8 +3,10 @@
 Importable without side effects: the test process builds the same steps and states from
 here for its one-process export.
 
-  python tests/safetensors_worker.py OUT_DIR   # exports each variant into OUT_DIR/<variant>,
-                                               # then loads stage 3's export and exports it again
+  python tests/safetensors_worker.py OUT_DIR   # exports each variant into OUT_DIR/<variant>
+                                               # (one made by an init function across both
+                                               # processes), then loads stage 3's export and
+                                               # exports it again
 """
 
 import os
@@ -14,12 +16,20 @@ import numpy as np
 
 SHAPES = {"emb": (32, 24), "odd": (5, 9), "bias": (9,), "kernel": (24, 40), "scale": ()}
 VARIANTS = {"stage3_bf16": dict(stage=3, precision="bf16"),  # master split, padded blocks
-            "stage2_fp32": dict(stage=2)}                     # replicated over both processes
+            "stage2_fp32": dict(stage=2),                     # replicated over both processes
+            "stage3_function": dict(stage=3)}  # step.init(init_fn): each process its blocks
 
 
 def params():
   rng = np.random.default_rng(3)
   return {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def init_fn():
+  """The params drawn under jit, each device its own block (the "stage3_function" variant)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  keys = jax.random.split(jax.random.key(5), len(SHAPES))
+  return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, SHAPES.items())}
 
 
 def rename(name):
@@ -39,8 +49,17 @@ def make_step(variant):
 def export(variant, directory):
   """The variant's state exported in 3 files (small max_shard_bytes): what both runs write."""
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  from zero_jax import init as init_lib  # pylint: disable=g-import-not-at-top
   step = make_step(variant)
-  state = step.init(params())
+  if variant != "stage3_function":
+    state = step.init(params())
+  else:  # made as a big model is, one jit per leaf (a small one is made inside init's jit)
+    saved = init_lib.MIN_GROUP_BYTES, init_lib.INIT_GROUPS
+    init_lib.MIN_GROUP_BYTES, init_lib.INIT_GROUPS = 0, 10**6
+    try:
+      state = step.init(init_fn)
+    finally:
+      init_lib.MIN_GROUP_BYTES, init_lib.INIT_GROUPS = saved
   return zj.export_safetensors(step, state, directory, rename=rename, max_shard_bytes=4000,
                                chunk_bytes=256)
 

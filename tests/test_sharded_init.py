@@ -3,11 +3,9 @@
 A function runs under ``jit`` with the state's shardings; split arrays are used where they
 lie. Either way the state equals the one ``step.init`` makes from the eager values, bitwise,
 and training from it equals a single-device optax (or ``nnx.Optimizer``) reference. The peak
-host memory of both paths is read in a subprocess (``VmHWM``).
+host memory of both paths is read in a subprocess (``VmHWM``) by tests/test_safetensors.py.
 """
 
-import importlib.util
-import pathlib
 import warnings
 
 import jax
@@ -23,9 +21,6 @@ from zero_jax import init as init_lib
 from zero_jax.comm.layout import local_storage_shape
 from _feature_helpers import assert_tree_close, reference_run
 from _small_mlp import loss_fn as mlp_loss
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
 
 def init_fn():
   """Leaves that need padding on 8 devices, some that split evenly (emb: two ways), a scalar."""
@@ -263,6 +258,25 @@ def test_memory_report_and_abstract_state_take_a_function():
     assert a.as_dict() == zj.memory_report(made, tx, n_devices=8, precision="bf16").as_dict()
 
 
+def test_a_checkpoint_restores_into_the_state_of_an_init_function(mesh, tmp_path):
+  """``CheckpointManager.restore(step, fn)``: the function is traced for the target, not run;
+  the restored state (BatchNorm statistics and RNG state moved by a step) equals the saved one
+  bitwise, and a function of other shapes is refused, naming the leaf."""
+  step = zj.make_sharded_train_step(net_loss, optax.adam(1e-2), mesh=mesh, stage=3)
+  fn = lambda: Net(nnx.Rngs(0))
+  state, _ = step(step.init(fn), batches(1)[0])
+  kept = jax.tree.map(lambda x: x.copy(), state)
+  with zj.CheckpointManager(tmp_path / "net", async_save=False) as mngr:
+    mngr.save(state)
+    leaves_equal(mngr.restore(step, fn), kept, what="restored: ")
+  pytree_step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3)
+  with zj.CheckpointManager(tmp_path / "pytree", async_save=False) as mngr:
+    mngr.save(pytree_step.init(init_fn))
+    with pytest.raises(ValueError, match=r"params\['w1'\]: checkpoint \(9, 8\) float32, "
+                                         r"this step's state \(9, 16\)"):
+      mngr.restore(pytree_step, lambda: {**init_fn(), "w1": jnp.zeros((9, 16))})
+
+
 # --------------------------------------------------------------- misuse
 def test_init_function_misuse_is_named(mesh):
   step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3)
@@ -280,21 +294,15 @@ def test_init_function_misuse_is_named(mesh):
                                   stage=3, param_specs={**NO_SPECS, "w1": P("model")})
   with pytest.raises(ValueError, match=r"param_specs for params\['w1'\].*size 9"):
     tp.init(init_fn)  # 9 rows cannot be split over 2 devices
+  for specs, message in [  # the function's leaves against the step's param_specs
+      ({**NO_SPECS, "w1": P(None, None, "model")},
+       r"param_specs for params\['w1'\] is .* 3 entries, but the leaf has shape \(9, 8\)"),
+      ({**NO_SPECS, "emb": P(None, "model"), "w3": None},
+       r"param_specs\['w3'\] is at a path that holds no parameter.*Remove the entry")]:
+    tp = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh2(("data", "model")),
+                                    stage=3, param_specs=specs)
+    with pytest.raises(ValueError, match=message):
+      tp.init(init_fn)
   big = np.ones((1024, 512), np.float32)  # 2 MiB made outside: a constant in the program
   with pytest.warns(RuntimeWarning, match=r"params\['big'\] \(2 MiB\).*did not compute"):
     step.init(lambda: {**init_fn(), "big": big})
-
-
-# ------------------------------------------------------------ peak memory
-def test_peak_host_memory_of_init_stays_near_the_model(monkeypatch):
-  """Stage 3, a 256 MiB model (16 leaves) on 8 CPU devices, SGD (the state is the model's
-  bytes): before, +9.6x the model's bytes from split arrays (each device held the whole
-  model); now the state (1x) plus at most 0.5x, from split arrays and from a function.
-  Measured in a fresh process by benchmarks/bench_init.py (peak over the process before init)."""
-  monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-  spec = importlib.util.spec_from_file_location("bench_init", ROOT / "benchmarks" / "bench_init.py")
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
-  peak = {v: r["peak"] for v, r in bench.run_child(["split", "function"], 256, "sgd").items()}
-  assert peak["split"] <= 1.5 and peak["function"] <= 1.5, peak
-  assert peak["split"] >= 0.9 and peak["function"] >= 0.9, peak  # the state is really there

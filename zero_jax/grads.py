@@ -138,10 +138,13 @@ def _gather(spec: StepSpec, meta, leaves: dict, to: str) -> dict:
   return {i: checkpoint_name(x, _GATHERED) for i, x in zip(idx, full)}
 
 
-def scattered_in_loop(spec: StepSpec, meta) -> list[bool]:
-  """Per parameter leaf: a stage-2 stacked leaf whose gradient `zero_jax.gather`
-  reduce-scatters inside the loss's loop (see `zero_jax.stacked`)."""
-  return [spec.param_stage == 2 and t and s and l.dim is not None and not l.has_model
+def reduced_in_loop(spec: StepSpec, meta) -> list[bool]:
+  """Per parameter leaf: a stacked leaf whose gradient `zero_jax.gather` (or
+  `zero_jax.scan`) reduces whole inside the loss's loop, into a differentiated block of
+  zeros (`_zero_block`, see `zero_jax.stacked`): at stage 2, and at stage 3 where the
+  gradient goes on across hosts or replicas after the gather's transpose (`outer_reduced`)."""
+  sinks = spec.param_stage == 3 and outer_reduced(spec)
+  return [t and s and l.dim is not None and (sinks or spec.param_stage == 2 and not l.has_model)
           for t, s, l in zip(meta.trainable, meta.stacked, meta.param_layouts)]
 
 
@@ -156,9 +159,10 @@ def _gather_all(spec: StepSpec, meta, blocks) -> list:
 def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
   """The parameter tree ``loss_fn`` sees: stage 3 gathers (or wraps stacked leaves);
   stage 2 wraps the stacked leaves whose gradient is reduced in the loop."""
+  in_loop = reduced_in_loop(spec, meta)
   if spec.param_stage != 3:
     full = {**frozen, **train}
-    for i, yes in enumerate(scattered_in_loop(spec, meta)):
+    for i, yes in enumerate(in_loop):
       if yes:
         full[i] = ShardedParam(train[i], meta.param_layouts[i], spec.comm, paths[i],
                                full=leaves[i], batch_axes=spec.batch_axes)
@@ -167,7 +171,9 @@ def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
   for part, to in ((frozen, "invarying"), (train, "varying")):
     plain = {i: x for i, x in part.items() if not meta.stacked[i]}
     full.update(_gather(spec, meta, plain, to))
-    full.update({i: ShardedParam(x, meta.param_layouts[i], spec.comm, paths[i])
+    full.update({i: ShardedParam(leaves[i], meta.param_layouts[i], spec.comm, paths[i],
+                                 sink=x) if in_loop[i] else
+                 ShardedParam(x, meta.param_layouts[i], spec.comm, paths[i])
                  for i, x in part.items() if meta.stacked[i]})
   return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
 
@@ -183,29 +189,29 @@ def outer_reduced(spec: StepSpec) -> bool:
 
 def _differentiated(spec: StepSpec, meta, leaves) -> tuple[list, list]:
   """What the gradient is taken with respect to, per trainable leaf, and which leaves'
-  gradients `zero_jax.gather` reduces inside the loss's loop.
+  gradients `zero_jax.gather` reduces inside the loss's loop (`reduced_in_loop`).
 
   Stage 3: the blocks (the gather's transpose reduces), made device-varying over the
   axes `outer_reduced` reduces explicitly. Stages 1-2: a device-varying copy of each leaf,
-  so the gradient is the device's own and not already summed over devices; for a stacked
-  leaf reduced in the loop, a block of zeros that receives its reduced block.
+  so the gradient is the device's own and not already summed over devices. A leaf reduced
+  in the loop: a block of zeros that receives its reduced block.
   """
-  in_loop = scattered_in_loop(spec, meta)
-  diff = [leaves[i] for i in meta.train_idx]
-  if spec.param_stage != 3:
-    diff = [_zero_block(spec, meta.param_layouts[i], leaves[i].dtype) if in_loop[i] else
-            jax.lax.pcast(x, spec.batch_axes, to="varying")
-            for i, x in zip(meta.train_idx, diff)]
-  elif outer_reduced(spec):
-    diff = [jax.lax.pcast(x, spec.comm.outer_axes + spec.replica_axes, to="varying")
-            for x in diff]
+  in_loop = reduced_in_loop(spec, meta)
+  local = spec.batch_axes if spec.param_stage != 3 else \
+      spec.comm.outer_axes + spec.replica_axes if outer_reduced(spec) else ()
+  diff = [_zero_block(spec, meta.param_layouts[i], leaves[i].dtype) if in_loop[i] else
+          jax.lax.pcast(leaves[i], local, to="varying") if local else leaves[i]
+          for i in meta.train_idx]
   return diff, in_loop
 
 
 def _zero_block(spec: StepSpec, layout, dtype):
-  """The differentiated stand-in of a stage-2 stacked leaf: its gradient is the reduced block."""
-  block = jnp.zeros(lay.local_storage_shape(layout, spec.n_data), jnp.promote_types(dtype,
-                                                                                  jnp.float32))
+  """The differentiated stand-in of a leaf reduced in the loop: its gradient is the
+  reduced block (split over every data axis; model-split dimensions whole, as the
+  step's ``shard_map`` sees them)."""
+  data_only = lay.Layout(layout.shape, layout.dim, layout.padded)
+  block = jnp.zeros(lay.local_storage_shape(data_only, spec.n_data),
+                    jnp.promote_types(dtype, jnp.float32))
   return jax.lax.pcast(block, spec.data_axes, to="varying")
 
 

@@ -7,7 +7,7 @@ only its own block. A big model is made in groups of leaves, one ``jit`` each, w
 ``jit`` that builds the state then reuses. Arrays that are already split on the step's mesh
 enter that ``jit`` where they lie (resharding a split array to another split moves blocks, never
 a whole leaf); host arrays are first put on the devices split over the data axes where a
-dimension divides evenly. See the guide docs/guides/bigger_init.md.
+dimension divides evenly. See the guide docs/guides/bigger.md.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
@@ -244,6 +244,19 @@ def maker(spec: StepSpec, meta: st.StateMeta, source: Source) -> Maker:
                                    lambda: [shardings[i].spec for i in idx]),
                    out_shardings=[shardings[i] for i in idx])
   return Maker(idx_groups, outs, values, program)
+
+
+def model_state(spec: StepSpec, meta: st.StateMeta, source: Source):
+  """An init function's model state (a module's variables outside ``wrt``: BatchNorm
+  statistics, ``nnx.Rngs`` state), made replicated by one ``jit`` that computes nothing
+  else; for a ``source`` with values, its own."""
+  if source.make is None:
+    return source.model_state
+  make = maker(spec, meta, source)
+  idx = list(range(len(meta.param_layouts), len(make.outs)))
+  with context.mesh_context(spec):
+    leaves = make.program(idx)() if idx else []
+  return jax.tree.unflatten(jax.tree.structure(source.model_state), leaves)
 
 
 def make_leaves(spec: StepSpec, make: Maker) -> list:

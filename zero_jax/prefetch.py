@@ -5,10 +5,12 @@ A drop-in for ``jax.lax.scan(f, init, stacked)`` over stacked layers (``stacked=
 gathered. With ``prefetch=1`` inside a stage-3 step the forward loop issues layer i+1's
 all-gather before layer i's compute and carries it (a double buffer); the backward pass,
 one ``custom_vjp`` over the whole stack, issues layer i-1's re-gather before layer i's
-backward and reduces layer i's gradient one iteration late, so that it overlaps layer
-i-1's backward. At stage 2 (and with ``gather_once``) only the delayed reduction applies.
+backward and reduces layer i's gradient one iteration late (with hpZ or replica axes, its
+hops across hosts too: `zero_jax.stacked.gather_many`), so that it overlaps layer i-1's
+backward. At stage 2 (and with ``gather_once``) only the delayed reduction applies.
 Each layer is recomputed in the backward pass from its input carry, as under
-``jax.checkpoint``. See the docs' stage 3 guide and "How it works".
+``jax.checkpoint``. `zero_jax.scan_layers` turns ``stacked`` (arrays, `ShardedParam`s,
+NNX modules) into flat leaves. See the docs' stage 3 guide and "How it works".
 """
 
 from __future__ import annotations
@@ -18,17 +20,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from zero_jax import nnx as nnx_lib
 from zero_jax.comm.axes import make_varying, varying_axes
-from zero_jax.stacked import ShardedParam, _gather_many, gather, scatter_many
+from zero_jax.scan_layers import Layers, layer_fn
+from zero_jax.stacked import gather, gather_many, scatter_many
 
 PREFETCH_CHOICES = (0, 1)
-
-
-def _is_sharded(x) -> bool:
-  return isinstance(x, ShardedParam)
 
 
 def _is_float(x) -> bool:
@@ -65,6 +62,24 @@ def _barrier(tree):
   return jax.tree.unflatten(treedef, leaves)
 
 
+def _after(sps: list, x) -> list:
+  """The `ShardedParam`s ``sps``, their split blocks computed from a value of ``x`` (a
+  cotangent) so that their gathers cannot start before ``x`` exists, and unchanged.
+
+  XLA:GPU keeps the ordering barriers until it has scheduled; XLA:CPU drops them first,
+  and would otherwise issue the backward pass's first gathers at the start of the step
+  and keep them through the forward pass. A sign bit is never above 1, but XLA cannot
+  tell (the select fuses into the gather's packing).
+  """
+  xs = [v for v in jax.tree.leaves(x) if _is_float(v) and v.size]
+  if not xs:
+    return sps
+  bits = jax.lax.bitcast_convert_type(xs[0].reshape(-1)[0].astype(jnp.float32), jnp.uint32)
+  never = jax.lax.shift_right_logical(bits, jnp.uint32(31)) > 1
+  return [p.with_block(jnp.where(never, jnp.zeros((), p.block.dtype), p.block))
+          if p.layout.dim is not None and _is_float(p.block) else p for p in sps]
+
+
 def _vma(x) -> tuple:
   """The axes an array, or a struct from ``jax.eval_shape`` inside ``shard_map``, varies over."""
   if isinstance(x, jax.ShapeDtypeStruct):  # (its aval cannot always be rebuilt: model axes)
@@ -76,109 +91,6 @@ def _zeros(s, lead: tuple = ()):
   """Zeros shaped ``lead + s.shape`` with the device variance of ``s``."""
   return make_varying(jnp.zeros(lead + tuple(s.shape), s.dtype), _vma(s))
 
-
-
-# ----------------------------------------------------------------- the layers
-class _Layers:
-  """``stacked`` as a flat list of stacked leaves (`ShardedParam`s and arrays), NNX modules
-  split into their variables; rebuilds one layer for ``f`` and writes module updates back.
-
-  Attributes:
-    leaves: the stacked leaves, in order.
-    sharded: indices of the `ShardedParam` leaves.
-    state_idx: indices of the leaves of module variables that ``f`` may update (a
-      module's variables other than its sharded parameters: BatchNorm statistics, RNG
-      counters; at stage 1 its parameters too).
-    length: the number of layers.
-  """
-
-  def __init__(self, stacked):
-    is_top = lambda x: nnx_lib.is_module(x) or _is_sharded(x)
-    paths_top, self.topdef = jax.tree_util.tree_flatten_with_path(stacked, is_leaf=is_top)
-    self.leaves, self.parts, paths = [], [], []
-    for path, t in paths_top:
-      start = len(self.leaves)
-      if nnx_lib.is_module(t):
-        graphdef, state = nnx.split(t)
-        sub, sdef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_sharded)
-        self.parts.append((t, graphdef, sdef, start, len(sub)))
-        self.leaves += [x for _, x in sub]
-        paths += [jax.tree_util.keystr(path) + jax.tree_util.keystr(p) for p, _ in sub]
-      else:
-        self.parts.append((None, None, None, start, 1))
-        self.leaves.append(t)
-        paths.append(jax.tree_util.keystr(path))
-    self.sharded = [i for i, x in enumerate(self.leaves) if _is_sharded(x)]
-    self.state_idx = [i for m, _, _, s, n in self.parts if m is not None
-                      for i in range(s, s + n) if not _is_sharded(self.leaves[i])]
-    self.length = _length(self.leaves, paths)
-
-  def layer(self, leaves: list) -> tuple[Any, list]:
-    """One layer's tree for ``f`` from its leaves (gathered where sharded), and its modules."""
-    top, modules = [], []
-    for m, graphdef, sdef, s, n in self.parts:
-      if m is None:
-        top.append(leaves[s])
-      else:
-        modules.append(nnx.merge(graphdef, jax.tree.unflatten(sdef, leaves[s:s + n])))
-        top.append(modules[-1])
-    return jax.tree.unflatten(self.topdef, top), modules
-
-  def state_of(self, modules: list) -> list:
-    """The leaves at `state_idx` of a layer's modules after ``f`` ran on them."""
-    full: list = [None] * len(self.leaves)
-    for module, (_, _, sdef, s, n) in zip(modules, [p for p in self.parts if p[0] is not None]):
-      sub, got = jax.tree.flatten(nnx.split(module)[1], is_leaf=_is_sharded)
-      if got != sdef:
-        raise ValueError(
-            f"zero_jax.scan: f changed which variables a layer's module holds ({n} leaves "
-            f"before, {len(sub)} after); create every variable in __init__, as nnx.scan "
-            f"requires.")
-      full[s:s + n] = sub
-    return [full[i] for i in self.state_idx]
-
-  def write_back(self, changed: list[bool], new: list) -> None:
-    """Puts the stacked new values of the changed module variables into the modules."""
-    got = dict(zip([i for i, c in zip(self.state_idx, changed) if c], new))
-    for m, graphdef, sdef, s, n in self.parts:
-      if m is not None and any(i in got for i in range(s, s + n)):
-        nnx.update(m, jax.tree.unflatten(sdef, [got.get(i, self.leaves[i])
-                                                 for i in range(s, s + n)]))
-
-
-def _length(leaves: list, paths: list) -> int:
-  """The common leading (layer) dimension of the stacked leaves."""
-  sizes = []
-  for x, path in zip(leaves, paths):
-    shape = np.shape(x.block if _is_sharded(x) else x)
-    if not shape:
-      raise ValueError(f"zero_jax.scan: stacked{path} is a scalar; every leaf of stacked "
-                       f"has the layers along its leading dimension.")
-    sizes.append(shape[0])
-  if not sizes:
-    raise ValueError("zero_jax.scan: stacked holds no arrays; pass the stacked layers "
-                     "(leaves with the layers along their leading dimension).")
-  if len(set(sizes)) > 1:
-    detail = ", ".join(f"stacked{p}: {s}" for p, s in zip(paths, sizes))
-    raise ValueError(f"zero_jax.scan: the leaves of stacked have different numbers of "
-                     f"layers (leading dimensions {detail}); they must agree.")
-  return sizes[0]
-
-
-def _layer_fn(f: Callable, layers: _Layers, changed: list) -> Callable:
-  """``body(carry, leaves) -> (carry, y, new state leaves)`` for one layer; records in
-  ``changed`` which module variables ``f`` updated (only those leave the loop)."""
-  def body(carry, leaves):
-    tree, modules = layers.layer(list(leaves))
-    out = f(carry, tree)
-    if not (isinstance(out, tuple) and len(out) == 2):
-      raise TypeError(f"zero_jax.scan: f(carry, layer) must return a pair (carry, y), as "
-                      f"for jax.lax.scan; it returned {type(out).__name__}.")
-    new = layers.state_of(modules)
-    flags = [n is not leaves[i] for n, i in zip(new, layers.state_idx)]
-    changed[:] = flags
-    return out[0], out[1], [n for n, c in zip(new, flags) if c]
-  return body
 
 
 # ------------------------------------------------------------------- the scan
@@ -228,16 +140,16 @@ def scan(f: Callable, init: Any, stacked: Any, *, prefetch: int = 1) -> tuple[An
     raise ValueError(f"zero_jax.scan: prefetch={prefetch!r}; choose 1 (gather the next "
                      f"layer while this one computes) or 0 (gather each layer in its own "
                      f"iteration).")
-  layers = _Layers(stacked)
+  layers = Layers(stacked)
   if prefetch == 0 or not layers.sharded:
     return _scan_plain(f, init, layers)
   return _scan_prefetched(f, init, layers)
 
 
-def _scan_plain(f, init, layers: _Layers):
+def _scan_plain(f, init, layers: Layers):
   """Today's schedule: ``lax.scan`` of a ``jax.checkpoint``-ed body that gathers its layer."""
   changed: list = []
-  body = _layer_fn(f, layers, changed)
+  body = layer_fn(f, layers, changed)
 
   @jax.checkpoint  # the backward pass gathers each layer again
   def step(carry, leaves):
@@ -291,22 +203,25 @@ class _Sharded:
   def __init__(self, sps: list):
     self.leaves, self.treedef = jax.tree.flatten(sps)
     self.ahead = all(x.full is None for x in sps)
-    self.block_pos = np.cumsum([0] + [1 + (x.full is not None) for x in sps])[:-1].tolist()
+    # the flat index of each one's differentiated child (`ShardedParam.differentiated`)
+    starts = np.cumsum([0] + [len(jax.tree.leaves(x)) for x in sps])[:-1]
+    self.diff_pos = [int(s) + x.differentiated for s, x in zip(starts, sps)]
 
   def at(self, leaves, i) -> list:
     """Layer ``i``'s `ShardedParam`s."""
     return jax.tree.unflatten(self.treedef, [_at(x, i) for x in leaves])
 
-  def fetch(self, leaves, i):
-    """What a loop carries for layer ``i``: its gathered values (stage 3), or None."""
-    return _gather_many(self.at(leaves, i)) if self.ahead else None
+  def fetch(self, leaves, i, after=None):
+    """What a loop carries for layer ``i``: its gathered values (stage 3), or None;
+    gathered only once ``after`` exists (see `_after`)."""
+    return gather_many(_after(self.at(leaves, i), after)) if self.ahead else None
 
   def use(self, leaves, i, w) -> list:
     """Layer ``i``'s values for ``f``: the carried ``w``, or taken here (stage 2)."""
-    return w if self.ahead else _gather_many(self.at(leaves, i))
+    return w if self.ahead else gather_many(self.at(leaves, i))
 
 
-def _scan_prefetched(f, init, layers: _Layers):
+def _scan_prefetched(f, init, layers: Layers):
   """The schedule of the module docstring; see `scan`."""
   n, length = len(layers.leaves), layers.length
   plain_idx = [i for i in range(n) if i not in set(layers.sharded)]
@@ -314,7 +229,7 @@ def _scan_prefetched(f, init, layers: _Layers):
   plain = [layers.leaves[i] for i in plain_idx]
   init_leaves, init_def = jax.tree.flatten(init)
   changed: list = []
-  body, defs = _layer_fn(f, layers, changed), {}
+  body, defs = layer_fn(f, layers, changed), {}
 
   def flat(c, w, x):
     leaves: list = [None] * n
@@ -325,7 +240,7 @@ def _scan_prefetched(f, init, layers: _Layers):
     y_out, defs["y"] = jax.tree.flatten(y)
     return c_out, y_out, list(new)
 
-  ex_w = [_zeros(s) for s in jax.eval_shape(lambda ls: _gather_many(sharded.at(ls, 0)),
+  ex_w = [_zeros(s) for s in jax.eval_shape(lambda ls: gather_many(sharded.at(ls, 0)),
                                              sharded.leaves)]
   ex_x = [_zeros(s) for s in jax.eval_shape(lambda xs: [x[0] for x in xs], plain)]
   init_leaves = _carry_like(init_leaves, init_def, defs,
@@ -404,7 +319,7 @@ def _backward(conv, sharded: _Sharded, length: int, saved, sp, xs, ks, perturbed
   Returns the cotangents of ``run``'s inputs (init, sharded leaves, per-layer arrays,
   closed-over values); None where nothing flows.
   """
-  layer_sps, pos = sharded.at(sp, 0), sharded.block_pos
+  layer_sps, pos = sharded.at(sp, 0), sharded.diff_pos
   masks = ([_is_float(x) for x in saved],
            [_is_float(x.block) and perturbed["sp"][p] for x, p in zip(layer_sps, pos)],
            [_is_float(x) and p for x, p in zip(xs, perturbed["xs"])],
@@ -424,11 +339,9 @@ def _backward(conv, sharded: _Sharded, length: int, saved, sp, xs, ks, perturbed
     return scatter_many([layer[j] for j in red], [g[j] for j in red])
 
   top = length - 1
-  # The first gathers wait for the backward pass to start (XLA:GPU schedules with the
-  # barrier; XLA:CPU drops barriers before scheduling and may hoist them).
-  first, dc = _barrier((list(sp), list(cts[0])))
-  w = sharded.fetch(first, top)
-  w_prev = sharded.fetch(first, top - 1) if length > 1 else None  # before layer L-1's backward
+  dc = list(cts[0])  # the backward pass's gathers wait for a cotangent (`_after`)
+  w = sharded.fetch(sp, top, after=cts[:2])
+  w_prev = sharded.fetch(sp, top - 1, after=cts[:2]) if length > 1 else None
   dc, g, dx, dk = back(top, dc, w)
   dxb = put([None if d is None else _zeros(d, (length,)) for d in dx], dx, top)
   dbl = [_zeros(s, (length,)) for s in jax.eval_shape(lambda g: reduce(top, g), g)]
@@ -440,7 +353,7 @@ def _backward(conv, sharded: _Sharded, length: int, saved, sp, xs, ks, perturbed
     def step(k, st):
       i = top - 1 - k
       dc, w, pending, dk, dxb, dbl = st
-      w_prev = sharded.fetch(sp, i - 1)  # layer i-1, before layer i's backward
+      w_prev = sharded.fetch(sp, i - 1, after=dc)  # layer i-1, before layer i's backward
       r = reduce(i + 1, pending)         # layer i+1's gradient, one iteration late
       dc, g, dx, dk_i = back(i, dc, w)
       w_prev, r, dc = _barrier((w_prev, r, dc))

@@ -13,8 +13,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zero_jax.comm.collectives import (Comm, axes_size, gather_in_loss, plan_buckets,
-                                       reduce_scatter_many, scatter_in_loss)
+from zero_jax.comm.axes import make_varying
+from zero_jax.comm.collectives import (Comm, all_gather_many, axes_size, gather_in_loss,
+                                       plan_buckets, reduce_outer_many, reduce_scatter_many,
+                                       scatter_in_loss)
 from zero_jax import nnx as nnx_lib
 from zero_jax.comm.layout import Layout, local_storage_shape, unpad
 
@@ -38,16 +40,20 @@ class ShardedParam:
     path: the leaf's ``keystr`` path, for error messages (static).
     full: stage 2: the whole value of the slice (replicated); None at stage 3.
     batch_axes: stage 2: the axes its gradient is local to (static); () at stage 3.
+    sink: stage 3 with hpZ or replica axes: a block of zeros split over every
+      data axis, whose gradient is the slice's gradient reduced over every
+      axis (the block's is not taken); None otherwise.
   """
 
   def __init__(self, block, layout: Layout, comm: Comm, path: str, full=None,
-               batch_axes: tuple = ()):
+               batch_axes: tuple = (), sink=None):
     self.block = block
     self.layout = layout
     self.comm = comm
     self.path = path
     self.full = full
     self.batch_axes = batch_axes
+    self.sink = sink
 
   @property
   def axis_name(self) -> tuple:
@@ -55,11 +61,23 @@ class ShardedParam:
     return self.comm.gather_axes if self.full is None else self.comm.data_axes
 
   def tree_flatten(self):
-    return (self.block, self.full), (self.layout, self.comm, self.path, self.batch_axes)
+    return (self.block, self.full, self.sink), (self.layout, self.comm, self.path,
+                                                self.batch_axes)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(children[0], aux[0], aux[1], aux[2], children[1], *aux[3:])
+    return cls(children[0], aux[0], aux[1], aux[2], children[1], aux[3], children[2])
+
+  def with_block(self, block) -> "ShardedParam":
+    """The same leaf with another block (same shape and dtype)."""
+    return ShardedParam(block, self.layout, self.comm, self.path, self.full, self.batch_axes,
+                        self.sink)
+
+  @property
+  def differentiated(self) -> int:
+    """Which of its flattened children the step differentiates: the sink where there is
+    one (it comes after the block), else the block (at stage 2 itself a block of zeros)."""
+    return 0 if self.sink is None else 1
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -77,8 +95,9 @@ class ShardedParam:
 
   def __getitem__(self, index):
     full = None if self.full is None else self.full[index]
+    sink = None if self.sink is None else self.sink[index]
     return ShardedParam(self.block[index], self.layout, self.comm, self.path, full,
-                        self.batch_axes)
+                        self.batch_axes, sink)
 
   def __repr__(self):
     return f"ShardedParam(params{self.path}, shape={self.shape}, layout={self.layout})"
@@ -86,9 +105,9 @@ class ShardedParam:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _scatter_on_backward(blocks, fulls, layouts, comm: Comm, batch_axes, groups):
-  """``fulls`` (made local to the device); the transpose sends their gradients to
-  ``blocks``, reduced as ``comm`` says (reduce-scattered over the data axes, all-reduced
-  over the replica axes), the small ones together (``groups``)."""
+  """Stage 2: ``fulls`` (made local to the device); the transpose sends their gradients
+  to ``blocks``, reduced as ``comm`` says (reduce-scattered over the data axes,
+  all-reduced over the replica axes), the small ones together (``groups``)."""
   del blocks, layouts, comm, groups
   return [jax.lax.pcast(f, batch_axes, to="varying") for f in fulls]
 
@@ -106,6 +125,37 @@ def _scatter_bwd(layouts, comm, batch_axes, groups, zeros, cts):
 
 
 _scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _gather_into_sinks(sinks, blocks, layouts, comm: Comm, groups):
+  """Stage 3 with hpZ or replica axes: ``blocks`` gathered over the gather axes; the
+  transpose sends their gradients to ``sinks`` reduced over every axis: over the gather
+  axes (the gather's transpose), then across hosts and replicas (`reduce_outer_many`),
+  so that the whole reduction runs where the layer's backward does."""
+  del sinks
+  return all_gather_many(_local(blocks, comm), list(layouts), groups, comm, to="varying")
+
+
+def _local(blocks, comm: Comm) -> list:
+  """Blocks made device-varying over the axes they are replicated on (the other data
+  axes, the replica axes): their gradients are the device's own until reduced."""
+  return [make_varying(b, comm.outer_axes + comm.replica_axes) for b in blocks]
+
+
+def _sinks_fwd(sinks, blocks, layouts, comm, groups):
+  out = _gather_into_sinks(sinks, blocks, layouts, comm, groups)
+  return out, ([jnp.zeros((), s.dtype) for s in sinks], blocks)
+
+
+def _sinks_bwd(layouts, comm, groups, res, cts):
+  zeros, blocks = res
+  gs = scatter_in_loss(list(cts), _local(blocks, comm), layouts, groups, comm)
+  gs = reduce_outer_many(gs, layouts, groups, comm)
+  return [g.astype(z.dtype) for g, z in zip(gs, zeros)], [jnp.zeros_like(b) for b in blocks]
+
+
+_gather_into_sinks.defvjp(_sinks_fwd, _sinks_bwd)
 
 
 def _sliced_layout(x: ShardedParam) -> tuple[Layout, tuple, int]:
@@ -132,48 +182,72 @@ def _sliced_layout(x: ShardedParam) -> tuple[Layout, tuple, int]:
   return Layout(shape, dim, layout.padded if dim is not None else 0), local, drop
 
 
-def _plan(xs: list) -> list[tuple[bool, list[int], tuple, tuple]]:
-  """How one `gather` call moves the `ShardedParam`s ``xs`` split over the data axes:
-  per kind (stage 2, then 3), ``(stage 2?, their indices, sliced layouts, buckets)``."""
+_STAGE2, _SINK, _STAGE3 = "stage 2", "sink", "stage 3"
+
+
+def _kind(x: ShardedParam) -> str:
+  """How a `ShardedParam` is gathered and its gradient reduced (see `gather_many`)."""
+  return _STAGE2 if x.full is not None else _STAGE3 if x.sink is None else _SINK
+
+
+def _plan(xs: list) -> list[tuple[str, list[int], tuple, tuple]]:
+  """How one `gather_many` call moves the `ShardedParam`s ``xs`` split over the data
+  axes: per kind, ``(kind, their indices, sliced layouts, buckets)``."""
   sliced = [_sliced_layout(x)[0] for x in xs]
   plans = []
-  for stage2 in (True, False):
-    idx = [i for i, x in enumerate(xs) if (x.full is not None) == stage2
-           and sliced[i].dim is not None]
+  for kind in (_STAGE2, _SINK, _STAGE3):
+    idx = [i for i, x in enumerate(xs) if _kind(x) == kind and sliced[i].dim is not None]
     if idx:
       layouts = tuple(sliced[i] for i in idx)
       groups = plan_buckets(layouts, [xs[i].block.dtype for i in idx],
                             bucket_bytes=xs[idx[0]].comm.bucket_bytes)
-      plans.append((stage2, idx, layouts, groups))
+      plans.append((kind, idx, layouts, groups))
   return plans
 
 
-def _gather_many(xs: list) -> list:
-  """Full values of the `ShardedParam`s of one `gather` call, small ones moved together."""
+def gather_many(xs: list) -> list:
+  """Full values of the `ShardedParam`s ``xs`` (one layer's, or whole stacks), the small
+  ones moved together; their gradients are reduced on the way back.
+
+  The one mechanism of `gather` and `zero_jax.scan`: at stage 2 the value is
+  here and the transpose reduce-scatters its gradient (into the zero block);
+  at stage 3 the block is all-gathered over the gather axes and the transpose
+  reduce-scatters over them (with hpZ or replica axes, on into the sink over
+  every axis). `scatter_many` is that transpose, for a caller that runs the
+  backward pass itself.
+  """
   out = [x.full if x.full is not None else x.block for x in xs]  # replicated: as they are
-  for stage2, idx, layouts, groups in _plan(xs):
-    first = xs[idx[0]]
-    if stage2:  # the value is here; reduce the gradient on the way back
-      got = _scatter_on_backward([xs[i].block for i in idx],
-                                 [jax.lax.stop_gradient(xs[i].full) for i in idx], layouts,
-                                 first.comm, first.batch_axes, groups)
+  for kind, idx, layouts, groups in _plan(xs):
+    first, blocks = xs[idx[0]], [xs[i].block for i in idx]
+    if kind == _STAGE2:  # the value is here; reduce the gradient on the way back
+      got = _scatter_on_backward(blocks, [jax.lax.stop_gradient(xs[i].full) for i in idx],
+                                 layouts, first.comm, first.batch_axes, groups)
+    elif kind == _SINK:
+      got = _gather_into_sinks([xs[i].sink for i in idx],
+                               [jax.lax.stop_gradient(b) for b in blocks], layouts,
+                               first.comm, groups)
     else:
-      got = gather_in_loss([xs[i].block for i in idx], list(layouts), groups, first.comm)
+      got = gather_in_loss(blocks, list(layouts), groups, first.comm)
     for i, g in zip(idx, got):
       out[i] = g
   return out
 
 
 def scatter_many(xs: list, cts: list) -> list:
-  """`gather`'s transpose: the gradients of the values `_gather_many` returned for ``xs``
-  -> gradients of their blocks (stage 3: reduce-scattered over the gather axes; stage 2:
-  reduced as ``comm`` says). A replicated leaf's comes back local, as it is."""
+  """`gather_many`'s transpose: the gradients of the values it returned for ``xs`` ->
+  gradients of what the step differentiates (`ShardedParam.differentiated`): stage 2's
+  and the sinks' reduced as ``comm`` says, plain stage 3's reduce-scattered over the
+  gather axes. A replicated leaf's comes back local, as it is."""
   out = list(cts)
-  for stage2, idx, layouts, groups in _plan(xs):
+  for kind, idx, layouts, groups in _plan(xs):
     first, sub = xs[idx[0]], [cts[i] for i in idx]
-    if stage2:
+    if kind == _STAGE2:
       got = [g.astype(xs[i].block.dtype) for i, g in
              zip(idx, reduce_scatter_many(sub, layouts, groups, first.comm))]
+    elif kind == _SINK:
+      got = _sinks_bwd(layouts, first.comm, groups,
+                       ([jnp.zeros((), xs[i].sink.dtype) for i in idx],
+                        [xs[i].block for i in idx]), sub)[0]
     else:
       got = scatter_in_loss(sub, [xs[i].block for i in idx], layouts, groups, first.comm)
     for i, g in zip(idx, got):
@@ -224,6 +298,6 @@ def gather(tree: Any) -> Any:
   idx = [i for i, x in enumerate(leaves) if is_sharded(x)]
   if not idx:
     return tree
-  for i, full in zip(idx, _gather_many([leaves[i] for i in idx])):
+  for i, full in zip(idx, gather_many([leaves[i] for i in idx])):
     leaves[i] = full
   return jax.tree.unflatten(treedef, leaves)

@@ -191,6 +191,11 @@ def build_meta(spec: StepSpec, optimizer, params, options: LeafOptions,
                module=None) -> tuple[Any, StateMeta]:
   """(treedef, StateMeta) for a params tree (arrays or shape structs)."""
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  for path, x in paths_leaves:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"params{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an "
+                      f"array; every parameter leaf must be a jax or numpy array "
+                      f"(wrap Python numbers with jnp.asarray).")
   paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
   leaves = [x for _, x in paths_leaves]
   dtypes = [jnp.result_type(x) for x in leaves]

@@ -77,11 +77,6 @@ class ShardedTrainStep:
 
   # --------------------------------------------------------------------- init
   def _meta(self, params, module=None):
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"params{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an "
-                        f"array; every parameter leaf must be a jax or numpy array "
-                        f"(wrap Python numbers with jnp.asarray).")
     layers.check_boxes(self.spec, params)
     treedef, meta = st.build_meta(self.spec, self.optimizer, params, self.leaf_options,
                                   module=module)

@@ -54,9 +54,10 @@ def gather_params(spec: StepSpec, layouts, blocks, stacked, old):
   """Storage blocks (split over data and model axes) -> logical leaves split over model only.
 
   Bucketed (see `zero_jax.comm.collectives`; stacked leaves alone); on one device the
-  blocks are the leaves. A stacked leaf is gathered one layer at a time into
-  its ``old`` value's buffer (donated with the state): gathering the whole stack
-  along a dimension behind the layers would leave a transposed copy of it in
+  blocks are the leaves. Stacked leaves are gathered one layer at a time into their
+  ``old`` values' buffers (donated with the state), in one loop over the layers for all
+  the stacks of one depth, each layer's leaves bucketed together: gathering a whole
+  stack along a dimension behind the layers would leave a transposed copy of it in
   temporary memory, as large as the parameters.
   """
   if spec.n_data == 1:
@@ -65,12 +66,18 @@ def gather_params(spec: StepSpec, layouts, blocks, stacked, old):
   groups = collectives.plan_buckets(layouts, [b.dtype for b in blocks],
                                     bucket_bytes=spec.comm.bucket_bytes, alone=stacked)
   groups = [g for g in groups if not layer_wise[g[0]]]
+  depths: dict = {}  # number of layers -> the layer-wise leaves with that many
+  for i, yes in enumerate(layer_wise):
+    if yes:
+      depths.setdefault(layouts[i].shape[0], []).append(i)
 
   def gather(bs, olds):
     out = collectives.all_gather_many(bs, layouts, groups, spec.comm, axes=spec.data_axes)
-    for i, (b, l) in enumerate(zip(bs, layouts)):
-      if layer_wise[i]:
-        out[i] = _gather_layer_by_layer(spec, b, l, olds[i])
+    for idx in depths.values():
+      got = _gather_layer_by_layer(spec, [bs[i] for i in idx], [layouts[i] for i in idx],
+                                   [olds[i] for i in idx])
+      for i, full in zip(idx, got):
+        out[i] = full
     return out
 
   specs = [l.spec(spec.data_axes) for l in layouts]
@@ -94,16 +101,20 @@ def refresh_secondary(spec: StepSpec, layouts, blocks):
   return fn(blocks)
 
 
-def _gather_layer_by_layer(spec: StepSpec, block, layout: lay.Layout, old):
-  """A stacked leaf's blocks gathered into ``old``'s buffer, layer after layer."""
-  layer = lay.Layout(layout.shape[1:], layout.dim - 1, layout.padded,
-                     layout.model[1:] if layout.model else (),
-                     layout.model_size[1:] if layout.model else ())
+def _gather_layer_by_layer(spec: StepSpec, blocks, layouts, olds) -> list:
+  """Stacked leaves of one depth gathered into ``olds``' buffers: one loop over the layers,
+  each layer's slices bucketed as the other gathers are."""
+  layer = [lay.Layout(l.shape[1:], l.dim - 1, l.padded, l.model[1:] if l.model else (),
+                      l.model_size[1:] if l.model else ()) for l in layouts]
+  groups = collectives.plan_buckets(layer, [b.dtype for b in blocks],
+                                    bucket_bytes=spec.comm.bucket_bytes)
 
-  def body(i, full):
-    whole = collectives.all_gather(block[i], layer, spec.comm, axes=spec.data_axes)
-    return jax.lax.dynamic_update_index_in_dim(full, whole.astype(full.dtype), i, 0)
-  return jax.lax.fori_loop(0, layout.shape[0], body, old)
+  def body(i, fulls):
+    got = collectives.all_gather_many([b[i] for b in blocks], layer, groups, spec.comm,
+                                      axes=spec.data_axes)
+    return [jax.lax.dynamic_update_index_in_dim(f, g.astype(f.dtype), i, 0)
+            for f, g in zip(fulls, got)]
+  return jax.lax.fori_loop(0, layouts[0].shape[0], body, list(olds))
 
 
 def _sources(spec: StepSpec, state: TrainState):

@@ -1,10 +1,11 @@
-"""Hyperparameters held in a restored optimizer state (``optax.inject_hyperparams``).
+"""Hyperparameters of a restored state: which the checkpoint keeps, which the step sets.
 
 ``inject_hyperparams`` keeps a constant hyperparameter in the optimizer state and
 reads it from there, so a restored state brings the checkpoint's learning rate
 along even when the step was built with another one. `reconcile` finds such
 differences, says which value is in force, and takes the step's values when
-asked (``restore(..., hyperparams="step")``).
+asked (``restore(..., hyperparams="step")``). `static_scale` gives a static loss
+scale the step's value: a static scale is the step's policy, not training state.
 """
 
 from __future__ import annotations
@@ -97,3 +98,13 @@ def reconcile(opt_state, optimizer, params, choice, where: str):
            for k, v in node.hyperparams.items()}
     return node._replace(hyperparams=hps)
   return jax.tree.map(take_step, opt_state, is_leaf=_is_hp_state)
+
+
+def static_scale(loss_scale, step_scale):
+  """The restored ``loss_scale`` (a `zero_jax.LossScaleState`), with the step's value
+  ``step_scale`` (its ``loss_scale=``) when the scale is static; a dynamic one continues
+  from the saved value."""
+  if loss_scale.dynamic:
+    return loss_scale
+  mine = np.asarray(step_scale.scale, loss_scale.scale.dtype)
+  return loss_scale.replace(scale=jax.device_put(mine, loss_scale.scale.sharding))

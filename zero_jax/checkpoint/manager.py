@@ -36,7 +36,6 @@ from zero_jax.signature import optimizer_signature
 from zero_jax.state import check_alive, masked_optimizer
 from zero_jax.train_step import ShardedTrainStep, TrainState
 
-_META_ITEM = store_lib.META_ITEM
 _READ_ERRORS = store_lib.READ_ERRORS
 
 
@@ -44,16 +43,6 @@ _READ_ERRORS = store_lib.READ_ERRORS
 def _step_optimizer(train_step: ShardedTrainStep):
   """The optax optimizer of a step (the one place that knows where a step keeps it)."""
   return getattr(train_step, "optimizer")
-
-
-def _with_step_scale(state: TrainState, train_step: ShardedTrainStep) -> TrainState:
-  """A static loss scale is the step's ``loss_scale=`` (its value is the policy); a dynamic
-  one continues from the saved value."""
-  ls = state.loss_scale
-  if ls.dynamic:
-    return state
-  mine = np.asarray(getattr(train_step, "initial_loss_scale").scale, ls.scale.dtype)
-  return state.replace(loss_scale=ls.replace(scale=jax.device_put(mine, ls.scale.sharding)))
 
 
 class CheckpointManager:
@@ -164,22 +153,10 @@ class CheckpointManager:
     """The JSON description (see `describe`) of a checkpoint (default: the latest intact one)."""
     step = self._candidates(self.latest_step() if step is None else step)[0]
     problem = self._problem(step)
-    meta, problem = (None, problem) if problem else self._meta_or_problem(step)
+    meta, problem = (None, problem) if problem else store_lib.description_or_problem(self._store, step)
     if problem:
       raise self._damaged(step, problem)
     return meta
-
-  def _meta_or_problem(self, step: int) -> tuple[dict | None, str | None]:
-    """The zero_jax description of ``step``, or None and why it cannot be had."""
-    try:
-      meta = self._store.read_description(step)
-    except _READ_ERRORS as e:
-      return None, (f"its zero_jax description (item {_META_ITEM!r}) is unreadable ("
-                    f"{writer.first_line(e)}); was it written by zero_jax.CheckpointManager?")
-    if not isinstance(meta, dict) or "groups" not in meta:
-      return None, (f"its item {_META_ITEM!r} is not a zero_jax description; it was not "
-                    f"written by zero_jax.CheckpointManager")
-    return meta, None
 
   def _candidates(self, step: int | None) -> list[int]:
     """The steps to try, newest first."""
@@ -319,11 +296,10 @@ class CheckpointManager:
     Args:
       train_step: the `ShardedTrainStep` to continue with (any mesh size and
         stage; the precision, optimizer and trainable leaves of the saved run).
-      params_like: the parameters (arrays or ``jax.ShapeDtypeStruct``s) in
-        their original tree, shapes and dtypes, as given to ``init``; or,
-        for a state made by ``init(model)``, the ``nnx.Module`` or an
-        abstract one (``nnx.eval_shape(lambda: Model(...))``), whose model
-        state is then taken from it.
+      params_like: what ``init`` was given, or its shapes: the parameters
+        (arrays or ``jax.ShapeDtypeStruct``s), an ``nnx.Module`` or an abstract
+        one (``nnx.eval_shape(lambda: Model(...))``, whose model state is then
+        taken from it), or the init function (traced, not run).
       step: which checkpoint; default the latest intact one.
       model_state: shaped like the ``model_state`` given to ``init`` for the
         saved run (arrays or shape structs), or None if it had none (or
@@ -364,9 +340,12 @@ class CheckpointManager:
       if problem is None:
         opt = masked_optimizer(_step_optimizer(train_step), jax.tree.structure(target.params),
                                state.meta.trainable)
-        state = _with_step_scale(state.replace(opt_state=hyperparams_lib.reconcile(
-            state.opt_state, opt, target.params, hyperparams,
-            f"the checkpoint of step {s} in {self.directory}")), train_step)
+        state = state.replace(
+            opt_state=hyperparams_lib.reconcile(state.opt_state, opt, target.params,
+                                                hyperparams, f"the checkpoint of step {s} in "
+                                                f"{self.directory}"),
+            loss_scale=hyperparams_lib.static_scale(state.loss_scale,
+                                                    train_step.initial_loss_scale))
         for d, why in damaged:
           warnings.warn(f"the checkpoint of step {d} in {self.directory} is damaged ({why}); "
                         f"restored step {s}, the newest intact one.", DamagedCheckpointWarning,
@@ -384,7 +363,7 @@ class CheckpointManager:
     """``(state, None)``, or ``(None, what is damaged)``: the same on every process."""
     state, (meta, problem) = None, (None, self._problem(step))
     if problem is None:
-      meta, problem = self._meta_or_problem(step)
+      meta, problem = store_lib.description_or_problem(self._store, step)
     if problem is None:
       where = f"the checkpoint of step {step} in {self.directory}"
       check_compatible(meta, mine, where)
@@ -419,25 +398,15 @@ class CheckpointManager:
   def reached_preemption(self, state: TrainState) -> bool:
     """Whether to stop for a preemption notice; if so, ``state`` is saved.
 
-    Call it once per step on every process, with the current state. It
-    returns False (cheaply: no device sync) until a notice (SIGTERM, or the
-    signals given to `watch_preemption`) on any process has reached every
-    process; then True at the same call on every process, after saving
-    ``state`` whatever the save interval (unless it is still the initial state,
-    step 0) and waiting for the write. `preemption` then says which step.
-
-    Example:
-      for i in range(start, num_steps):
-        if mngr.reached_preemption(state):   # every process, every step
-          print(f"{mngr.preemption}; run again with --resume")
-          sys.exit(0)
-        state, metrics = step(state, batches(i))
+    Call it every step on every process: False (no device sync) until a notice
+    (SIGTERM, or the signals of `watch_preemption`) on any process has reached
+    every process; then True at the same call everywhere, after saving
+    ``state`` whatever the save interval (not the initial state, step 0) and
+    waiting for the write; `preemption` says which step. A loop to paste:
+    the checkpoints guide, "Preemption and resuming".
 
     Args:
       state: the `TrainState` the next step would start from.
-
-    Returns:
-      True when every process stops here, with ``state`` saved.
     """
     return preemption_lib.reached(self, state)
 

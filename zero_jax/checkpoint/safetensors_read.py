@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from zero_jax import init as init_lib
 from zero_jax import nnx as nnx_lib
 from zero_jax import state as st
 from zero_jax.checkpoint import blocks
@@ -72,19 +73,10 @@ def _reader(entry: fmt.Entry, name: str, shape, transpose: bool, dtype) -> Calla
   return read
 
 
-def _split_like(like, wrt):
-  """``(module def or None, params, other variables)`` of ``like``."""
-  module, params, rest = nnx_lib.as_params(like, None, wrt)
-  if module is not None:
-    abstract = [jax.tree_util.keystr(p).removesuffix(".value")
-                for p, x in jax.tree_util.tree_flatten_with_path(rest)[0]
-                if isinstance(x, jax.ShapeDtypeStruct)]
-    if abstract:
-      raise ValueError(f"`like` is an abstract module whose variables outside wrt= have no "
-                       f"values ({', '.join(abstract[:4])}); the files hold parameters only. "
-                       f"Pass a module with concrete values for them, or give those "
-                       f"variables their values in __init__ from arguments, not rngs.")
-  return module, params, rest
+def _abstract_rest(rest) -> list[str]:
+  return [jax.tree_util.keystr(p).removesuffix(".value")
+          for p, x in jax.tree_util.tree_flatten_with_path(rest)[0]
+          if isinstance(x, jax.ShapeDtypeStruct)]
 
 
 def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | None = None,
@@ -95,7 +87,8 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
   no process holds a whole leaf (a leaf no dimension of which divides over the data
   axes comes replicated; such leaves are small: biases, odd shapes). Names, shapes and
   dtypes are checked against ``like`` from the headers before any data is read. Pass
-  the result to ``step.init``.
+  the result to ``step.init(..., donate=True)``: the state then keeps the loaded blocks
+  themselves, without a second copy of the model.
 
   Example:
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, zero_jax as zj
@@ -110,14 +103,19 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     ...     rename=lambda name: (name.replace("kernel", "weight"), True))
     >>> params["dense"]["kernel"].sharding.spec   # split over "data", as at stage 3
     P(None, 'data')
-    >>> state = step.init(params)
+    >>> state = step.init(params, donate=True)   # the state keeps the loaded blocks
 
   Args:
     path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
       directory holding either (a Hugging Face model directory).
-    like: the parameters' tree as arrays or ``jax.ShapeDtypeStruct``s, or an
-      ``nnx.Module`` (also an abstract one from ``nnx.eval_shape``, when all its
-      variables outside the step's ``wrt`` are concrete or absent).
+    like: what ``step.init`` would be given, read as ``step.init`` reads it
+      (`zero_jax.init.resolve`): the zero-argument init function
+      (``lambda: Model(nnx.Rngs(0))``: traced, not run; a module's variables
+      outside the step's ``wrt``, which the files do not hold, are made by it
+      under ``jit``); the parameters' tree as arrays or
+      ``jax.ShapeDtypeStruct``s; or an ``nnx.Module`` (also an abstract one
+      from ``nnx.eval_shape``, when all its variables outside ``wrt`` are
+      concrete or absent).
     step: the `ShardedTrainStep` the parameters are for (its mesh, stage and
       ``param_specs`` decide the split).
     rename: as for `export_safetensors`: a leaf's default name -> the tensor's
@@ -128,8 +126,8 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
       it unread.
 
   Returns:
-    ``like``'s tree of ``jax.Array``s (for a module, the module with the loaded
-    parameters), ready for ``step.init``.
+    ``like``'s tree of ``jax.Array``s (for a module, or a function returning
+    one, the module with the loaded parameters), ready for ``step.init``.
 
   Raises:
     KeyError: a tensor a leaf needs is missing.
@@ -140,7 +138,14 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
   if not isinstance(step, ShardedTrainStep):
     raise TypeError(f"load_safetensors(path, like, step=...): step must be a ShardedTrainStep, "
                     f"got {type(step).__name__}.")
-  module, params, rest = _split_like(like, step.wrt)
+  source = init_lib.resolve(like, None, step.wrt)  # what step.init makes of it, traced
+  module, params = source.module, source.params
+  abstract = _abstract_rest(source.model_state) if source.make is None else []
+  if module is not None and abstract:
+    raise ValueError(f"`like` is an abstract module whose variables outside wrt= have no "
+                     f"values ({', '.join(abstract[:4])}); the files hold parameters only. "
+                     f"Pass the function that makes the module (lambda: Model(nnx.Rngs(0))): "
+                     f"those variables are then made by it, under jit.")
   entries = fmt.read_entries(path)
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   variable = nnx_lib.holds_variables(params)
@@ -166,4 +171,4 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
   loaded = jax.tree.unflatten(treedef, arrays)
   if module is None:
     return loaded
-  return nnx.merge(module.graphdef, loaded, rest)
+  return nnx.merge(module.graphdef, loaded, init_lib.model_state(step.spec, meta, source))

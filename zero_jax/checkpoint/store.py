@@ -23,6 +23,7 @@ from etils import epath
 
 from zero_jax import _compat
 from zero_jax.checkpoint import integrity
+from zero_jax.checkpoint import writer
 
 STATE_ITEM, META_ITEM = "state", "zero_jax"
 # A failed read of a damaged checkpoint: TensorStore raises ValueError, JSON
@@ -172,6 +173,20 @@ class DirectoryStore:
   def step_problem(self, step_dir: epath.Path) -> str | None:
     del step_dir
     return None
+
+
+def description_or_problem(store, step: int) -> tuple[dict | None, str | None]:
+  """The zero_jax description of ``step`` read through ``store``, or None and why it
+  cannot be had (unreadable, or not written by `zero_jax.CheckpointManager`)."""
+  try:
+    meta = store.read_description(step)
+  except READ_ERRORS as e:
+    return None, (f"its zero_jax description (item {META_ITEM!r}) is unreadable ("
+                  f"{writer.first_line(e)}); was it written by zero_jax.CheckpointManager?")
+  if not isinstance(meta, dict) or "groups" not in meta:
+    return None, (f"its item {META_ITEM!r} is not a zero_jax description; it was not "
+                  f"written by zero_jax.CheckpointManager")
+  return meta, None
 
 
 def _is_key(dtype) -> bool:

@@ -229,12 +229,14 @@ class LoopCollective(NamedTuple):
       reads its result.
     carried_to: the loop tuple indices its result reaches only moved (sliced,
       copied, bitcast): what it hands the next iteration as it is.
+    groups: the device groups it spans (as `Collective.groups`).
   """
   op: str
   shapes: list
   operand_from_compute: bool
   used_by_compute: bool
   carried_to: list
+  groups: list | None = None
 
 
 class Loop(NamedTuple):
@@ -305,7 +307,7 @@ def _loop(comps: dict, ins: Instruction) -> Loop:
     passed = _closure([name], {n: [u for u in us if _moves(instrs, u)] for n, us in users.items()})
     carried = [k for k, o in enumerate(root.operands) if o in passed] if root else []
     out.append(LoopCollective(kind, shapes_in(i.shape_text), bool(before & compute),
-                              bool(after & compute), carried))
+                              bool(after & compute), carried, replica_groups(i.line)))
   trips = _TRIPS.search(ins.line)
   return Loop(ins.name, int(trips.group(1)) if trips else None, shapes_in(ins.shape_text), out)
 
