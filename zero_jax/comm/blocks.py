@@ -88,16 +88,18 @@ def _quantize_last(x: jax.Array, block_size: int, bits: int):
   """(..., L) -> q (..., nb, B) int8 (int4: (..., nb, B/2) uint8) and scales (..., nb) float32.
 
   A block holding a NaN or an infinity gets a NaN scale, decided by an explicit
-  finiteness test: XLA:CPU's vectorized ``max`` can drop a NaN (and return the
-  maximum of the other values, or -inf), so the absmax alone cannot be trusted.
+  finiteness test per value: XLA:CPU's vectorized ``max`` can drop a NaN (and
+  return the maximum of the other values, or -inf), so each non-finite value
+  enters the block's maximum as +inf, which no ``max`` drops.
   """
   length = x.shape[-1]
   nb = max(1, -(-length // block_size))
-  x = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, nb * block_size - length)])
+  x = _pad_last(x.astype(jnp.float32), nb * block_size)
   x = x.reshape(*x.shape[:-1], nb, block_size)
   qmax = QMAX[bits]
-  finite = jnp.all(jnp.isfinite(x), axis=-1)
-  scale = jnp.where(finite, jnp.max(jnp.abs(x), axis=-1) / qmax, jnp.nan)
+  absmax = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf), axis=-1)
+  finite = absmax < jnp.inf
+  scale = jnp.where(finite, absmax / qmax, jnp.nan)
   ok = finite & (scale > 0)  # zero blocks: scale 0, values 0
   q = jnp.clip(jnp.round(x / jnp.where(ok, scale, 1.0)[..., None]), -qmax, qmax)
   q = jnp.where(ok[..., None], q, 0).astype(jnp.int8)  # clip: subnormal scales
@@ -177,7 +179,11 @@ def quantized_bytes(size: int, *, block_size: int, bits: int = 8) -> int:
     >>> quantized_bytes(1000, block_size=256), quantized_bytes(1000, block_size=256, bits=4)
     (1016, 516)
   """
-  return -(-size * bits // 8) + _SCALE_BYTES * -(-size // block_size)
+  return _value_bytes(size, bits) + _SCALE_BYTES * -(-size // block_size)
+
+
+def _value_bytes(size: int, bits: int) -> int:
+  return -(-size * bits // 8)
 
 
 def sends_quantized(size: int, *, itemsize: int, block_size: int, bits: int = 8,
@@ -198,106 +204,78 @@ def sends_quantized(size: int, *, itemsize: int, block_size: int, bits: int = 8,
   return parts * quantized_bytes(chunk, block_size=block_size, bits=bits) < size * itemsize
 
 
-class _Seg(NamedTuple):
-  start: int
-  size: int
-  block: int  # elements per scale in this segment; 0: the segment travels exactly
+class _Group(NamedTuple):
+  """Pieces of one length that travel together: stacked, then quantized (or sent exactly)
+  in one op."""
+  members: tuple[int, ...]  # indices into the list of pieces
+  size: int  # elements of each piece
+  block: int  # elements per scale; 0: the pieces travel exactly
 
 
-def _plan(length: int, segments, dtype, block_size: int, bits: int, parts: int = 1):
-  """The static wire layout of a row of ``length`` elements cut into ``segments``."""
-  sizes = (length,) if segments is None else tuple(int(s) for s in segments)
-  if sum(sizes) != length or any(s < 0 for s in sizes):
-    raise ValueError(f"segments={segments!r} must be lengths that add up to the row's "
-                     f"{length} elements.")
-  plan, start = [], 0
-  for s in sizes:
-    q = s > 0 and sends_quantized(s, itemsize=jnp.dtype(dtype).itemsize, block_size=block_size,
-                                  bits=bits, parts=parts)
-    plan.append(_Seg(start, s, block_size if q else 0))
-    start += s
-  return tuple(plan)
+def _plan(sizes, dtype, block_size: int, bits: int) -> tuple[_Group, ...]:
+  """The static wire layout of pieces of ``sizes`` elements: by the rule (`sends_quantized`)
+  quantized or exact, pieces of equal length grouped (in order of first appearance)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  groups: dict = {}
+  for i, s in enumerate(sizes):
+    if s:
+      q = sends_quantized(s, itemsize=itemsize, block_size=block_size, bits=bits)
+      groups.setdefault((s, block_size if q else 0), []).append(i)
+  return tuple(_Group(tuple(m), s, b) for (s, b), m in groups.items())
 
 
-def _padded(seg: _Seg) -> int:
-  return -(-seg.size // seg.block) * seg.block
+def _stack(pieces, members) -> jax.Array:
+  """The pieces ``members`` of ``pieces`` (each ``(..., L)``) as one ``(..., k, L)`` array."""
+  return jnp.stack([pieces[i] for i in members], axis=-2)
 
 
-def _layout(plan):
-  """The wire's parts: runs of adjacent quantized segments of whole blocks (each quantized
-  where it lies, no copy), the other quantized segments (padded to whole blocks and
-  quantized together), and the exact segments."""
-  runs: list = []
-  for s in plan:
-    if s.block and s.size % s.block == 0:
-      if runs and runs[-1][-1].start + runs[-1][-1].size == s.start:
-        runs[-1].append(s)
-      else:
-        runs.append([s])
-  ragged = [s for s in plan if s.block and s.size % s.block]
-  exact = [s for s in plan if not s.block and s.size]
-  return runs, ragged, exact
-
-
-def _encode(x: jax.Array, plan, bits: int, dtype) -> jax.Array:
-  """(..., L) -> (..., W) int8: per part (`_layout`) its values, each segment's padding
-  dropped, and its scales; then the exact segments' own bytes."""
-  lead, parts = x.shape[:-1], []
-  piece = lambda seg: x[..., seg.start:seg.start + seg.size]
-  runs, ragged, exact = _layout(plan)
-  for segs in runs + ([ragged] if ragged else []):
-    padded = jnp.concatenate([_pad_last(piece(s), _padded(s)) for s in segs], axis=-1) \
-        if segs is ragged else x[..., segs[0].start:segs[-1].start + segs[-1].size]
-    q, scale = _quantize_last(padded, segs[0].block, bits)
-    vals = jax.lax.bitcast_convert_type(q, jnp.int8).reshape(*lead, -1)
-    if segs is ragged:
-      offsets = np.cumsum([0] + [_padded(s) * bits // 8 for s in segs])
-      parts += [vals[..., o:o + -(-s.size * bits // 8)] for s, o in zip(segs, offsets)]
+def _encode(pieces, plan, bits: int, dtype) -> jax.Array:
+  """Pieces ``(..., L_i)`` -> one ``(..., W)`` int8 wire: per group its values (each piece's
+  padding dropped) and its scales, or its exact bytes in ``dtype``."""
+  lead = pieces[0].shape[:-1]
+  parts = []
+  for g in plan:
+    x = _stack(pieces, g.members)
+    if g.block:
+      q, scale = _quantize_last(x, g.block, bits)
+      vals = jax.lax.bitcast_convert_type(q, jnp.int8).reshape(*x.shape[:-1], -1)
+      parts.append(vals[..., :_value_bytes(g.size, bits)].reshape(*lead, -1))
+      parts.append(jax.lax.bitcast_convert_type(scale, jnp.int8).reshape(*lead, -1))
     else:
-      parts.append(vals)
-    parts.append(jax.lax.bitcast_convert_type(scale, jnp.int8).reshape(*lead, -1))
-  if exact:
-    raw = jnp.concatenate([piece(s) for s in exact], axis=-1).astype(dtype)
-    parts.append(jax.lax.bitcast_convert_type(raw, jnp.int8).reshape(*lead, -1))
+      raw = jax.lax.bitcast_convert_type(x.astype(dtype), jnp.int8)
+      parts.append(raw.reshape(*lead, -1))
   return jnp.concatenate(parts, axis=-1) if parts else jnp.zeros((*lead, 0), jnp.int8)
 
 
-def _decode(w: jax.Array, plan, bits: int, dtype) -> jax.Array:
-  """The inverse of `_encode`: (..., W) int8 -> (..., L) float32."""
+def _decode(w: jax.Array, plan, bits: int, dtype, n: int, finish=None) -> list:
+  """The inverse of `_encode`: ``(..., W)`` int8 -> ``n`` pieces ``(..., L_i)`` float32
+  (empty pieces for indices no group holds). ``finish`` maps each group's ``(..., k, L)``
+  values before they are split into pieces (a sum over the leading axis)."""
   lead, pos = w.shape[:-1], 0
-  out: dict = {}
-  runs, ragged, exact = _layout(plan)
-  for segs in runs + ([ragged] if ragged else []):
-    block = segs[0].block
-    nb = sum(_padded(s) for s in segs) // block
-    if segs is ragged:
-      pieces = []
-      for s in segs:
-        k = -(-s.size * bits // 8)
-        pieces.append(_pad_last(w[..., pos:pos + k], _padded(s) * bits // 8))
-        pos += k
-      vals = jnp.concatenate(pieces, axis=-1)
+  finish = finish or (lambda x: x)
+  out = [finish(jnp.zeros((*lead, 1, 0), jnp.float32))[..., 0, :]] * n
+  take = lambda k: w[..., pos:pos + k]
+  for g in plan:
+    k = len(g.members)
+    if g.block:
+      nb, vb = -(-g.size // g.block), _value_bytes(g.size, bits)
+      vals = take(k * vb).reshape(*lead, k, vb)
+      pos += k * vb
+      vals = _pad_last(vals, nb * g.block * bits // 8).reshape(*lead, k, nb, -1)
+      scale = take(k * nb * _SCALE_BYTES).reshape(*lead, k, nb, _SCALE_BYTES)
+      pos += k * nb * _SCALE_BYTES
+      if bits == 4:
+        vals = jax.lax.bitcast_convert_type(vals, jnp.uint8)
+      x = _dequantize_last(vals, jax.lax.bitcast_convert_type(scale, jnp.float32), g.size)
     else:
-      vals = w[..., pos:pos + nb * block * bits // 8]
-      pos += nb * block * bits // 8
-    vals = vals.reshape(*lead, nb, block * bits // 8)
-    if bits == 4:
-      vals = jax.lax.bitcast_convert_type(vals, jnp.uint8)
-    scale = w[..., pos:pos + nb * _SCALE_BYTES].reshape(*lead, nb, _SCALE_BYTES)
-    pos += nb * _SCALE_BYTES
-    values = _dequantize_last(vals, jax.lax.bitcast_convert_type(scale, jnp.float32), nb * block)
-    offsets = np.cumsum([0] + [_padded(s) for s in segs])
-    out.update((s, values[..., o:o + s.size]) for s, o in zip(segs, offsets))
-  if exact:
-    k = jnp.dtype(dtype).itemsize
-    n = sum(s.size for s in exact)
-    raw = w[..., pos:pos + n * k]
-    raw = raw.reshape(*lead, n, k) if k > 1 else raw
-    values = jax.lax.bitcast_convert_type(raw, dtype).astype(jnp.float32)
-    offsets = np.cumsum([0] + [s.size for s in exact])
-    out.update((s, values[..., o:o + s.size]) for s, o in zip(exact, offsets))
-  pieces = [out[s] for s in plan if s.size]
-  return jnp.concatenate(pieces, axis=-1) if pieces else jnp.zeros((*lead, 0), jnp.float32)
+      b = jnp.dtype(dtype).itemsize
+      raw = take(k * g.size * b).reshape(*lead, k, g.size, *((b,) if b > 1 else ()))
+      pos += k * g.size * b
+      x = jax.lax.bitcast_convert_type(raw, dtype).astype(jnp.float32)
+    x = finish(x)
+    for j, i in enumerate(g.members):
+      out[i] = x[..., j, :]
+  return out
 
 
 def _pad_last(x: jax.Array, size: int) -> jax.Array:

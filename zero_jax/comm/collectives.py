@@ -113,45 +113,65 @@ def _wide(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
 
-# ------------------------------------------------------------ one hop, rows
-def scatter_rows(rows: jax.Array, axes, wire: Wire | None, segments=None) -> jax.Array:
-  """``(n, L)`` rows -> this device's row summed over ``axes`` (n = their size).
+# ------------------------------------------------------------ one hop, pieces
+# A bucket's leaves travel as a list of pieces, one array per leaf, each with the rows of
+# the devices (``(n, L_i)``) or one device's row (``(L_i,)``). An exact collective moves
+# them as one concatenated buffer; a quantized one quantizes each where it lies and
+# concatenates only the int8 wire (`zero_jax.comm.quantize`).
+def _joined(pieces) -> jax.Array:
+  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
 
-  ``segments``: the lengths of the leaves each row holds (a bucket), so that a
-  quantization block never spans two leaves.
-  """
+
+def _split(x: jax.Array, sizes) -> list:
+  """The inverse of `_joined`: ``x`` cut along its last axis into pieces of ``sizes``."""
+  if len(sizes) == 1:
+    return [x]
+  return jnp.split(x, [sum(sizes[:i]) for i in range(1, len(sizes))], axis=-1)
+
+
+def _lengths(pieces) -> list:
+  return [p.shape[-1] for p in pieces]
+
+
+def scatter_pieces(pieces, axes, wire: Wire | None) -> list:
+  """``(n, L_i)`` pieces -> this device's ``(L_i,)`` pieces summed over ``axes`` (n = their
+  size), in one collective."""
   if wire is None:
-    return jax.lax.psum_scatter(rows, _axes(axes), scatter_dimension=0, tiled=True)[0]
-  return quantize.psum_scatter_rows(rows, (_axes(axes),), block_size=wire.block_size,
-                                    bits=wire.bits, segments=segments).astype(_wide(rows.dtype))
+    out = jax.lax.psum_scatter(_joined(pieces), _axes(axes), scatter_dimension=0, tiled=True)
+    return _split(out[0], _lengths(pieces))
+  out = quantize.scatter_pieces(pieces, (_axes(axes),), block_size=wire.block_size,
+                                bits=wire.bits)
+  return [o.astype(_wide(p.dtype)) for o, p in zip(out, pieces)]
 
 
-def gather_rows(row: jax.Array, axes, wire: Wire | None, *, to: str,
-                segments=None) -> jax.Array:
-  """This device's row -> ``(n, L)``, every device's row (int8 on the wire if ``wire``)."""
+def gather_pieces(pieces, axes, wire: Wire | None, *, to: str) -> list:
+  """This device's ``(L_i,)`` pieces -> ``(n, L_i)``, every device's, in one collective
+  (int8 on the wire if ``wire``)."""
   if wire is None:
-    return jax.lax.all_gather(row, _axes(axes), axis=0, tiled=False, to=to)
-  out = quantize.all_gather_rows(row, _axes(axes), block_size=wire.block_size,
-                                 bits=wire.bits, to=to, segments=segments)
-  return out.astype(row.dtype)
+    out = jax.lax.all_gather(_joined(pieces), _axes(axes), axis=0, tiled=False, to=to)
+    return _split(out, _lengths(pieces))
+  out = quantize.gather_pieces(pieces, _axes(axes), block_size=wire.block_size,
+                               bits=wire.bits, to=to)
+  return [o.astype(p.dtype) for o, p in zip(out, pieces)]
 
 
-def reduce_rows(rows: jax.Array, comm: Comm, hops=None, segments=None) -> jax.Array:
-  """``(n, L)`` rows over the data axes -> this device's summed row, then all-reduced
-  over the replica axes. Each hop carries 1/its size of the previous one."""
+def reduce_pieces(pieces, comm: Comm, hops=None) -> list:
+  """``(n, L_i)`` pieces over the data axes -> this device's summed ``(L_i / n,)`` pieces,
+  then all-reduced over the replica axes. Each hop carries 1/its size of the previous one."""
   hops = comm.reduce_hops() if hops is None else hops
-  out = rows.reshape(-1)
+  out = [p.reshape(-1) for p in pieces]
   for axes, wire in hops:
     n = axes_size(axes)
     if n > 1:
-      out = scatter_rows(out.reshape(n, -1), axes, wire, segments)
+      out = scatter_pieces([o.reshape(n, -1) for o in out], axes, wire)
   wire = comm.wire("grads", True)
   if not comm.replica_axes:
     return out
   if wire is None:
-    return jax.lax.psum(out, comm.replica_axes)
-  return quantize.psum(out, comm.replica_axes, block_size=wire.block_size, bits=wire.bits,
-                       segments=segments).astype(_wide(out.dtype))
+    return _split(jax.lax.psum(_joined(out), comm.replica_axes), _lengths(out))
+  summed = quantize.psum_pieces(out, comm.replica_axes, block_size=wire.block_size,
+                                bits=wire.bits)
+  return [s.astype(_wide(o.dtype)) for s, o in zip(summed, out)]
 
 
 def _rows(x: jax.Array, layout: Layout, n: int) -> jax.Array:
@@ -167,23 +187,12 @@ def _block(row: jax.Array, like: jax.Array, layout: Layout, n: int) -> jax.Array
   return jnp.moveaxis(row.reshape(moved), 0, layout.dim)
 
 
-def _cat(pieces, axis: int):
-  """``pieces`` concatenated along ``axis``; their lengths there (the segments of the
-  quantized collectives, and how to `_uncat` the buffer)."""
-  return jnp.concatenate(pieces, axis=axis), tuple(p.shape[axis] for p in pieces)
-
-
-def _uncat(buf: jax.Array, sizes, axis: int) -> list:
-  """The pieces of a `_cat` buffer."""
-  return jnp.split(buf, [sum(sizes[:i]) for i in range(1, len(sizes))], axis=axis)
-
-
 def _reduce_buckets(xs, layouts, groups, comm: Comm, hops, n: int) -> list:
-  """Each group of ``xs`` as one ``(n, L)`` buffer through `reduce_rows`, back to blocks."""
+  """Each group of ``xs`` through `reduce_pieces` (one collective per hop), back to blocks."""
   out = [None] * len(xs)
   for g in groups:
-    rows, sizes = _cat([_rows(xs[i], layouts[i], n) for i in g], 1)
-    for i, piece in zip(g, _uncat(reduce_rows(rows, comm, hops, sizes), sizes, 0)):
+    mine = reduce_pieces([_rows(xs[i], layouts[i], n) for i in g], comm, hops)
+    for i, piece in zip(g, mine):
       out[i] = _block(piece, xs[i], layouts[i], n)
   return out
 
@@ -208,7 +217,7 @@ def reduce_scatter(x: jax.Array, layout: Layout, comm: Comm, *, out_dtype=None) 
     if comm.replica_axes:
       out = jax.lax.psum(out, comm.replica_axes)
     return out.astype(out_dtype)
-  return _block(reduce_rows(_rows(wire, layout, n), comm), x, layout, n).astype(out_dtype)
+  return _block(reduce_pieces([_rows(wire, layout, n)], comm)[0], x, layout, n).astype(out_dtype)
 
 
 def all_reduce(x: jax.Array, axes, comm: Comm, *, out_dtype=None) -> jax.Array:
@@ -293,8 +302,8 @@ def all_gather_many(blocks, layouts, groups, comm: Comm, *, axes=None, to: str =
       for i in g:
         out[i] = _gather_one(blocks[i], layouts[i], axes, to=to, whole=whole)
       continue
-    flat, sizes = _cat([jnp.moveaxis(blocks[i], layouts[i].dim, 0).reshape(-1) for i in g], 0)
-    for i, piece in zip(g, _uncat(gather_rows(flat, axes, w, to=to, segments=sizes), sizes, 1)):
+    rows = [jnp.moveaxis(blocks[i], layouts[i].dim, 0).reshape(-1) for i in g]
+    for i, piece in zip(g, gather_pieces(rows, axes, w, to=to)):
       out[i] = _from_rows(piece, blocks[i].shape, layouts[i], whole)
   return out
 
@@ -341,9 +350,9 @@ def _quantized_gather_bwd(layouts, groups, comm, _, cts):
         out[i] = cts[i]
     if not idx:
       continue
-    rows, sizes = _cat([_rows(cts[i], layouts[i], n) for i in idx], 1)
-    mine = reduce_rows(rows, Comm(comm.gather_axes), hop, sizes)
-    for i, piece in zip(idx, _uncat(mine, sizes, 0)):
+    mine = reduce_pieces([_rows(cts[i], layouts[i], n) for i in idx], Comm(comm.gather_axes),
+                         hop)
+    for i, piece in zip(idx, mine):
       out[i] = _block(piece, cts[i], layouts[i], n).astype(cts[i].dtype)
   return (tuple(out),)
 

@@ -11,6 +11,11 @@ a leaf too short to gain travels exactly, so a quantized collective never
 sends more bytes than the exact one. A block holding a NaN or an infinity
 arrives as NaN throughout, checked explicitly at every hop. Error bounds:
 ``docs/guides/zeropp_error.md``.
+
+The bucket forms `gather_pieces`, `scatter_pieces` and `psum_pieces` take the
+leaves as a list of arrays (one collective for all of them) and give a list
+back: each leaf is quantized from where it lies and dequantized into its own
+array, and only the int8 wire is concatenated.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zero_jax.comm.axes import make_varying as _varying
 from zero_jax.comm.blocks import (  # noqa: F401  (re-exported)
@@ -43,6 +47,29 @@ def mesh_order(axes) -> tuple[str, ...]:
 
 def _size(axes) -> int:
   return math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+def _pieces(x: jax.Array, segments) -> list:
+  """``x`` cut along its last axis into pieces of the lengths ``segments`` (default: one)."""
+  length = x.shape[-1]
+  sizes = (length,) if segments is None else tuple(int(s) for s in segments)
+  if sum(sizes) != length or any(s < 0 for s in sizes):
+    raise ValueError(f"segments={segments!r} must be lengths that add up to the row's "
+                     f"{length} elements.")
+  starts = [sum(sizes[:i]) for i in range(len(sizes))]
+  return [x[..., a:a + s] for a, s in zip(starts, sizes)]
+
+
+def _joined(pieces) -> jax.Array:
+  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
+
+
+def _dtype(pieces):
+  dtypes = {jnp.dtype(p.dtype) for p in pieces}
+  if len(dtypes) != 1:
+    raise TypeError(f"pieces of one collective must share a dtype; got {sorted(map(str, dtypes))}"
+                    f": cast them first (the exact bytes travel in that dtype).")
+  return dtypes.pop()
 
 
 def all_gather_rows(row: jax.Array, axes, *, block_size: int, bits: int = 8,
@@ -72,12 +99,21 @@ def all_gather_rows(row: jax.Array, axes, *, block_size: int, bits: int = 8,
     segments: the lengths of the leaves the row holds, in order (default: one).
   """
   check_quantizable(row.dtype, block_size=block_size, bits=bits, name="row")
+  return _joined(gather_pieces(_pieces(row, segments), axes, block_size=block_size,
+                               bits=bits, to=to))
+
+
+def gather_pieces(pieces, axes, *, block_size: int, bits: int = 8,
+                  to: str = "invarying") -> list:
+  """`all_gather_rows` of several leaves in one collective: pieces ``(L_i,)`` (one dtype)
+  -> ``(n, L_i)`` float32 each."""
   axes = mesh_order(axes)
   if _size(axes) == 1:  # nothing on the wire: nothing rounded
-    return jax.lax.all_gather(row.astype(jnp.float32), axes, axis=0, to=to)
-  plan = _plan(row.shape[-1], segments, row.dtype, block_size, bits)
-  wire = jax.lax.all_gather(_encode(row, plan, bits, row.dtype), axes, axis=0, to=to)
-  return _decode(wire, plan, bits, row.dtype)
+    return [jax.lax.all_gather(p.astype(jnp.float32), axes, axis=0, to=to) for p in pieces]
+  dtype = _dtype(pieces)
+  plan = _plan([p.shape[-1] for p in pieces], dtype, block_size, bits)
+  wire = jax.lax.all_gather(_encode(pieces, plan, bits, dtype), axes, axis=0, to=to)
+  return _decode(wire, plan, bits, dtype, len(pieces))
 
 
 def _check_hops(hops, n_rows: int) -> tuple[tuple[str, ...], ...]:
@@ -127,24 +163,43 @@ def psum_scatter_rows(rows: jax.Array, hops, *, block_size: int, bits: int = 8,
     ``(L,)`` float32, varying over the hops' axes.
   """
   check_quantizable(rows.dtype, block_size=block_size, bits=bits, name="rows")
-  hops = _check_hops(hops, rows.shape[0])
-  plan = _plan(rows.shape[-1], segments, rows.dtype, block_size, bits)
+  return _joined(scatter_pieces(_pieces(rows, segments), hops, block_size=block_size,
+                                bits=bits))
+
+
+def scatter_pieces(pieces, hops, *, block_size: int, bits: int = 8) -> list:
+  """`psum_scatter_rows` of several leaves in one collective per hop: pieces ``(n, L_i)``
+  (one dtype) -> this device's summed ``(L_i,)`` float32 each."""
+  hops = _check_hops(hops, pieces[0].shape[0])
+  dtype = _dtype(pieces)
   names = list(mesh_order([a for h in hops for a in h]))
-  x = _varying(rows.astype(jnp.float32), names)
-  x = x.reshape([jax.lax.axis_size(a) for a in names] + [rows.shape[-1]])
+  dims = [jax.lax.axis_size(a) for a in names]
+  xs = [_varying(p.astype(jnp.float32), names).reshape(dims + [p.shape[-1]]) for p in pieces]
+  plan = _plan([p.shape[-1] for p in pieces], dtype, block_size, bits)
   for hop in hops:
-    k = len(hop)
-    x = jnp.moveaxis(x, [names.index(a) for a in hop], list(range(k)))
+    k, m = len(hop), _size(hop)
+    xs = [jnp.moveaxis(x, [names.index(a) for a in hop], list(range(k))) for x in xs]
+    xs = [x.reshape((m,) + x.shape[k:]) for x in xs]
     names = [a for a in names if a not in hop]
-    m = _size(hop)
-    x = x.reshape((m,) + x.shape[k:])
     if m > 1:
-      wire = jax.lax.all_to_all(_encode(x, plan, bits, rows.dtype), hop, 0, 0)
-      x = _decode(wire, plan, bits, rows.dtype)
-    x = jnp.sum(x, axis=0)  # in float32
-  return x
+      wire = jax.lax.all_to_all(_encode(xs, plan, bits, dtype), hop, 0, 0)
+      xs = _decode(wire, plan, bits, dtype, len(xs), finish=_sum_rows)  # in float32
+    else:
+      xs = [x[0] for x in xs]
+  return xs
 
 
+def _sum_rows(x: jax.Array) -> jax.Array:
+  """``x.sum(axis=0)`` as a tree of elementwise adds of the (few) rows.
+
+  XLA:CPU hands a lone ``reduce`` over a leading axis to YNNPACK, which takes
+  40x the time of the adds (16 ms against 0.4 ms for 4 x 262656 float32); adds
+  also fuse with the dequantization that produces the rows.
+  """
+  rows = [x[i] for i in range(x.shape[0])]
+  while len(rows) > 1:
+    rows = [a + b for a, b in zip(rows[0::2], rows[1::2])] + rows[len(rows) // 2 * 2:]
+  return rows[0]
 
 
 def psum(row: jax.Array, axes, *, block_size: int, bits: int = 8, segments=None) -> jax.Array:
@@ -177,31 +232,38 @@ def psum(row: jax.Array, axes, *, block_size: int, bits: int = 8, segments=None)
     ``(L,)`` float32, the same on every device of ``axes``.
   """
   check_quantizable(row.dtype, block_size=block_size, bits=bits, name="row")
+  return _joined(psum_pieces(_pieces(row, segments), axes, block_size=block_size, bits=bits))
+
+
+def psum_pieces(pieces, axes, *, block_size: int, bits: int = 8) -> list:
+  """`psum` of several leaves: pieces ``(L_i,)`` (one dtype) -> ``(L_i,)`` float32 each, the
+  quantized ones in one reduce-scatter and one all-gather, the others in one ``lax.psum``."""
   axes = mesh_order(axes)
-  n = _size(axes)
-  plan = _plan(row.shape[-1], segments, row.dtype, block_size, bits, parts=n if n > 1 else 1)
-  quant = [s for s in plan if s.block and n > 1]
-  exact = [s for s in plan if s.size and s not in quant]
-  piece = lambda s: row[s.start:s.start + s.size]
-  out: dict = {}
+  n, dtype = _size(axes), _dtype(pieces)
+  quant = [n > 1 and p.shape[-1] > 0 and sends_quantized(
+      p.shape[-1], itemsize=dtype.itemsize, block_size=block_size, bits=bits, parts=n)
+      for p in pieces]
+  out = [p.astype(jnp.float32) for p in pieces]
+  exact = [i for i, q in enumerate(quant) if not q and pieces[i].shape[-1]]
   if exact:
-    summed = jax.lax.psum(jnp.concatenate([piece(s) for s in exact]), axes)
-    out.update(zip(exact, _split(summed.astype(jnp.float32), [s.size for s in exact], 0)))
-  if quant:
-    chunks = [-(-s.size // n) for s in quant]
-    rows = jnp.concatenate([jnp.pad(piece(s), (0, c * n - s.size)).reshape(n, c)
-                            for s, c in zip(quant, chunks)], axis=1)
-    mine = psum_scatter_rows(rows, (axes,), block_size=block_size, bits=bits, segments=chunks)
-    full = all_gather_rows(mine.astype(row.dtype), axes, block_size=block_size, bits=bits,
-                           segments=chunks)
-    out.update((s, part.reshape(-1)[:s.size])
-               for s, part in zip(quant, _split(full, chunks, 1)))
-  return jnp.concatenate([out[s] for s in plan if s.size] or [jnp.zeros(0, jnp.float32)])
+    summed = jax.lax.psum(_joined([pieces[i] for i in exact]), axes).astype(jnp.float32)
+    out = _put(out, exact, _pieces(summed, [pieces[i].shape[-1] for i in exact]))
+  idx = [i for i, q in enumerate(quant) if q]
+  if idx:
+    sizes = [pieces[i].shape[-1] for i in idx]
+    rows = [jnp.pad(pieces[i], (0, -(-s // n) * n - s)).reshape(n, -1) for i, s in zip(idx, sizes)]
+    mine = scatter_pieces(rows, (axes,), block_size=block_size, bits=bits)
+    full = gather_pieces([m.astype(dtype) for m in mine], axes, block_size=block_size, bits=bits)
+    out = _put(out, idx, [f.reshape(-1)[:s] for f, s in zip(full, sizes)])
+  return out
 
 
-def _split(x: jax.Array, sizes, axis: int) -> list:
-  """``x`` cut along ``axis`` into consecutive pieces of ``sizes``."""
-  return jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=axis)
+def _put(out: list, idx, values) -> list:
+  out = list(out)
+  for i, v in zip(idx, values):
+    out[i] = v
+  return out
+
 
 # --------------------------------------------------------- any-dimension forms
 def all_gather(x: jax.Array, axes, *, axis: int = 0, block_size: int, bits: int = 8,
