@@ -338,6 +338,80 @@ def test_an_existing_export_an_unwritable_directory_and_a_failed_write(exports, 
   assert (e["dir"] / "model.safetensors").read_bytes() == before  # the old export stands
 
 
+@pytest.mark.parametrize("first,then", [(1500, None), (None, 1500)])
+def test_force_replaces_an_export_of_another_number_of_files(first, then, exports, tmp_path):
+  """Several files and an index replaced by one file, and the other way: the new export is
+  what is there, and nothing of the old one."""
+  e = exports["stage3_fp32_hybrid_2x4"]
+  shards = lambda n: {} if n is None else {"max_shard_bytes": n}
+  old = zj.export_safetensors(e["step"], e["state"], tmp_path, rename=rename, **shards(first))
+  new = zj.export_safetensors(e["step"], e["state"], tmp_path, rename=rename, force=True,
+                              **shards(then))
+  assert len(old) != len(new) and sorted(os.listdir(tmp_path)) == sorted(new)
+  like = like_of(e["params"])
+  loaded = zj.load_safetensors(tmp_path, like, step=e["step"], rename=rename)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded),
+               jax.tree.map(np.asarray, e["step"].get_params(e["state"])))
+
+
+class _Bar:
+  """A stand-in for tqdm that records what a bar is told."""
+  made: list = []
+
+  def __init__(self, *, total, desc, **_):
+    self.total, self.desc, self.n = total, desc, 0
+    _Bar.made.append(self)
+
+  def update(self, n):
+    self.n += n
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+@pytest.mark.parametrize("name", ["stage3_fp32_hybrid_2x4", "stage3_fp32_model_4x2"])
+def test_progress_bars_count_every_byte_written_and_read(name, exports, tmp_path,
+                                                         monkeypatch):
+  """Export: each byte of the files once (blocks held by several devices are divided).
+  Load: each distinct block this process's devices hold, counted a leaf at a time."""
+  from zero_jax.checkpoint import progress
+  e = exports[name]
+  monkeypatch.setattr(progress, "_tqdm", lambda required: _Bar)
+  _Bar.made = []
+  zj.export_safetensors(e["step"], e["state"], tmp_path, rename=rename, progress=True)
+  (bar,) = _Bar.made
+  assert bar.n == bar.total == sum(np.asarray(v).nbytes for v in e["params"].values())
+  assert str(tmp_path) in bar.desc
+  loaded = zj.load_safetensors(tmp_path, like_of(e["params"]), step=e["step"],
+                               rename=rename, progress=True)
+  bar = _Bar.made[-1]
+  held = sum(sum({str(s.index): s.data.nbytes for s in x.addressable_shards}.values())
+             for x in jax.tree.leaves(loaded))
+  assert bar.n == bar.total == held and len(_Bar.made) == 2
+  zj.export_safetensors(e["step"], e["state"], tmp_path, rename=rename, force=True)
+  zj.load_safetensors(tmp_path, like_of(e["params"]), step=e["step"], rename=rename)
+  assert len(_Bar.made) == 2  # progress=None: no bar for a model under 1 GiB
+
+
+def test_progress_option_is_checked_and_a_missing_tqdm_is_named(exports, tmp_path,
+                                                              monkeypatch, capsys):
+  e = exports["stage1_fp32_8"]
+  with pytest.raises(TypeError, match=r"export_safetensors\(progress=\) must be True.*got 'yes'"):
+    zj.export_safetensors(e["step"], e["state"], tmp_path, progress="yes")
+  with pytest.raises(TypeError, match=r"load_safetensors\(progress=\) must be True.*got 1"):
+    zj.load_safetensors(e["dir"], like_of(e["params"]), step=e["step"], rename=rename,
+                        progress=1)
+  zj.export_safetensors(e["step"], e["state"], tmp_path / "drawn", progress=True)
+  assert "export " in capsys.readouterr().err  # the real tqdm, on stderr
+  monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # as if tqdm were not installed
+  with pytest.raises(ImportError, match="progress=True draws its bar with tqdm.*pip install"):
+    zj.export_safetensors(e["step"], e["state"], tmp_path / "no_tqdm", progress=True)
+  zj.export_safetensors(e["step"], e["state"], tmp_path / "quiet")  # None: no bar, no error
+
+
 def test_export_params_refuses_the_padded_storage_view(exports, tmp_path):
   e = exports["stage3_fp32_hybrid_2x4"]
   with pytest.raises(ValueError, match=r"params\['bias'\] has shape \(12,\): it is a stage-3 "

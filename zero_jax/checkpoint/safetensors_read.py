@@ -8,6 +8,7 @@ the memory-mapped file with the ``safetensors`` library (``get_slice``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -19,6 +20,7 @@ from zero_jax import init as init_lib
 from zero_jax import nnx as nnx_lib
 from zero_jax import state as st
 from zero_jax.checkpoint import blocks
+from zero_jax.checkpoint import progress as progress_lib
 from zero_jax.checkpoint import safetensors_format as fmt
 from zero_jax.train_step import ShardedTrainStep
 
@@ -73,6 +75,13 @@ def _reader(entry: fmt.Entry, name: str, shape, transpose: bool, dtype) -> Calla
   return read
 
 
+def _blocks(sharding, shape) -> set:
+  """The distinct blocks of ``shape`` this process's devices hold (a progress bar counts
+  each once, a leaf at a time)."""
+  return {tuple(s.indices(n) for s, n in zip(index, shape))
+          for index in sharding.addressable_devices_indices_map(shape).values()}
+
+
 def _abstract_rest(rest) -> list[str]:
   return [jax.tree_util.keystr(p).removesuffix(".value")
           for p, x in jax.tree_util.tree_flatten_with_path(rest)[0]
@@ -80,7 +89,8 @@ def _abstract_rest(rest) -> list[str]:
 
 
 def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | None = None,
-                     cast: bool = False, strict: bool = True) -> Any:
+                     cast: bool = False, strict: bool = True,
+                     progress: bool | None = None) -> Any:
   """Reads safetensors files into parameters split the way ``step`` splits them.
 
   Each device reads only its own block of each tensor from the memory-mapped file:
@@ -124,6 +134,8 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
       that is an error).
     strict: a tensor of the files that no leaf reads is an error; False leaves
       it unread.
+    progress: a progress bar of the bytes read (``tqdm``, on process 0): True, False,
+      or None for one when this process reads 1 GiB or more and ``tqdm`` is installed.
 
   Returns:
     ``like``'s tree of ``jax.Array``s (for a module, or a function returning
@@ -138,6 +150,7 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
   if not isinstance(step, ShardedTrainStep):
     raise TypeError(f"load_safetensors(path, like, step=...): step must be a ShardedTrainStep, "
                     f"got {type(step).__name__}.")
+  progress_lib.check(progress, "load_safetensors")
   source = init_lib.resolve(like, None, step.wrt)  # what step.init makes of it, traced
   module, params = source.module, source.params
   abstract = _abstract_rest(source.model_state) if source.make is None else []
@@ -160,14 +173,20 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
   fmt.check_unique(tensors)
   _check(path, tensors, entries, cast, strict)
   _, meta = st.build_meta(step.spec, step.optimizer, params, step.leaf_options)
-  arrays = []
-  for t, (_, x), layout in zip(tensors, flat, meta.param_layouts):
+  shardings = []
+  for layout in meta.param_layouts:
     split = layout.dim is not None and layout.pad_amount == 0
-    sharding = st.sharding(step.spec, layout.spec(step.spec.data_axes) if split
-                           else layout.model_spec())
-    shape = tuple(np.shape(x))
-    arrays.append(jax.make_array_from_callback(
-        shape, sharding, _reader(entries[t.name], t.name, shape, t.transpose, t.dtype)))
+    shardings.append(st.sharding(step.spec, layout.spec(step.spec.data_axes) if split
+                                 else layout.model_spec()))
+  shapes = [tuple(np.shape(x)) for _, x in flat]
+  mine = [len(_blocks(sh, shape)) * math.prod(sh.shard_shape(shape)) * t.dtype.itemsize
+          for t, sh, shape in zip(tensors, shardings, shapes)]
+  arrays = []
+  with progress_lib.bytes_bar(sum(mine), f"load {path}", progress) as done:
+    for t, sh, shape, n in zip(tensors, shardings, shapes, mine):
+      arrays.append(jax.make_array_from_callback(
+          shape, sh, _reader(entries[t.name], t.name, shape, t.transpose, t.dtype)))
+      done(n)
   loaded = jax.tree.unflatten(treedef, arrays)
   if module is None:
     return loaded

@@ -23,6 +23,7 @@ import numpy as np
 from zero_jax import distributed
 from zero_jax import nnx as nnx_lib
 from zero_jax.checkpoint import blocks
+from zero_jax.checkpoint import progress as progress_lib
 from zero_jax.checkpoint import safetensors_format as fmt
 from zero_jax.checkpoint import writer
 from zero_jax.train_step import ShardedTrainStep, TrainState
@@ -97,18 +98,28 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     data, offset = data[n:], offset + n
 
 
-def _write_leaf(fd: int, base: int, leaf: _Leaf, chunk_bytes: int) -> int:
-  """Writes the parts of ``leaf`` this process's devices are assigned; returns the bytes."""
-  t, x = leaf.tensor, leaf.array
+def _my_parts(leaf: _Leaf) -> list:
+  """``(shard, box)``: the part of ``leaf`` each of this process's devices writes (a block
+  held by several devices is divided among them)."""
+  x = leaf.array
   index = x.sharding.devices_indices_map(x.shape)
   boxes = {d: blocks.shard_box(i, x.shape, leaf.shape) for d, i in index.items()}
-  parts = blocks.assign(boxes, 1 if t.transpose else 0)
+  parts = blocks.assign(boxes, 1 if leaf.tensor.transpose else 0)
+  return [(s, parts[s.device]) for s in x.addressable_shards if s.device in parts]
+
+
+def _my_bytes(leaves) -> int:
+  """The bytes this process writes of ``leaves``."""
+  return sum(math.prod(b - a for a, b in box) * leaf.tensor.dtype.itemsize
+             for leaf in leaves for _, box in _my_parts(leaf))
+
+
+def _write_leaf(fd: int, base: int, leaf: _Leaf, chunk_bytes: int, done) -> None:
+  """Writes the parts of ``leaf`` this process's devices are assigned; ``done(n)`` after
+  each chunk of ``n`` bytes."""
+  t, x = leaf.tensor, leaf.array
   order = tuple(reversed(range(len(leaf.shape)))) if t.transpose else tuple(range(len(leaf.shape)))
-  written = 0
-  for shard in x.addressable_shards:
-    part = parts.get(shard.device)
-    if part is None:
-      continue
+  for shard, part in _my_parts(leaf):
     origin = [s.indices(n)[0] for s, n in zip(shard.index, x.shape)]
     piece = _reader(shard.data, t.transpose, t.dtype)
     max_elems = max(1, chunk_bytes // max(x.dtype.itemsize, t.dtype.itemsize))
@@ -119,8 +130,7 @@ def _write_leaf(fd: int, base: int, leaf: _Leaf, chunk_bytes: int) -> int:
       n = length * t.dtype.itemsize
       for j, o in enumerate(offsets):
         _pwrite_all(fd, memoryview(raw[j * n:(j + 1) * n]), base + o * t.dtype.itemsize)
-      written += raw.size
-  return written
+      done(raw.size)
 
 
 # ------------------------------------------------------------ the directory
@@ -151,23 +161,29 @@ def _create(directory: str, files, names, headers, force: bool) -> None:
 
 
 def _fill(directory: str, leaves: dict[str, _Leaf], files, names, headers,
-          chunk_bytes: int) -> None:
+          chunk_bytes: int, progress) -> None:
   """Every process: its parts of every tensor, at their offsets, synced to disk."""
-  for ts, name, (_, offsets) in zip(files, names, headers):
-    path = _tmp(directory, name)
-    try:
-      fd = os.open(path, os.O_WRONLY)
-    except FileNotFoundError:
-      raise FileNotFoundError(
-          f"{path} (created by process 0) is not visible to process {jax.process_index()}: "
-          f"with several processes, export into a directory on a file system they share.") \
-          from None
-    try:
-      for t in ts:
-        _write_leaf(fd, offsets[t.name], leaves[t.name], chunk_bytes)
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+  with progress_lib.bytes_bar(_my_bytes(leaves.values()), f"export {directory}",
+                              progress) as done:
+    for ts, name, (_, offsets) in zip(files, names, headers):
+      _fill_file(_tmp(directory, name), [leaves[t.name] for t in ts],
+                 [offsets[t.name] for t in ts], chunk_bytes, done)
+
+
+def _fill_file(path: str, leaves, offsets, chunk_bytes: int, done) -> None:
+  try:
+    fd = os.open(path, os.O_WRONLY)
+  except FileNotFoundError:
+    raise FileNotFoundError(
+        f"{path} (created by process 0) is not visible to process {jax.process_index()}: "
+        f"with several processes, export into a directory on a file system they share.") \
+        from None
+  try:
+    for leaf, offset in zip(leaves, offsets):
+      _write_leaf(fd, offset, leaf, chunk_bytes, done)
+    os.fsync(fd)
+  finally:
+    os.close(fd)
 
 
 def _sync_dir(directory: str) -> None:
@@ -184,6 +200,7 @@ def _commit(directory: str, files, names) -> None:
   old = _existing(directory)
   if fmt.INDEX in old:  # while the files change, no index points at a mixture
     os.remove(os.path.join(directory, fmt.INDEX))
+    old.remove(fmt.INDEX)
   for name in names:
     os.replace(_tmp(directory, name), os.path.join(directory, name))
   _sync_dir(directory)
@@ -236,7 +253,8 @@ def _check_args(step, state, max_shard_bytes, chunk_bytes) -> None:
 def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
                        rename: Callable | None = None, dtype=None,
                        max_shard_bytes: int = MAX_SHARD_BYTES, metadata: dict | None = None,
-                       force: bool = False, chunk_bytes: int = CHUNK_BYTES) -> list[str]:
+                       force: bool = False, chunk_bytes: int = CHUNK_BYTES,
+                       progress: bool | None = None) -> list[str]:
   """Writes a state's parameters as safetensors files, from the shards where they lie.
 
   The files hold what ``step.get_params(state)`` returns (the float32 master copy
@@ -282,6 +300,8 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
     force: replace an earlier export in ``directory`` (its files, once the new
       ones are complete).
     chunk_bytes: the most bytes a device copies to the host at a time.
+    progress: a progress bar of the bytes written (``tqdm``, on process 0): True, False,
+      or None for one when this process writes 1 GiB or more and ``tqdm`` is installed.
 
   Returns:
     The names of the files written in ``directory`` (the index last).
@@ -293,6 +313,7 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
     OSError: ``directory`` cannot be written (nothing is left behind).
   """
   _check_args(step, state, max_shard_bytes, chunk_bytes)
+  progress_lib.check(progress, "export_safetensors")
   state = step._prepare(state, "export_safetensors")  # pylint: disable=protected-access
   leaves = _plan(state, rename, dtype)
   files = fmt.split_files([l.tensor for l in leaves], max_shard_bytes)
@@ -304,7 +325,7 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
   try:
     _together(lambda: main and _create(directory, files, names, headers, force))
     _together(_fill, directory, {l.tensor.name: l for l in leaves}, files, names, headers,
-              chunk_bytes)
+              chunk_bytes, progress)
     _together(lambda: main and _commit(directory, files, names))
   except BaseException:
     if main:
