@@ -421,6 +421,45 @@ def test_bad_signals_states_and_threads_are_clear_errors(tiny, fresh_watch, tmp_
       mngr.reached_preemption(params)
 
 
+def test_a_watch_the_user_started_lasts_across_managers_and_threads(tiny, fresh_watch,
+                                                                    tmp_path):
+  """zj.watch_preemption in the main thread, then managers in a training thread: each
+  close writes its last checkpoint, the chosen signal stays watched, a notice stops the
+  second; a third manager after the stop is refused."""
+  step, params, batch = tiny
+  zj.watch_preemption([signal.SIGUSR1])
+  out, errors = {}, []
+
+  def train():
+    try:
+      state = step.init(params)
+      with zj.CheckpointManager(tmp_path / "a") as a:
+        for _ in range(2):
+          assert not a.reached_preemption(state)
+          state, _ = step(state, batch)
+        a.save(state)
+      out["after_a"] = signal.getsignal(signal.SIGUSR1)
+      with zj.CheckpointManager(tmp_path / "b") as b:
+        while not b.reached_preemption(state):
+          state, _ = step(state, batch)
+          if int(state.step) == 4:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        out["stopped"] = b.preemption
+      with zj.CheckpointManager(tmp_path / "c") as c:
+        with pytest.raises(RuntimeError, match=r"already stopped for preemption at step \d+ \(\S*b\)"):
+          c.reached_preemption(state)
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+  t = threading.Thread(target=train)
+  t.start()
+  t.join()
+  assert not errors, errors
+  assert out["after_a"] is preemption._on_signal
+  with zj.CheckpointManager(tmp_path / "a") as a:
+    assert a.all_steps() == [2]  # the save before close in the thread was committed
+  assert out["stopped"].step >= 4 and out["stopped"].saved  # the handler runs in main
+
+
 def test_a_job_without_jaxs_preemption_service_is_told_how_to_turn_it_on(
     tiny, fresh_watch, tmp_path, monkeypatch):
   """What JAX raises in a multi-process job started with the service off, reworded."""

@@ -428,11 +428,13 @@ class CheckpointManager:
       return
     self._closed = True
     writer.forget_at_exit(self)
-    preemption_lib.release(self)
     try:
       self._finish()
     finally:
-      self._close_store()
+      try:
+        preemption_lib.release(self)
+      finally:
+        self._close_store()
 
   def _close_store(self) -> None:
     try:

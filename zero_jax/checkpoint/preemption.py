@@ -65,6 +65,7 @@ class _Watch:
     self.checker = None                     # the manager whose reached_preemption runs
     self.checks = 0                         # calls of reached_preemption so far
     self.stopped: Preemption | None = None
+    self.asked = False                      # watch_preemption was called: it lasts
 
 
 _watch = _Watch()
@@ -113,10 +114,13 @@ def watch_preemption(signals: int | Iterable[int] = (signal.SIGTERM,)) -> None:
   True on every process at the same step, once that step is saved. Call this
   early (after `initialize_distributed`, before restoring and compiling), so
   that a notice during start-up is caught too; ``reached_preemption`` calls it
-  with the default at its first call otherwise. Watching ends when the manager
-  whose ``reached_preemption`` ran is closed (the previous handlers are back),
-  unless it stopped the job: then further notices are only reported until the
-  process exits, so that a repeated one cannot turn the clean exit into a kill.
+  with the default at its first call otherwise. A watch started here lasts until
+  the process exits (each later manager checks it); one that
+  ``reached_preemption`` started ends when its manager is closed in the main
+  thread (the previous handlers are back). Once a manager has stopped the job,
+  further notices are only reported until the process exits, so that a repeated
+  one cannot turn the clean exit into a kill, and another manager's
+  ``reached_preemption`` raises.
 
   In a multi-process job JAX itself treats SIGTERM as a notice from
   ``jax.distributed.initialize`` on (its handler is kept); other signals get a
@@ -153,6 +157,11 @@ def watch_preemption(signals: int | Iterable[int] = (signal.SIGTERM,)) -> None:
     raise RuntimeError("watch_preemption (and the first reached_preemption) must run in the "
                        "main thread, where Python delivers signals; call "
                        "zj.watch_preemption() there before starting the training thread.")
+  _install(sigs)
+  _watch.asked = True
+
+
+def _install(sigs) -> None:
   jax_has_sigterm = distributed.is_multi_process()
   for sig in sigs:
     if sig in _watch.replaced or (sig == signal.SIGTERM and jax_has_sigterm):
@@ -166,10 +175,19 @@ def reached(mngr, state: TrainState) -> bool:
     raise TypeError(f"reached_preemption needs the TrainState returned by step.init or "
                     f"step(...), got {type(state).__name__}.")
   if _watch.stopped is not None:  # every later call: the job has stopped
+    if mngr is not _watch.checker:
+      raise RuntimeError(f"this process already stopped for preemption at step "
+                         f"{_watch.stopped.step} ({_watch.stopped.directory}); it should "
+                         f"exit, not train on with another CheckpointManager.")
     return True
   if _watch.checker is None:
     if not _watch.replaced:
-      watch_preemption()
+      if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("the first reached_preemption runs in a thread other than the "
+                           "main thread, where Python delivers signals: call "
+                           "zj.watch_preemption() in the main thread before starting the "
+                           "training thread.")
+      _install([signal.SIGTERM])
     _watch.checker = mngr
   _watch.checks += 1
   if distributed.is_multi_process():
@@ -195,10 +213,13 @@ def release(mngr) -> None:
   global _watch
   if _watch.checker is not mngr or _watch.stopped is not None:
     return
-  for sig, previous in _watch.replaced.items():
-    signal.signal(sig, previous)
   if _watch.notice is not None:
     _say(f"a preemption notice ({_watch.notice}) arrived after the last reached_preemption "
          f"check; {os.fspath(mngr.directory)} holds what was saved before it.")
+  if _watch.asked or threading.current_thread() is not threading.main_thread():
+    _watch.checker = None  # the watch the user started lasts; the next manager checks it
+    return
+  for sig, previous in _watch.replaced.items():
+    signal.signal(sig, previous)
   checks, _watch = _watch.checks, _Watch()
   _watch.checks = checks  # JAX's sync manager wants a count that never goes back
