@@ -85,6 +85,7 @@ HOSTS = {"mesh_shape": (2, 4), "axes": ("replica", "data"), "axis_name": ("repli
 # rounding; a number: rtol, for a quantized hop; False: half precision, only that it
 # trained), rtol vs prefetch=0: 0 where the order of operations is unchanged; 1e-6 where
 # a closed-over leaf's gradient is summed over layers in another order)
+FROZEN_B = {"emb": True, "layers": {"w": True, "b": False, "gain": True}, "head": True}
 CASES = {
     "s3_sgd_7layers": (7, SGD, {"stage": 3}, True, 0),
     "s3_adam_1layer_offload": (1, ADAM, {"stage": 3, "offload": "optimizer"}, True, 0),
@@ -119,6 +120,12 @@ CASES = {
     "s3_adam_bf16_qwz_qgz": (2, ADAM, {"stage": 3, "precision": "bf16", "quantize": Q}, False, 0),
     "s3_sgd_fp16": (3, SGD, {"stage": 3, "precision": "fp16",
                              "loss_scale": zj.static_loss_scale(2.0 ** 8)}, False, 0),
+    # A frozen stacked leaf is the same on every replica (it varies over fewer axes).
+    "s3_adam_replica_frozen_b": (2, ADAM, {"stage": 3, "mesh_shape": (2, 4),
+                                           "axes": ("replica", "data"),
+                                           "replica_axis": "replica", "trainable": FROZEN_B},
+                                 True, 0),
+    "s3_sgd_hpz_frozen_b": (2, SGD, {"stage": 3, **HOSTS, "trainable": FROZEN_B}, True, 0),
 }
 
 
@@ -132,8 +139,9 @@ def test_prefetch_equals_no_prefetch_and_the_single_device_reference(case):
   assert losses1 == losses0
   if exact:
     kind = kw.get("kind", "mean")
+    mask = kw.get("trainable")
     ref, ref_losses, _ = reference_run(reference_loss(kind), opt(), make_params(layers),
-                                       make_batches(), has_aux=kind == "aux")
+                                       make_batches(), has_aux=kind == "aux", mask=mask)
     rtol = {} if exact is True else {"rtol": exact, "atol": exact}
     assert_tree_close(p1, ref[-1], what=f"{case}: prefetch 1 vs reference ", **rtol)
     np.testing.assert_allclose(losses1, [float(x) for x in ref_losses], rtol=rtol.get("rtol", 1e-5))
@@ -430,10 +438,34 @@ def test_outside_the_step_it_is_lax_scan_and_modules_update():
   np.testing.assert_array_equal(model.blocks.drop.rngs.count[...], np.ones(LAYERS))
 
 
+def test_an_empty_stack_returns_the_carry_as_lax_scan_does(mesh):
+  """Zero layers at stage 3: the carry comes back and the other leaves train as without it."""
+  def loss(prefetch):
+    def fn(p, b):
+      h, ys = zj.scan(lambda h, lp: (jnp.tanh(h @ lp["w"]), h[:, 0]), b["x"] @ p["emb"],
+                      p["layers"], prefetch=prefetch)
+      assert ys.shape == (0, b["x"].shape[0])
+      return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+    return fn
+  params = {k: v for k, v in make_params(0).items() if k != "layers"}
+  params["layers"] = {"w": np.zeros((0, W, W), np.float32)}
+  b = make_batches()[0]
+  plain = lambda p, b: jnp.mean((b["x"] @ p["emb"] @ p["head"] - b["y"]) ** 2)
+  ref, _, _ = reference_run(plain, optax.sgd(0.1), params, [b])
+  for prefetch in (0, 1):
+    step = zj.make_sharded_train_step(loss(prefetch), optax.sgd(0.1), mesh=mesh, stage=3,
+                                      stacked=STACKED)
+    state, _ = step(step.init(params), b)
+    assert_tree_close(step.get_params(state), ref[-1], what=f"prefetch={prefetch} ")
+
+
 def test_misuse_is_refused_with_what_to_do(mesh):
   p, x = make_params(3), jnp.ones((2, W))
-  with pytest.raises(ValueError, match=r"prefetch=2.*choose 1.*or 0"):
-    zj.scan(lambda h, lp: (h, None), x, p["layers"], prefetch=2)
+  for bad in (2, 1.0, True):
+    with pytest.raises(ValueError, match=rf"prefetch={bad}.*choose 1.*or 0"):
+      zj.scan(lambda h, lp: (h, None), x, p["layers"], prefetch=bad)
+  with pytest.raises(ValueError, match=r"memory_report: prefetch=1.0.*choose 1"):
+    zj.memory_report(p, optax.sgd(0.1), n_devices=8, prefetch=1.0)
   with pytest.raises(ValueError, match=r"different numbers of layers.*\['v'\]: 2.*\['w'\]: 3"):
     zj.scan(lambda h, lp: (h, None), x, {"w": p["layers"]["w"], "v": jnp.ones((2, 4))})
   with pytest.raises(ValueError, match=r"stacked\['s'\] is a scalar"):

@@ -36,6 +36,7 @@ from flax import nnx
 
 from zero_jax import init as init_lib
 from zero_jax import precision as prec
+from zero_jax import prefetch as prefetch_lib
 from zero_jax.comm.layout import local_storage_shape, model_block_shape
 from zero_jax.spec import OFFLOAD_CHOICES, planning_spec
 from zero_jax.signature import as_transformation
@@ -228,8 +229,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
     raise ValueError(f"stages={tuple(stages)!r}: each stage must be 0 (plain data "
                      f"parallelism), 1, 2 or 3; got {bad}.")
   optimizer = as_transformation(optimizer)
-  if isinstance(prefetch, bool) or prefetch not in (0, 1):
-    raise ValueError(f"prefetch={prefetch!r}: 0 or 1, as for zero_jax.scan.")
+  prefetch_lib.check_prefetch(prefetch, "memory_report")
   if offload not in OFFLOAD_CHOICES:
     raise ValueError(f"offload={offload!r}: choose None or 'optimizer', as for "
                      f"make_sharded_train_step.")

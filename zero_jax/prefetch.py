@@ -15,6 +15,7 @@ NNX modules) into flat leaves. See the docs' stage 3 guide and "How it works".
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable
 
 import jax
@@ -76,8 +77,11 @@ def _after(sps: list, x) -> list:
     return sps
   bits = jax.lax.bitcast_convert_type(xs[0].reshape(-1)[0].astype(jnp.float32), jnp.uint32)
   never = jax.lax.shift_right_logical(bits, jnp.uint32(31)) > 1
+  # Only blocks that vary over every axis ``never`` varies over: the select must not make a
+  # block vary over more (a frozen block is the same on every replica).
+  held = lambda p: varying_axes(never) <= varying_axes(p.block)
   return [p.with_block(jnp.where(never, jnp.zeros((), p.block.dtype), p.block))
-          if p.layout.dim is not None and _is_float(p.block) else p for p in sps]
+          if p.layout.dim is not None and _is_float(p.block) and held(p) else p for p in sps]
 
 
 def _vma(x) -> tuple:
@@ -136,14 +140,19 @@ def scan(f: Callable, init: Any, stacked: Any, *, prefetch: int = 1) -> tuple[An
   Returns:
     ``(carry, ys)`` as ``jax.lax.scan`` returns them.
   """
-  if isinstance(prefetch, bool) or prefetch not in PREFETCH_CHOICES:
-    raise ValueError(f"zero_jax.scan: prefetch={prefetch!r}; choose 1 (gather the next "
-                     f"layer while this one computes) or 0 (gather each layer in its own "
-                     f"iteration).")
+  check_prefetch(prefetch, "zero_jax.scan")
   layers = Layers(stacked)
-  if prefetch == 0 or not layers.sharded:
+  if prefetch == 0 or not layers.sharded or layers.length == 0:
     return _scan_plain(f, init, layers)
   return _scan_prefetched(f, init, layers)
+
+
+def check_prefetch(prefetch, where: str) -> None:
+  """``prefetch=`` is the int 0 or 1 (`scan`, `zero_jax.memory_report`)."""
+  if (isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral)
+      or prefetch not in PREFETCH_CHOICES):
+    raise ValueError(f"{where}: prefetch={prefetch!r}; choose 1 (gather the next layer while "
+                     f"this one computes) or 0 (gather each layer in its own iteration).")
 
 
 def _scan_plain(f, init, layers: Layers):
