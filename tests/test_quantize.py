@@ -423,6 +423,27 @@ def test_psum_sums_exact_and_quantized_leaves():
   assert (got == got[np.arange(8) % 4]).all()   # both hosts hold the same sum
 
 
+def test_psum_of_float16_sums_in_float32_to_the_end():
+  """A sum beyond float16's range comes back finite: the partial sums are gathered from
+  float32 (they were cast back to float16, overflowed, and poisoned their blocks)."""
+  mesh = make_mesh((8,), ("data",))
+  x = np.full((8, 512), 20000, np.float16)
+  got = per_device(mesh, lambda r: zq.psum(r, "data", block_size=64), x)
+  np.testing.assert_allclose(got, 8 * 20000.0, rtol=1e-2)
+
+
+def test_the_bucket_forms_check_dtype_block_size_and_bits():
+  mesh = make_mesh((8,), ("data",))
+  call = lambda x, **kw: per_device(mesh, lambda r: zq.join_pieces(zq.gather_pieces(
+      [r, r], "data", **kw))[0], x)
+  with pytest.raises(ValueError, match=r"block_size"):
+    call(np.ones((8, 64), np.float32), block_size=63, bits=4)
+  with pytest.raises(ValueError, match=r"bits"):
+    call(np.ones((8, 64), np.float32), block_size=64, bits=3)
+  with pytest.raises(TypeError, match=r"non-float.*pieces has dtype int32"):
+    call(np.ones((8, 64), np.int32), block_size=64)
+
+
 def test_hlo_quantized_gather_is_an_int8_all_gather():
   mesh = make_mesh((8,), ("data",))
   cs = compiled_collectives(mesh, lambda r: zq.all_gather_rows(r, "data", block_size=128,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax.comm import quantize
-from zero_jax.comm.axes import as_tuple as _axes, axes_size, varying_axes  # noqa: F401
+from zero_jax.comm.axes import as_tuple as _axes, axes_size
 from zero_jax.comm.layout import Layout, pad, unpad
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20
@@ -118,15 +118,7 @@ def _wide(dtype):
 # the devices (``(n, L_i)``) or one device's row (``(L_i,)``). An exact collective moves
 # them as one concatenated buffer; a quantized one quantizes each where it lies and
 # concatenates only the int8 wire (`zero_jax.comm.quantize`).
-def _joined(pieces) -> jax.Array:
-  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
-
-
-def _split(x: jax.Array, sizes) -> list:
-  """The inverse of `_joined`: ``x`` cut along its last axis into pieces of ``sizes``."""
-  if len(sizes) == 1:
-    return [x]
-  return jnp.split(x, [sum(sizes[:i]) for i in range(1, len(sizes))], axis=-1)
+_joined, _split = quantize.join_pieces, quantize.split_pieces
 
 
 def _lengths(pieces) -> list:

@@ -21,55 +21,56 @@ array, and only the int8 wire is concatenated.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from zero_jax.comm.axes import make_varying as _varying
+from zero_jax.comm.axes import as_tuple, axes_size, make_varying as _varying
 from zero_jax.comm.blocks import (  # noqa: F401  (re-exported)
     MAX_BLOCK_SIZE, QMAX, _decode, _encode, _plan, check_quantizable, dequantize, quantize,
     quantized_bytes, sends_quantized)
 
 
 # ----------------------------------------------------------------- collectives
-def _axes(names) -> tuple[str, ...]:
-  return (names,) if isinstance(names, str) else tuple(names)
-
-
 def mesh_order(axes) -> tuple[str, ...]:
   """``axes`` sorted as the current (``shard_map``) mesh orders them."""
   order = tuple(jax.sharding.get_abstract_mesh().axis_names)
-  axes = _axes(axes)
+  axes = as_tuple(axes)
   return tuple(sorted(axes, key=order.index)) if set(axes) <= set(order) else axes
 
 
-def _size(axes) -> int:
-  return math.prod(jax.lax.axis_size(a) for a in axes)
-
-
-def _pieces(x: jax.Array, segments) -> list:
-  """``x`` cut along its last axis into pieces of the lengths ``segments`` (default: one)."""
-  length = x.shape[-1]
-  sizes = (length,) if segments is None else tuple(int(s) for s in segments)
-  if sum(sizes) != length or any(s < 0 for s in sizes):
-    raise ValueError(f"segments={segments!r} must be lengths that add up to the row's "
-                     f"{length} elements.")
-  starts = [sum(sizes[:i]) for i in range(len(sizes))]
-  return [x[..., a:a + s] for a, s in zip(starts, sizes)]
-
-
-def _joined(pieces) -> jax.Array:
+def join_pieces(pieces) -> jax.Array:
+  """Pieces ``(..., L_i)`` as one ``(..., sum L_i)`` array."""
   return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
 
 
-def _dtype(pieces):
+def split_pieces(x: jax.Array, sizes) -> list:
+  """The inverse of `join_pieces`: ``x`` cut along its last axis into pieces of ``sizes``."""
+  sizes = [int(s) for s in sizes]
+  if len(sizes) == 1:
+    return [x]
+  return jnp.split(x, [sum(sizes[:i]) for i in range(1, len(sizes))], axis=-1)
+
+
+def _pieces(x: jax.Array, segments) -> list:
+  """``x`` cut into pieces of the lengths ``segments`` (default: one), checked."""
+  sizes = (x.shape[-1],) if segments is None else tuple(int(s) for s in segments)
+  if sum(sizes) != x.shape[-1] or any(s < 0 for s in sizes):
+    raise ValueError(f"segments={segments!r} must be lengths that add up to the row's "
+                     f"{x.shape[-1]} elements.")
+  return split_pieces(x, sizes)
+
+
+def _dtype(pieces, *, block_size: int, bits: int):
+  """The one dtype of ``pieces``, checked as `check_quantizable` checks a leaf's."""
   dtypes = {jnp.dtype(p.dtype) for p in pieces}
   if len(dtypes) != 1:
     raise TypeError(f"pieces of one collective must share a dtype; got {sorted(map(str, dtypes))}"
                     f": cast them first (the exact bytes travel in that dtype).")
-  return dtypes.pop()
+  dtype = dtypes.pop()
+  check_quantizable(dtype, block_size=block_size, bits=bits, name="pieces")
+  return dtype
 
 
 def all_gather_rows(row: jax.Array, axes, *, block_size: int, bits: int = 8,
@@ -99,7 +100,7 @@ def all_gather_rows(row: jax.Array, axes, *, block_size: int, bits: int = 8,
     segments: the lengths of the leaves the row holds, in order (default: one).
   """
   check_quantizable(row.dtype, block_size=block_size, bits=bits, name="row")
-  return _joined(gather_pieces(_pieces(row, segments), axes, block_size=block_size,
+  return join_pieces(gather_pieces(_pieces(row, segments), axes, block_size=block_size,
                                bits=bits, to=to))
 
 
@@ -108,9 +109,9 @@ def gather_pieces(pieces, axes, *, block_size: int, bits: int = 8,
   """`all_gather_rows` of several leaves in one collective: pieces ``(L_i,)`` (one dtype)
   -> ``(n, L_i)`` float32 each."""
   axes = mesh_order(axes)
-  if _size(axes) == 1:  # nothing on the wire: nothing rounded
+  if axes_size(axes) == 1:  # nothing on the wire: nothing rounded
     return [jax.lax.all_gather(p.astype(jnp.float32), axes, axis=0, to=to) for p in pieces]
-  dtype = _dtype(pieces)
+  dtype = _dtype(pieces, block_size=block_size, bits=bits)
   plan = _plan([p.shape[-1] for p in pieces], dtype, block_size, bits)
   wire = jax.lax.all_gather(_encode(pieces, plan, bits, dtype), axes, axis=0, to=to)
   return _decode(wire, plan, bits, dtype, len(pieces))
@@ -122,7 +123,7 @@ def _check_hops(hops, n_rows: int) -> tuple[tuple[str, ...], ...]:
   if not hops or not all(hops) or len(set(flat)) != len(flat):
     raise ValueError(f"hops={hops!r}: expected a sequence of non-empty tuples of mesh axis "
                      f"names, each axis in one hop, e.g. (('data',), ('replica',)).")
-  n = _size(flat)
+  n = axes_size(flat)
   if n_rows != n:
     raise ValueError(f"psum_scatter_rows got {n_rows} rows, but the hops' axes {tuple(flat)} "
                      f"span {n} devices: pass one row per device (rows of shape ({n}, L)).")
@@ -163,7 +164,7 @@ def psum_scatter_rows(rows: jax.Array, hops, *, block_size: int, bits: int = 8,
     ``(L,)`` float32, varying over the hops' axes.
   """
   check_quantizable(rows.dtype, block_size=block_size, bits=bits, name="rows")
-  return _joined(scatter_pieces(_pieces(rows, segments), hops, block_size=block_size,
+  return join_pieces(scatter_pieces(_pieces(rows, segments), hops, block_size=block_size,
                                 bits=bits))
 
 
@@ -171,13 +172,13 @@ def scatter_pieces(pieces, hops, *, block_size: int, bits: int = 8) -> list:
   """`psum_scatter_rows` of several leaves in one collective per hop: pieces ``(n, L_i)``
   (one dtype) -> this device's summed ``(L_i,)`` float32 each."""
   hops = _check_hops(hops, pieces[0].shape[0])
-  dtype = _dtype(pieces)
+  dtype = _dtype(pieces, block_size=block_size, bits=bits)
   names = list(mesh_order([a for h in hops for a in h]))
   dims = [jax.lax.axis_size(a) for a in names]
   xs = [_varying(p.astype(jnp.float32), names).reshape(dims + [p.shape[-1]]) for p in pieces]
   plan = _plan([p.shape[-1] for p in pieces], dtype, block_size, bits)
   for hop in hops:
-    k, m = len(hop), _size(hop)
+    k, m = len(hop), axes_size(hop)
     xs = [jnp.moveaxis(x, [names.index(a) for a in hop], list(range(k))) for x in xs]
     xs = [x.reshape((m,) + x.shape[k:]) for x in xs]
     names = [a for a in names if a not in hop]
@@ -232,28 +233,28 @@ def psum(row: jax.Array, axes, *, block_size: int, bits: int = 8, segments=None)
     ``(L,)`` float32, the same on every device of ``axes``.
   """
   check_quantizable(row.dtype, block_size=block_size, bits=bits, name="row")
-  return _joined(psum_pieces(_pieces(row, segments), axes, block_size=block_size, bits=bits))
+  return join_pieces(psum_pieces(_pieces(row, segments), axes, block_size=block_size, bits=bits))
 
 
 def psum_pieces(pieces, axes, *, block_size: int, bits: int = 8) -> list:
   """`psum` of several leaves: pieces ``(L_i,)`` (one dtype) -> ``(L_i,)`` float32 each, the
   quantized ones in one reduce-scatter and one all-gather, the others in one ``lax.psum``."""
   axes = mesh_order(axes)
-  n, dtype = _size(axes), _dtype(pieces)
+  n, dtype = axes_size(axes), _dtype(pieces, block_size=block_size, bits=bits)
   quant = [n > 1 and p.shape[-1] > 0 and sends_quantized(
       p.shape[-1], itemsize=dtype.itemsize, block_size=block_size, bits=bits, parts=n)
       for p in pieces]
   out = [p.astype(jnp.float32) for p in pieces]
   exact = [i for i, q in enumerate(quant) if not q and pieces[i].shape[-1]]
   if exact:
-    summed = jax.lax.psum(_joined([pieces[i] for i in exact]), axes).astype(jnp.float32)
+    summed = jax.lax.psum(join_pieces([pieces[i] for i in exact]), axes).astype(jnp.float32)
     out = _put(out, exact, _pieces(summed, [pieces[i].shape[-1] for i in exact]))
   idx = [i for i, q in enumerate(quant) if q]
   if idx:
     sizes = [pieces[i].shape[-1] for i in idx]
     rows = [jnp.pad(pieces[i], (0, -(-s // n) * n - s)).reshape(n, -1) for i, s in zip(idx, sizes)]
     mine = scatter_pieces(rows, (axes,), block_size=block_size, bits=bits)
-    full = gather_pieces([m.astype(dtype) for m in mine], axes, block_size=block_size, bits=bits)
+    full = gather_pieces(mine, axes, block_size=block_size, bits=bits)  # the float32 sums
     out = _put(out, idx, [f.reshape(-1)[:s] for f, s in zip(full, sizes)])
   return out
 
@@ -307,7 +308,7 @@ def psum_scatter(x: jax.Array, hops, *, scatter_dimension: int = 0, block_size: 
     >>> bool((f(jnp.ones((3, 2 * n))) == n).all())
     True
   """
-  n = _size([a for h in ((hops,) if isinstance(hops, str) else hops) for a in _axes(h)])
+  n = axes_size([a for h in ((hops,) if isinstance(hops, str) else hops) for a in as_tuple(h)])
   if x.ndim == 0 or x.shape[scatter_dimension] % n:
     raise ValueError(f"psum_scatter of shape {x.shape} along dimension {scatter_dimension}: "
                      f"its size must be a multiple of the {n} devices of the hops' axes; pad "
@@ -393,10 +394,10 @@ def gather_rows_vjp(row: jax.Array, axes, *, block_size: int, bits: int = 8,
   if backward == "quantized":
     check_quantizable(row.dtype, block_size=block_size, bits=grad_bits, name="row's gradient")
     hops = (axes,) if hops is None else hops
-    if sorted(a for h in hops for a in _axes(h)) != sorted(axes):
+    if sorted(a for h in hops for a in as_tuple(h)) != sorted(axes):
       raise ValueError(f"hops={hops!r} must cover exactly the gathered axes {axes}: the "
                        f"gradient of a gather over them is a reduce-scatter over them.")
-    hops = _check_hops(hops, _size(axes))
+    hops = _check_hops(hops, axes_size(axes))
   elif hops is not None or grad_bits != bits:
     raise ValueError("hops= and grad_bits= apply to backward='quantized' only.")
   spec = _Gather(axes, int(block_size), bits, hops if backward == "quantized" else None,
