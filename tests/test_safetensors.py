@@ -354,6 +354,33 @@ def test_force_replaces_an_export_of_another_number_of_files(first, then, export
                jax.tree.map(np.asarray, e["step"].get_params(e["state"])))
 
 
+def test_empty_leaves_round_trip_and_odd_inputs_are_named(tmp_path):
+  """A zero-size leaf comes back (empty); a name the format reserves, a Python number in
+  `like`, a cast across kinds, float8 and an index that is not an object are refused."""
+  params = {"w": np.arange(40, dtype=np.float32).reshape(8, 5), "e": np.zeros((0, 4), np.float32)}
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=jax.make_mesh((8,), ("data",)),
+                                    stage=3)
+  state = step.init(params)
+  zj.export_safetensors(step, state, tmp_path / "a")
+  back = zj.load_safetensors(tmp_path / "a", like_of(params), step=step)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, back), params)
+  with pytest.raises(ValueError, match=r"leaf params\['w'\] returned '__metadata__'"):
+    zj.export_safetensors(step, state, tmp_path / "b",
+                          rename=lambda n: "__metadata__" if n == "w" else n)
+  with pytest.raises(TypeError, match=r"`like` holds params\['w'\] = 1.5, a float"):
+    zj.load_safetensors(tmp_path / "a", {**like_of(params), "w": 1.5}, step=step)
+  ints = {**like_of(params), "w": jax.ShapeDtypeStruct((8, 5), jnp.int32)}
+  with pytest.raises(TypeError, match=r"'w'.*float32.*params\['w'\].*int32: cast=True "
+                                      r"converts between floating"):
+    zj.load_safetensors(tmp_path / "a", ints, step=step, cast=True)
+  zj.export_safetensors(step, state, tmp_path / "f8", dtype=jnp.float8_e4m3fn)
+  with pytest.raises(TypeError, match=r"'w'.*float8_e4m3fn.*cannot read.*params\['w'\]"):
+    zj.load_safetensors(tmp_path / "f8", like_of(params), step=step, cast=True)
+  (tmp_path / "list.index.json").write_text("[]")
+  with pytest.raises(ValueError, match=r"list.index.json has no weight_map"):
+    zj.load_safetensors(tmp_path / "list.index.json", like_of(params), step=step)
+
+
 class _Bar:
   """A stand-in for tqdm that records what a bar is told."""
   made: list = []

@@ -99,6 +99,9 @@ def apply_rename(rename: Callable | None, default: str, leaf: str, ndim: int) ->
   if not isinstance(name, str) or not name or not isinstance(transpose, (bool, np.bool_)):
     raise TypeError(f"rename({default!r}) for the leaf {leaf} returned {out!r}; it must return "
                     f"a non-empty str, or (name, transpose) with transpose a bool.")
+  if name == "__metadata__":
+    raise ValueError(f"rename({default!r}) for the leaf {leaf} returned '__metadata__', the "
+                     f"name of a safetensors file's metadata entry; give the tensor another name.")
   if transpose and ndim != 2:
     raise ValueError(f"rename({default!r}) asks to transpose the leaf {leaf}, which has {ndim} "
                      f"dimensions; only 2-D leaves (kernels) can be transposed.")
@@ -141,8 +144,9 @@ def header(tensors: list[Tensor], metadata: dict | None = None) -> tuple[bytes, 
   """``(the 8-byte length and the JSON header, {name: offset of its data in the file})``.
 
   Tensors are laid out by decreasing item size (each stays aligned), then by name, and
-  the JSON is padded with spaces to a multiple of 8 bytes: the bytes the safetensors
-  library's ``save_file`` writes for the same tensors.
+  the JSON is padded with spaces to a multiple of 8 bytes: for tensors of one dtype, the
+  bytes the safetensors library's ``save_file`` writes (it orders equal item sizes by
+  dtype; either order is a valid file).
   """
   order = sorted(range(len(tensors)), key=lambda i: (-tensors[i].dtype.itemsize,
                                                      tensors[i].name))
@@ -245,7 +249,8 @@ def find_files(path) -> list[str]:
   if not path.endswith(".json"):
     return [path]
   with open(path) as f:
-    weight_map = json.load(f).get("weight_map")
+    index = json.load(f)
+  weight_map = index.get("weight_map") if isinstance(index, dict) else None
   if not isinstance(weight_map, dict) or not weight_map:
     raise ValueError(f"{path} has no weight_map; it is not a safetensors index.")
   base = os.path.dirname(path)

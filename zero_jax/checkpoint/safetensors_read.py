@@ -12,6 +12,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
@@ -53,6 +54,15 @@ def _check(path, tensors: list[fmt.Tensor], entries: dict[str, fmt.Entry], cast:
       raise TypeError(f"tensor {t.name!r} in {e.file} is {e.dtype.name}, and the leaf {t.leaf} "
                       f"in `like` is {t.dtype.name}; pass cast=True to convert it, or a "
                       f"`like` with the file's dtype.")
+    if e.dtype != t.dtype and _kind(e.dtype) != _kind(t.dtype):
+      raise TypeError(f"tensor {t.name!r} in {e.file} is {e.dtype.name}, and the leaf {t.leaf} "
+                      f"in `like` is {t.dtype.name}: cast=True converts between floating "
+                      f"dtypes (or between integer ones), not from one kind to the other. "
+                      f"Give `like` the file's kind of dtype.")
+    if e.dtype.name.startswith("float8") and math.prod(e.shape):
+      raise TypeError(f"tensor {t.name!r} in {e.file} is {e.dtype.name}, which the safetensors "
+                      f"library's numpy reader cannot read (for {t.leaf}); export in bfloat16 "
+                      f"or float32 (export_safetensors(dtype=...)).")
   unused = sorted(set(entries) - {t.name for t in tensors})
   if unused and strict:
     raise ValueError(f"{path} holds {len(unused)} tensor(s) that no leaf of `like` reads: "
@@ -60,10 +70,16 @@ def _check(path, tensors: list[fmt.Tensor], entries: dict[str, fmt.Entry], cast:
                      f"strict=False to leave them unread.")
 
 
+def _kind(dtype) -> str:
+  return "float" if jnp.issubdtype(dtype, jnp.inexact) else "other"
+
+
 def _reader(entry: fmt.Entry, name: str, shape, transpose: bool, dtype) -> Callable:
   """The callback of ``jax.make_array_from_callback``: one device's block, from the file."""
   def read(index) -> np.ndarray:
     box = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+    if not math.prod(b - a for a, b in box):  # nothing to read (the library cannot slice it)
+      return np.zeros(tuple(b - a for a, b in box), dtype)
     with safe_open(entry.file, framework="numpy") as f:  # unmapped when the block is read
       if not shape:
         a = f.get_tensor(name)
@@ -165,6 +181,10 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
   tensors = []
   for p, x in flat:
     leaf = f"params{jax.tree_util.keystr(p)}"
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+      raise TypeError(f"`like` holds {leaf} = {x!r}, a {type(x).__name__}; every leaf must be "
+                      f"an array or a jax.ShapeDtypeStruct (its shape and dtype are what the "
+                      f"file's tensor must have).")
     shape = tuple(np.shape(x))
     name, transpose = fmt.apply_rename(rename, fmt.default_name(p, variable=variable), leaf,
                                        len(shape))
@@ -173,11 +193,8 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
   fmt.check_unique(tensors)
   _check(path, tensors, entries, cast, strict)
   _, meta = st.build_meta(step.spec, step.optimizer, params, step.leaf_options)
-  shardings = []
-  for layout in meta.param_layouts:
-    split = layout.dim is not None and layout.pad_amount == 0
-    shardings.append(st.sharding(step.spec, layout.spec(step.spec.data_axes) if split
-                                 else layout.model_spec()))
+  shardings = [st.sharding(step.spec, init_lib.input_spec(step.spec, layout))
+               for layout in meta.param_layouts]
   shapes = [tuple(np.shape(x)) for _, x in flat]
   mine = [len(_blocks(sh, shape)) * math.prod(sh.shard_shape(shape)) * t.dtype.itemsize
           for t, sh, shape in zip(tensors, shardings, shapes)]
