@@ -376,6 +376,17 @@ def test_empty_leaves_round_trip_and_odd_inputs_are_named(tmp_path):
   zj.export_safetensors(step, state, tmp_path / "f8", dtype=jnp.float8_e4m3fn)
   with pytest.raises(TypeError, match=r"'w'.*float8_e4m3fn.*cannot read.*params\['w'\]"):
     zj.load_safetensors(tmp_path / "f8", like_of(params), step=step, cast=True)
+  # A dtype zero_jax does not read (complex64): refused only when a leaf reads it.
+  from safetensors.numpy import save_file
+  save_file({"w": params["w"], "e": params["e"], "q": np.ones((8, 5), np.complex64)},
+            str(tmp_path / "c.safetensors"))
+  back = zj.load_safetensors(tmp_path / "c.safetensors", like_of(params), step=step,
+                             strict=False)
+  np.testing.assert_array_equal(np.asarray(back["w"]), params["w"])
+  with pytest.raises(TypeError, match=r"'q'.*safetensors dtype C64, which zero_jax does not "
+                                      r"read \(for params\['w'\]\)"):
+    zj.load_safetensors(tmp_path / "c.safetensors", like_of(params), step=step,
+                        rename=lambda n: "q" if n == "w" else n, strict=False)
   (tmp_path / "list.index.json").write_text("[]")
   with pytest.raises(ValueError, match=r"list.index.json has no weight_map"):
     zj.load_safetensors(tmp_path / "list.index.json", like_of(params), step=step)

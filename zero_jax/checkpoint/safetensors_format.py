@@ -178,10 +178,11 @@ def index(files: list[list[Tensor]], names: list[str]) -> bytes:
 class Entry(NamedTuple):
   """A tensor found in a file: where its data lies."""
   file: str
-  dtype: np.dtype
+  dtype: np.dtype | None  # None: a safetensors dtype zero_jax does not read (`code`)
   shape: tuple[int, ...]
   begin: int  # absolute byte offsets in the file
   end: int
+  code: str = ""  # the header's dtype name
 
 
 def _bad(path: str, why: str) -> ValueError:
@@ -209,18 +210,21 @@ def parse_header(path: str, head: bytes, size: int) -> dict[str, Entry]:
     if name == "__metadata__":
       continue
     try:
-      dtype, shape = DTYPES[e["dtype"]], tuple(int(d) for d in e["shape"])
+      code, shape = e["dtype"], tuple(int(d) for d in e["shape"])
       begin, end = (int(o) for o in e["data_offsets"])
+      if not isinstance(code, str):
+        raise TypeError(code)
     except (KeyError, TypeError, ValueError):
-      raise _bad(path, f"the header entry of tensor {name!r} ({e!r}) is not a dtype known "
-                       f"here ({', '.join(DTYPES)}), a shape and data_offsets") from None
+      raise _bad(path, f"the header entry of tensor {name!r} ({e!r}) is not a dtype name, "
+                       f"a shape and data_offsets") from None
+    dtype = DTYPES.get(code)  # another dtype (C64, F4, ...) is refused only if a leaf reads it
     if end > data:
       raise _bad(path, f"tensor {name!r} ends at byte {end} of the data, and the file holds "
                        f"{data} bytes of data after its header")
-    if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
+    if begin < 0 or dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
       raise _bad(path, f"tensor {name!r} has data_offsets [{begin}, {end}], which do not hold "
-                       f"{list(shape)} x {dtype.name}")
-    out[name] = Entry(path, dtype, shape, 8 + n + begin, 8 + n + end)
+                       f"{list(shape)} x {code}")
+    out[name] = Entry(path, dtype, shape, 8 + n + begin, 8 + n + end, code)
   return out
 
 

@@ -50,6 +50,10 @@ def _check(path, tensors: list[fmt.Tensor], entries: dict[str, fmt.Entry], cast:
               if len(e.shape) == 2 and e.shape == t.shape[::-1] else "")
       raise ValueError(f"tensor {t.name!r} in {e.file} has shape {list(e.shape)}, and the leaf "
                        f"{t.leaf} needs {list(t.shape)}{hint}.")
+    if e.dtype is None:
+      raise TypeError(f"tensor {t.name!r} in {e.file} has the safetensors dtype {e.code}, which "
+                      f"zero_jax does not read (for {t.leaf}); it reads "
+                      f"{', '.join(fmt.DTYPES)}.")
     if e.dtype != t.dtype and not cast:
       raise TypeError(f"tensor {t.name!r} in {e.file} is {e.dtype.name}, and the leaf {t.leaf} "
                       f"in `like` is {t.dtype.name}; pass cast=True to convert it, or a "
