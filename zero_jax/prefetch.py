@@ -113,6 +113,9 @@ def scan(f: Callable, init: Any, stacked: Any, *, prefetch: int = 1) -> tuple[An
   ``prefetch=0`` it is ``jax.lax.scan`` over a ``jax.checkpoint``-ed body that
   calls `gather` (today's schedule). Module variables that ``f`` updates
   (BatchNorm statistics, RNG counters) are written back, as ``nnx.scan`` does.
+  It runs over every layer in order: ``lax.scan``'s ``reverse=``, ``length=``
+  and ``unroll=`` are not taken (reverse the stack with ``jax.tree.map`` and
+  ``jnp.flip`` outside the step, or use ``lax.scan`` with `gather`).
 
   Example:
     >>> import jax, jax.numpy as jnp, zero_jax as zj

@@ -84,8 +84,9 @@ def export_params(directory, params, *, force: bool = False) -> None:
   Raises:
     TypeError: ``params`` is a `TrainState`.
     FileExistsError: ``directory`` exists and ``force`` is False.
-    ValueError: a leaf is a stage-3 state's padded storage (``state.params``), or has no
-      elements.
+    ValueError: a leaf is a stage-3 state's padded storage (``state.params``'s own
+      arrays; a copy of them, e.g. ``jax.device_get(state.params)``, is not recognised),
+      or has no elements.
   """
   path = epath.Path(abs_path(directory))
   _check_export(path, params, force)
