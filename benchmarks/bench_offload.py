@@ -12,7 +12,7 @@ master copy and Adam's moments: 12 bytes per parameter, 12Ψ/N per device) on
 - the transfers of the program lowered for CUDA (``step.lower(...,
   lowering_platforms=("cuda",))``; XLA:CPU drops host moves when it compiles):
   moves to the device and to the host, barriers, and how many buckets the
-  update streams in, at the default `zero_jax.offload.BUCKET_BYTES` and at 0 (one
+  update streams in, at the default `zero_jax.step.offload.BUCKET_BYTES` and at 0 (one
   group of leaves per bucket).
 
 Then it times stages 2 and 3 with and without offload (interleaved, in each
@@ -34,7 +34,7 @@ from _report import machine
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from zero_jax import offload  # noqa: E402
+from zero_jax.step import offload  # noqa: E402
 
 zj = sc.zj
 N = 8

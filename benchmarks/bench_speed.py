@@ -45,7 +45,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import context  # noqa: E402
+from zero_jax.step import context  # noqa: E402
 from zero_jax.comm import overlap  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))

@@ -25,7 +25,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import zero_jax as zj  # noqa: E402  (imports jax but does not start a backend)
-from zero_jax import distributed as zd  # noqa: E402
+from zero_jax.processes import distributed as zd  # noqa: E402
 
 
 def demo(steps: int = 30, global_batch: int = 64):

@@ -16,5 +16,5 @@ def _deliver_pending_warnings():
   test does not expect fails that test (pyproject's filterwarnings), not a later one whose
   CheckpointManager.save or step object's deletion would deliver it."""
   yield
-  from zero_jax import monitor  # pylint: disable=g-import-not-at-top
+  from zero_jax.step import monitor  # pylint: disable=g-import-not-at-top
   monitor.deliver()

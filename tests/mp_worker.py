@@ -11,7 +11,7 @@ variants and the batches from here to compute its one-process reference.
                                                         # without waiting for its peers)
 
 Each process is configured by the ZERO_JAX_* variables of
-zero_jax.launch.start_local_processes.
+zero_jax.processes.launch.start_local_processes.
 """
 
 import json

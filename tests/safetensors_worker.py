@@ -49,7 +49,7 @@ def make_step(variant):
 def export(variant, directory):
   """The variant's state exported in 3 files (small max_shard_bytes): what both runs write."""
   import zero_jax as zj  # pylint: disable=g-import-not-at-top
-  from zero_jax import init as init_lib  # pylint: disable=g-import-not-at-top
+  from zero_jax.step import init as init_lib  # pylint: disable=g-import-not-at-top
   step = make_step(variant)
   if variant != "stage3_function":
     state = step.init(params())

@@ -40,7 +40,7 @@ import pytest
 from jax.sharding import Mesh
 
 import zero_jax as zj
-from zero_jax.signature import optimizer_signature
+from zero_jax.step.signature import optimizer_signature
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 24  # divisible by every mesh size used: 1, 2, 3, 4, 8

@@ -192,7 +192,7 @@ def test_errors_name_the_leaf_and_the_fix():
 
 
 def test_format_bytes_uses_binary_units():
-  from zero_jax.memory import format_bytes
+  from zero_jax.step.memory import format_bytes
   assert format_bytes(512) == "512 B"
   assert format_bytes(1536) == "1.5 KiB"
   assert format_bytes(3 * 2 ** 30) == "3 GiB"

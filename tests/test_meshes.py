@@ -21,7 +21,7 @@ import zero_jax as zj
 from _feature_helpers import (assert_tree_close, collective_groups, reference_run,
                               shapes_in, shard_bytes)
 from _small_mlp import init_params, loss_fn
-from zero_jax import batch as batching
+from zero_jax.step import batch as batching
 from zero_jax.comm.layout import local_storage_shape
 
 STEPS = 5

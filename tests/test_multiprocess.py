@@ -19,8 +19,8 @@ import pytest
 
 import mp_worker as W
 import zero_jax as zj
-from zero_jax import distributed as zd
-from zero_jax import launch as zl
+from zero_jax.processes import distributed as zd
+from zero_jax.processes import launch as zl
 
 try:  # zero_jax.checkpoint is written alongside; the checkpoint tests need it
   from zero_jax.checkpoint import CheckpointManager

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import zero_jax as zj
-from zero_jax import offload
+from zero_jax.step import offload
 from _feature_helpers import assert_tree_close, reference_run
 from _small_mlp import init_params, loss_fn
 

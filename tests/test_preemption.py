@@ -30,7 +30,7 @@ import pytest
 
 import mp_worker as W
 import zero_jax as zj
-from zero_jax import launch as zl
+from zero_jax.processes import launch as zl
 from zero_jax.checkpoint import preemption
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import init as init_lib
+from zero_jax.step import init as init_lib
 from zero_jax.comm.layout import local_storage_shape
 from _feature_helpers import assert_tree_close, reference_run
 from _small_mlp import loss_fn as mlp_loss

@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from zero_jax.signature import as_transformation, optimizer_signature
+from zero_jax.step.signature import as_transformation, optimizer_signature
 
 
 @pytest.mark.parametrize("lr", [3e-4, np.float32(3e-4), jnp.float32(3e-4), jnp.asarray(3e-4)],

@@ -6,7 +6,7 @@ counts, wherever it stands (module level, inside a function, under ``TYPE_CHECKI
 package's ``__init__`` counts as the package. Usage::
 
   python tools/import_graph.py            # one line per module: what it imports
-  python tools/import_graph.py --check    # exit 1 if there is a cycle
+  python tools/import_graph.py --check    # exit 1 on a cycle, an upward import, a folder not in ORDER
   python tools/import_graph.py --folders  # the graph between the subpackages and the top
 """
 
@@ -50,9 +50,23 @@ def graph() -> dict[str, set[str]]:
   return edges
 
 
+# The folders from the top of the package to its bottom: a module may import its own folder
+# and any folder below it, never one above ("" is the package's __init__, which re-exports;
+# "_compat" the one place that reaches into private APIs, imported from anywhere).
+ORDER = ("", "checkpoint", "gpu", "step", "layers", "numerics", "processes", "comm",
+         "_compat")
+
+
 def folder(module: str) -> str:
-  """The subpackage a module belongs to, or "" for the top level."""
-  return module.split(".")[0] if "." in module or module in ("comm", "checkpoint") else ""
+  """The subpackage a module belongs to, or "" for the package's __init__."""
+  return module.split(".")[0]
+
+
+def upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+  """Every import of a module from a folder above its own (by `ORDER`), as (module, target)."""
+  rank = {f: i for i, f in enumerate(ORDER)}
+  return sorted((m, d) for m, deps in edges.items() for d in deps
+                if rank.get(folder(d), -1) < rank.get(folder(m), -1))
 
 
 def folder_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
@@ -90,8 +104,15 @@ def main(argv) -> int:
   found = cycles(edges)
   for c in found:
     print("cycle:", " -> ".join(c))
-  print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports, {len(found)} cycles")
-  return 1 if found and "--check" in argv else 0
+  up = upward(graph())
+  for m, d in up:
+    print(f"upward: {m} -> {d}")
+  unknown = sorted({folder(m) for m in graph()} - set(ORDER))
+  for f in unknown:
+    print(f"folder not in ORDER: {f}")
+  print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports, {len(found)} cycles, "
+        f"{len(up)} upward imports")
+  return 1 if (found or up or unknown) and "--check" in argv else 0
 
 
 if __name__ == "__main__":

@@ -4,24 +4,24 @@ from zero_jax.checkpoint import (CheckpointManager, DamagedCheckpointError,
                                  DamagedCheckpointWarning, DirectoryInUseError, export_params,
                                  export_safetensors, load_safetensors)
 from zero_jax.checkpoint.preemption import Preemption, watch_preemption
-from zero_jax.clipping import clip_by_global_norm, global_norm
+from zero_jax.numerics.clipping import clip_by_global_norm, global_norm
 from zero_jax.comm.collectives import Quantize
 from zero_jax.comm.layout import Layout, leaf_layout
-from zero_jax.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
+from zero_jax.processes.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
                                   is_main_process, metrics_to_host, print_main)
-from zero_jax.global_batch import make_global_batch, process_batch_slice
-from zero_jax.launch import launch_local
-from zero_jax.layers import stack_layers, unstack_layers
-from zero_jax.loss import WeightedLoss
-from zero_jax.loss_scale import (LossScaleState, adjust_loss_scale, all_finite,
+from zero_jax.processes.global_batch import make_global_batch, process_batch_slice
+from zero_jax.processes.launch import launch_local
+from zero_jax.layers.stacking import stack_layers, unstack_layers
+from zero_jax.step.loss import WeightedLoss
+from zero_jax.numerics.loss_scale import (LossScaleState, adjust_loss_scale, all_finite,
                                  dynamic_loss_scale, no_loss_scale, scale_loss,
                                  static_loss_scale, unscale_grads)
-from zero_jax.memory import CompiledMemory, MemoryReport, compiled_memory, memory_report
-from zero_jax.precision import POLICIES, Policy
-from zero_jax.prefetch import scan
-from zero_jax.stacked import ShardedParam, gather
-from zero_jax.state import StateMeta, TrainState
-from zero_jax.train_step import ShardedTrainStep, make_sharded_train_step
+from zero_jax.step.memory import CompiledMemory, MemoryReport, compiled_memory, memory_report
+from zero_jax.numerics.precision import POLICIES, Policy
+from zero_jax.layers.prefetch import scan
+from zero_jax.layers.stacked import ShardedParam, gather
+from zero_jax.step.state import StateMeta, TrainState
+from zero_jax.step.train_step import ShardedTrainStep, make_sharded_train_step
 
 __version__ = "0.1.0"
 

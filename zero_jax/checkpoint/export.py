@@ -12,7 +12,7 @@ from etils import epath
 
 from zero_jax.checkpoint.store import CONCURRENT_GB as _CONCURRENT_GB
 from zero_jax.checkpoint.writer import abs_path
-from zero_jax.state import TrainState, is_padded_storage
+from zero_jax.step.state import TrainState, is_padded_storage
 
 
 def _export_registry():

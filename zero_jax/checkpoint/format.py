@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax.state import TrainState
+from zero_jax.step.state import TrainState
 
 FORMAT = "zero_jax.checkpoint/1"
 GROUPS = ("step", "params", "master", "opt_state", "loss_scale", "model_state", "rng")

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from zero_jax import monitor
+from zero_jax.step import monitor
 from zero_jax.checkpoint import hyperparams as hyperparams_lib
 from zero_jax.checkpoint import store as store_lib
 from zero_jax.checkpoint import integrity
@@ -31,10 +31,10 @@ from zero_jax.checkpoint.format import (  # noqa: F401  (FORMAT, describe: re-ex
 from zero_jax.checkpoint.integrity import (  # noqa: F401  (re-exported)
     DamagedCheckpointError, DamagedCheckpointWarning)
 from zero_jax.checkpoint.writer import DirectoryInUseError  # noqa: F401  (re-exported)
-from zero_jax.distributed import all_processes_agree
-from zero_jax.signature import optimizer_signature
-from zero_jax.state import check_alive, masked_optimizer
-from zero_jax.train_step import ShardedTrainStep, TrainState
+from zero_jax.processes.distributed import all_processes_agree
+from zero_jax.step.signature import optimizer_signature
+from zero_jax.step.state import check_alive, masked_optimizer
+from zero_jax.step.train_step import ShardedTrainStep, TrainState
 
 _READ_ERRORS = store_lib.READ_ERRORS
 
@@ -193,7 +193,7 @@ class CheckpointManager:
       force: save even if a checkpoint of this step exists (it is replaced).
         A damaged checkpoint of this step is replaced in any case.
       optimizer: the optax optimizer ``state`` was trained with. Its update
-        rule (`zero_jax.signature.optimizer_signature`) is recorded, and
+        rule (`zero_jax.step.signature.optimizer_signature`) is recorded, and
         `restore` refuses a step whose optimizer has another one. Default: the
         signature the state's meta carries, if any.
 

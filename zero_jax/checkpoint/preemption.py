@@ -30,8 +30,8 @@ import signal
 import threading
 from typing import Iterable
 
-from zero_jax import distributed
-from zero_jax.state import TrainState
+from zero_jax.processes import distributed
+from zero_jax.step.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,13 +17,13 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from zero_jax import init as init_lib
-from zero_jax import nnx as nnx_lib
-from zero_jax import state as st
+from zero_jax.step import init as init_lib
+from zero_jax.layers import nnx as nnx_lib
+from zero_jax.step import state as st
 from zero_jax.checkpoint import blocks
 from zero_jax.checkpoint import progress as progress_lib
 from zero_jax.checkpoint import safetensors_format as fmt
-from zero_jax.train_step import ShardedTrainStep
+from zero_jax.step.train_step import ShardedTrainStep
 
 
 def _listing(names, n: int = 6) -> str:
@@ -139,7 +139,7 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
       directory holding either (a Hugging Face model directory).
     like: what ``step.init`` would be given, read as ``step.init`` reads it
-      (`zero_jax.init.resolve`): the zero-argument init function
+      (`zero_jax.step.init.resolve`): the zero-argument init function
       (``lambda: Model(nnx.Rngs(0))``: traced, not run; a module's variables
       outside the step's ``wrt``, which the files do not hold, are made by it
       under ``jit``); the parameters' tree as arrays or

@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax import distributed
-from zero_jax import nnx as nnx_lib
+from zero_jax.processes import distributed
+from zero_jax.layers import nnx as nnx_lib
 from zero_jax.checkpoint import blocks
 from zero_jax.checkpoint import progress as progress_lib
 from zero_jax.checkpoint import safetensors_format as fmt
 from zero_jax.checkpoint import writer
-from zero_jax.train_step import ShardedTrainStep, TrainState
+from zero_jax.step.train_step import ShardedTrainStep, TrainState
 
 MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
 CHUNK_BYTES = 16 << 20

@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding
 
 from zero_jax import _compat
 from zero_jax.comm import layout as lay
-from zero_jax.placement import device_bytes, load, store
-from zero_jax.spec import StepSpec
-from zero_jax.state import StateMeta
+from zero_jax.step.placement import device_bytes, load, store
+from zero_jax.step.spec import StepSpec
+from zero_jax.step.state import StateMeta
 
 BUCKET_BYTES = 32 * 2**20  # per device; read when a step is first traced
 IN_FLIGHT = 2  # buckets on a device at once (one computing, one loading)

@@ -17,7 +17,7 @@ from zero_jax.comm.axes import make_varying
 from zero_jax.comm.collectives import (Comm, all_gather_many, axes_size, gather_in_loss,
                                        plan_buckets, reduce_outer_many, reduce_scatter_many,
                                        scatter_in_loss)
-from zero_jax import nnx as nnx_lib
+from zero_jax.layers import nnx as nnx_lib
 from zero_jax.comm.layout import Layout, local_storage_shape, unpad
 
 
@@ -284,7 +284,7 @@ def gather(tree: Any) -> Any:
   Args:
     tree: a pytree whose leaves are arrays or `ShardedParam`s, or an
       ``nnx.Module`` (one layer of an ``nnx.scan``-ned block, see
-      `zero_jax.nnx`): the module with its parameters gathered and its other
+      `zero_jax.layers.nnx`): the module with its parameters gathered and its other
       variables its own, so that what it updates is kept.
 
   Returns:

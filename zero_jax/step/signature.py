@@ -18,7 +18,7 @@ schedules are hyperparameters, not identity: changing them on a resumed run
 is allowed and does not change the signature.
 
 Example:
-  >>> import optax, zero_jax.signature as sig
+  >>> import optax, zero_jax.step.signature as sig
   >>> sig.optimizer_signature(optax.adam(1e-3)) == sig.optimizer_signature(optax.adam(3e-4))
   True
   >>> sig.optimizer_signature(optax.adam(1e-3)) == sig.optimizer_signature(optax.nadam(1e-3))

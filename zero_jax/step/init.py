@@ -32,13 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from zero_jax import context
-from zero_jax import nnx as nnx_lib
-from zero_jax import placement
-from zero_jax import state as st
+from zero_jax.step import context
+from zero_jax.layers import nnx as nnx_lib
+from zero_jax.step import placement
+from zero_jax.step import state as st
 from zero_jax.comm import layout as lay
-from zero_jax.options import on_step_mesh
-from zero_jax.spec import StepSpec
+from zero_jax.step.options import on_step_mesh
+from zero_jax.step.spec import StepSpec
 
 CONSTANT_BYTES = 2**20  # a non-computed leaf of an init function this big is warned about
 
@@ -47,7 +47,7 @@ class Source(NamedTuple):
   """What ``init`` was given, resolved.
 
   Attributes:
-    module: the `zero_jax.nnx.ModuleDef` of a module, or None.
+    module: the `zero_jax.layers.nnx.ModuleDef` of a module, or None.
     params: the parameter tree: arrays, or ``jax.ShapeDtypeStruct``s for a function.
     model_state: the model state (arrays, or shape structs for a function), or None.
     make: for a function, its trace: a ``ClosedJaxpr`` whose outputs are the

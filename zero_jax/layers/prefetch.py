@@ -6,10 +6,10 @@ gathered. With ``prefetch=1`` inside a stage-3 step the forward loop issues laye
 all-gather before layer i's compute and carries it (a double buffer); the backward pass,
 one ``custom_vjp`` over the whole stack, issues layer i-1's re-gather before layer i's
 backward and reduces layer i's gradient one iteration late (with hpZ or replica axes, its
-hops across hosts too: `zero_jax.stacked.gather_many`), so that it overlaps layer i-1's
+hops across hosts too: `zero_jax.layers.stacked.gather_many`), so that it overlaps layer i-1's
 backward. At stage 2 (and with ``gather_once``) only the delayed reduction applies.
 Each layer is recomputed in the backward pass from its input carry, as under
-``jax.checkpoint``. `zero_jax.scan_layers` turns ``stacked`` (arrays, `ShardedParam`s,
+``jax.checkpoint``. `zero_jax.layers.scan_layers` turns ``stacked`` (arrays, `ShardedParam`s,
 NNX modules) into flat leaves. See the docs' stage 3 guide and "How it works".
 """
 
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.comm.axes import make_varying, varying_axes
-from zero_jax.scan_layers import Layers, layer_fn
-from zero_jax.stacked import gather, gather_many, scatter_many
+from zero_jax.layers.scan_layers import Layers, layer_fn
+from zero_jax.layers.stacked import gather, gather_many, scatter_many
 
 PREFETCH_CHOICES = (0, 1)
 

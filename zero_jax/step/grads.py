@@ -15,13 +15,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import aux as aux_lib
+from zero_jax.step import aux as aux_lib
 from zero_jax.comm import collectives
 from zero_jax.comm import layout as lay
-from zero_jax import loss_scale as ls
-from zero_jax.loss import call_loss
-from zero_jax.spec import StepSpec
-from zero_jax.stacked import ShardedParam
+from zero_jax.numerics import loss_scale as ls
+from zero_jax.step.loss import call_loss
+from zero_jax.step.spec import StepSpec
+from zero_jax.layers.stacked import ShardedParam
 
 _GATHERED = "zero_jax_gathered_param"
 
@@ -105,7 +105,7 @@ def average_model_state(ms, original, batch_axes):
 class Local(NamedTuple):
   """One device's results. grads: one per trainable leaf (reduced, or local).
 
-  aux: a `zero_jax.aux.Parts` inside the shard_map, the combined aux tree after it.
+  aux: a `zero_jax.step.aux.Parts` inside the shard_map, the combined aux tree after it.
   weight: for a `WeightedLoss`, ``(global weight, any device's weight < 0)``
   of the whole step; None for a mean loss.
   aux_specs: the PartitionSpecs of the combined aux (set by `sharded_grads`).
@@ -141,7 +141,7 @@ def _gather(spec: StepSpec, meta, leaves: dict, to: str) -> dict:
 def reduced_in_loop(spec: StepSpec, meta) -> list[bool]:
   """Per parameter leaf: a stacked leaf whose gradient `zero_jax.gather` (or
   `zero_jax.scan`) reduces whole inside the loss's loop, into a differentiated block of
-  zeros (`_zero_block`, see `zero_jax.stacked`): at stage 2, and at stage 3 where the
+  zeros (`_zero_block`, see `zero_jax.layers.stacked`): at stage 2, and at stage 3 where the
   gradient goes on across hosts or replicas after the gather's transpose (`outer_reduced`)."""
   sinks = spec.param_stage == 3 and outer_reduced(spec)
   return [t and s and l.dim is not None and (sinks or spec.param_stage == 2 and not l.has_model)
@@ -325,7 +325,7 @@ def _nonzero(w):
 
 def _micro_batches(micro, batch, model_state, k: int):
   """``micro`` over the ``k`` micro-batches of ``batch`` in order (a ``lax.scan``), summing
-  its first three results, combining the aux (`zero_jax.aux.Parts`: per-example rows
+  its first three results, combining the aux (`zero_jax.step.aux.Parts`: per-example rows
   kept in order) and threading the model state; the first one runs before the scan so
   that the carry has the types (and device variance) of a real iteration."""
   if k == 1:
@@ -397,7 +397,7 @@ def sharded_grads(spec: StepSpec, loss_fn, state, batch) -> Local:
   Returns:
     A `Local` of global arrays: grads in their storage spec (stages 2-3) or
     replicated over the data axes (stage 1); loss and model state
-    replicated; aux as `zero_jax.aux` combines it (per-example leaves split over
+    replicated; aux as `zero_jax.step.aux` combines it (per-example leaves split over
     the batch axes).
   """
   axes, meta = spec.batch_axes, state.meta

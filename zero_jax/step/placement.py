@@ -1,8 +1,8 @@
 """Where a leaf of the state lives between steps: device memory or ``pinned_host``.
 
 The facts that the options, the state and the update share about memory kinds, below
-`zero_jax.spec` in the import graph; `zero_jax.offload` streams the update with them.
-``spec`` arguments are `zero_jax.spec.StepSpec`s and ``tree`` a `zero_jax.state.TrainState`
+`zero_jax.step.spec` in the import graph; `zero_jax.step.offload` streams the update with them.
+``spec`` arguments are `zero_jax.step.spec.StepSpec`s and ``tree`` a `zero_jax.step.state.TrainState`
 (duck-typed here, so that this module imports neither).
 """
 

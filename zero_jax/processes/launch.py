@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Sequence
 
-from zero_jax.distributed import (ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES,
+from zero_jax.processes.distributed import (ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES,
                                   ENV_PEER_TIMEOUT, ENV_PROCESS_ID, LOST_PEER_EXIT_CODE)
 
 

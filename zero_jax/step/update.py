@@ -16,16 +16,16 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax.comm import collectives
-from zero_jax import context
+from zero_jax.step import context
 from zero_jax.comm import layout as lay
-from zero_jax import loss_scale as ls
-from zero_jax import monitor
-from zero_jax import offload
-from zero_jax import placement
-from zero_jax import precision as prec
-from zero_jax.clipping import clip_with_norm
-from zero_jax.spec import StepSpec
-from zero_jax.state import TrainState, masked_optimizer
+from zero_jax.numerics import loss_scale as ls
+from zero_jax.step import monitor
+from zero_jax.step import offload
+from zero_jax.step import placement
+from zero_jax.numerics import precision as prec
+from zero_jax.numerics.clipping import clip_with_norm
+from zero_jax.step.spec import StepSpec
+from zero_jax.step.state import TrainState, masked_optimizer
 
 
 def norm_and_finite(grads):
@@ -139,7 +139,7 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
   """The new state and the metrics, from the reduced gradient blocks.
 
   ``weight``: a `WeightedLoss`'s ``(global weight, any weight negative)`` (see
-  `zero_jax.grads.Local`); a step whose global weight is not positive (a fully
+  `zero_jax.step.grads.Local`); a step whose global weight is not positive (a fully
   padded batch) is skipped like a non-finite one.
   """
   meta = state.meta

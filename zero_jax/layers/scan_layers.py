@@ -1,10 +1,10 @@
 """The ``stacked`` argument of `zero_jax.scan`, as flat stacked leaves.
 
 NNX modules are split into their variables (and rebuilt, one layer at a time,
-for ``f``), `zero_jax.stacked.ShardedParam`s and arrays are leaves as they
+for ``f``), `zero_jax.layers.stacked.ShardedParam`s and arrays are leaves as they
 are; what ``f`` changes in a layer's module (BatchNorm statistics, RNG
 counters) is collected and written back to the stacked module, as ``nnx.scan``
-does. The schedule itself is `zero_jax.prefetch`'s.
+does. The schedule itself is `zero_jax.layers.prefetch`'s.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zero_jax import nnx as nnx_lib
-from zero_jax.stacked import ShardedParam
+from zero_jax.layers import nnx as nnx_lib
+from zero_jax.layers.stacked import ShardedParam
 
 
 def _is_sharded(x) -> bool:

@@ -1,9 +1,9 @@
 """`make_sharded_train_step`: ZeRO stages 1-3 as one compiled function.
 
 It only assembles the parts, in the order the data flows through a step inside one
-``jax.jit``: the options (`zero_jax.spec`), the state (`zero_jax.state`), the batch
-(`zero_jax.batch`), each device's reduced gradient (`zero_jax.grads`) and the update
-(`zero_jax.update`). The docs' "How it works" page tells the whole story."""
+``jax.jit``: the options (`zero_jax.step.spec`), the state (`zero_jax.step.state`), the batch
+(`zero_jax.step.batch`), each device's reduced gradient (`zero_jax.step.grads`) and the update
+(`zero_jax.step.update`). The docs' "How it works" page tells the whole story."""
 
 from __future__ import annotations
 
@@ -18,23 +18,23 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import batch as batching
-from zero_jax import context
-from zero_jax import grads as grads_lib
-from zero_jax import init as init_lib
-from zero_jax import layers
-from zero_jax import loss_scale as ls_lib
-from zero_jax import nnx as nnx_lib
-from zero_jax import precision as prec
-from zero_jax import state as st
-from zero_jax import update as update_lib
+from zero_jax.step import batch as batching
+from zero_jax.step import context
+from zero_jax.step import grads as grads_lib
+from zero_jax.step import init as init_lib
+from zero_jax.step import loss as loss_lib
+from zero_jax.layers import stacking as layers
+from zero_jax.numerics import loss_scale as ls_lib
+from zero_jax.layers import nnx as nnx_lib
+from zero_jax.numerics import precision as prec
+from zero_jax.step import state as st
+from zero_jax.step import update as update_lib
 from zero_jax.comm.collectives import DEFAULT_BUCKET_BYTES, Quantize
-from zero_jax.loss import check_model_state, check_rng
-from zero_jax.monitor import StallWatch
-from zero_jax.options import LeafOptions
-from zero_jax.spec import StepSpec, make_spec, parse_loss_scale
-from zero_jax.signature import as_transformation
-from zero_jax.state import StateMeta, TrainState
+from zero_jax.step.monitor import StallWatch
+from zero_jax.step.options import LeafOptions
+from zero_jax.step.spec import StepSpec, make_spec, parse_loss_scale
+from zero_jax.step.signature import as_transformation
+from zero_jax.step.state import StateMeta, TrainState
 
 _METRICS = ("loss", "grad_norm", "grads_finite", "loss_scale", "skipped_steps",
             "skipped_in_a_row", "step", "health")
@@ -44,7 +44,7 @@ class ShardedTrainStep:
   """A compiled ZeRO training step. Made by `make_sharded_train_step`.
 
   Attributes:
-    spec: the validated options (`zero_jax.spec.StepSpec`).
+    spec: the validated options (`zero_jax.step.spec.StepSpec`).
     mesh: the user's mesh.
     loss_fn: the user's loss function.
     optimizer: the optax transformation.
@@ -92,7 +92,7 @@ class ShardedTrainStep:
 
     No device holds a whole parameter it does not keep: a function runs under
     ``jit`` with the state's shardings, and arrays already split on the mesh
-    are used where they lie (see `zero_jax.init`).
+    are used where they lie (see `zero_jax.step.init`).
 
     Args:
       params: a zero-argument function returning the params pytree or an
@@ -102,7 +102,7 @@ class ShardedTrainStep:
         on the mesh over the data axes and, per ``param_specs``, the model
         axes); or an ``nnx.Module``: its ``wrt`` variables train and the
         others are its model state; ``loss_fn`` then gets the module (see
-        `zero_jax.nnx`).
+        `zero_jax.layers.nnx`).
       model_state: optional untrained state (e.g. Flax ``batch_stats``); when
         given, ``loss_fn`` is called with ``model_state=`` and returns the
         new one (see `make_sharded_train_step`). None with a module.
@@ -119,8 +119,8 @@ class ShardedTrainStep:
     if source.make is None:
       init_lib.check_values(source, rng)
     treedef, meta = self._meta(source.params, source.module)
-    check_model_state(source.model_state)
-    check_rng(rng)
+    loss_lib.check_model_state(source.model_state)
+    loss_lib.check_rng(rng)
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(source.params)[0]]
     prec.warn_without_master(self.spec.policy, paths, meta.param_dtypes, meta.trainable)
@@ -171,7 +171,7 @@ class ShardedTrainStep:
     """The loss the step calls: ``loss_fn`` itself, or wrapped to take and give a module."""
     if meta.module is None:
       return self.loss_fn
-    return nnx_lib.module_loss(self.loss_fn, meta.module, self.wrt, self.spec.has_aux)
+    return loss_lib.module_loss(self.loss_fn, meta.module, self.wrt, self.spec.has_aux)
 
   def _place(self, batch):
     leaves, treedef = jax.tree.flatten(batch)
@@ -323,7 +323,7 @@ def make_sharded_train_step(
     >>> step.get_params(state)["w"].shape
     (3, 1)
 
-    A Flax NNX module instead of a params pytree (see `zero_jax.nnx`):
+    A Flax NNX module instead of a params pytree (see `zero_jax.layers.nnx`):
 
     >>> from flax import nnx
     >>> def nnx_loss(model, batch):   # model: an nnx.Module, mutated as NNX code does
@@ -376,9 +376,9 @@ def make_sharded_train_step(
       or a function ``(path, leaf) -> rule``. Default (None): per-example
       leaves (leading dimension: the rows ``loss_fn`` is given) ``"concat"``,
       other floating leaves ``"mean"``, integer leaves ``"sum"``; bool leaves
-      need a rule. See `zero_jax.aux`.
+      need a rule. See `zero_jax.step.aux`.
     precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"fp16_memory_efficient"``;
-      see `zero_jax.precision`.
+      see `zero_jax.numerics.precision`.
     loss_scale: ``None`` (dynamic for fp16, none otherwise), ``"dynamic"``,
       ``"none"``, a number (static scale) or a `LossScaleState`.
     max_grad_norm: clip the averaged, unscaled gradient to this global norm.
@@ -401,8 +401,8 @@ def make_sharded_train_step(
     stacked: which leaves are stacks of per-layer weights along their first
       dimension that ``loss_fn`` loops over; same forms as ``trainable``. At
       stage 3 they reach ``loss_fn`` as `ShardedParam`s and ``loss_fn`` calls
-      `zero_jax.gather` on each layer's slice (see `zero_jax.stacked`; for an
-      ``nnx.scan`` over a stacked NNX block, `zero_jax.nnx`).
+      `zero_jax.gather` on each layer's slice (see `zero_jax.layers.stacked`; for an
+      ``nnx.scan`` over a stacked NNX block, `zero_jax.layers.nnx`).
     wrt: with ``init(model)``, an NNX filter (as ``nnx.Optimizer``'s) for
       the variables that are parameters; every other variable is model
       state. An ``nnx.State`` given as params must hold only ``wrt``
@@ -414,7 +414,7 @@ def make_sharded_train_step(
       accumulator's).
     offload: ``None`` or ``"optimizer"``: the optimizer state and master copy
       in pinned host memory between steps, streamed through the devices for
-      the update (`zero_jax.offload`; needs ``pinned_host`` memory).
+      the update (`zero_jax.step.offload`; needs ``pinned_host`` memory).
     bucket_bytes: leaves smaller than this move together, packed into buffers
       of at most this many bytes per dtype (one collective per bucket); 0:
       one collective per leaf. See the speed guide.

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import inspect
 import traceback
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import nnx, struct
 
 from zero_jax.comm.axes import varying_axes
+from zero_jax.layers import nnx as nnx_lib
 
 
 @struct.dataclass
@@ -260,3 +261,22 @@ def check_new_model_state(new_ms, model_state) -> None:
         f"loss_fn returned model_state{jax.tree_util.keystr(path)} as {_aval(new)}; it was "
         f"given as {_aval(old)}. The new model state keeps each leaf's shape and dtype (the "
         f"step averages it over devices and feeds it back in). {fix}.")
+
+
+def module_loss(loss_fn: Callable, module: nnx_lib.ModuleDef, wrt, has_aux: bool) -> Callable:
+  """The pure-function loss for a module's ``loss_fn(model, batch)``.
+
+  Returns:
+    ``loss(params, batch, *, model_state, rng=None)`` returning ``(loss,
+    new_model_state)`` or ``(loss, aux, new_model_state)``, as the step
+    calls a loss with model state.
+  """
+  def loss(params, batch, *, model_state, rng=None):
+    model = nnx_lib.merge(module, params, model_state)
+    check_keywords(loss_fn, {} if rng is None else {"rng": rng}, names=("rng",))
+    out = loss_fn(model, batch) if rng is None else loss_fn(model, batch, rng=rng)
+    value, aux, _ = split_output(out, has_aux, False)
+    _, _, new_state = nnx.split(model, wrt, ...)
+    nnx_lib.check_same_variables(model_state, new_state)
+    return (value, aux, new_state) if has_aux else (value, new_state)
+  return loss

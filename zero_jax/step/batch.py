@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zero_jax.spec import StepSpec
+from zero_jax.step.spec import StepSpec
 
 
 def _is_number_list(x) -> bool:

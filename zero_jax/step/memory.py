@@ -34,14 +34,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from zero_jax import init as init_lib
-from zero_jax import precision as prec
-from zero_jax import prefetch as prefetch_lib
+from zero_jax.step import init as init_lib
+from zero_jax.numerics import precision as prec
+from zero_jax.layers import prefetch as prefetch_lib
 from zero_jax.comm.layout import local_storage_shape, model_block_shape
-from zero_jax.spec import OFFLOAD_CHOICES, planning_spec
-from zero_jax.signature import as_transformation
-from zero_jax.options import LeafOptions
-from zero_jax.state import build_meta, masked_optimizer
+from zero_jax.step.spec import OFFLOAD_CHOICES, planning_spec
+from zero_jax.step.signature import as_transformation
+from zero_jax.step.options import LeafOptions
+from zero_jax.step.state import build_meta, masked_optimizer
 
 STAGE_NAMES = {0: "DP (replicated)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 

@@ -4,7 +4,7 @@ The user's mesh may have Explicit or Auto axes, and the step may be called
 inside or outside ``jax.set_mesh(mesh)``. Inside the user's context the state
 and outputs live on the user's mesh (Explicit axes stay Explicit, as code in
 that context expects); elsewhere on the Auto view of the same devices, whose
-arrays mix with any other (`zero_jax.spec.StepSpec.working_mesh`). Either way
+arrays mix with any other (`zero_jax.step.spec.StepSpec.working_mesh`). Either way
 the step computes in Auto mode (``jax.sharding.auto_axes`` when the context
 has Explicit axes), so its sharding constraints and ``shard_map``s are written
 once, against the Auto view.
@@ -17,7 +17,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from zero_jax.spec import StepSpec
+from zero_jax.step.spec import StepSpec
 
 
 def device_put(tree, sharding):

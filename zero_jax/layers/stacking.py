@@ -1,7 +1,7 @@
 """Per-layer parameter trees to stacked ones and back, and Flax boxes in the step.
 
 At stage 3, ``stacked=`` leaves are gathered one layer at a time inside a
-loop over layers (`zero_jax.stacked`), which needs the per-layer weights
+loop over layers (`zero_jax.layers.stacked`), which needs the per-layer weights
 stacked along a leading dimension, as ``nn.scan`` and ``lax.scan`` keep them.
 Models written with a Python loop over blocks (Linen names them
 ``layers_0``, ``layers_1``, ...) and their checkpoints hold one subtree per
@@ -305,7 +305,7 @@ def check_boxes(spec, params) -> None:
   rules are active, and are not checked.
 
   Args:
-    spec: the step's `zero_jax.spec.StepSpec`.
+    spec: the step's `zero_jax.step.spec.StepSpec`.
     params: the parameter tree given to ``init``.
   """
   batch = set(spec.data_axes) | set(spec.replica_axes)

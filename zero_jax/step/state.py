@@ -19,13 +19,13 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero_jax.comm import layout as lay
-from zero_jax import loss_scale as ls
-from zero_jax import placement
-from zero_jax import precision as prec
-from zero_jax.options import (LeafOptions, model_axes_per_leaf, stacked_flags,
+from zero_jax.numerics import loss_scale as ls
+from zero_jax.step import placement
+from zero_jax.numerics import precision as prec
+from zero_jax.step.options import (LeafOptions, model_axes_per_leaf, stacked_flags,
                               trainable_flags)
-from zero_jax.signature import optimizer_signature
-from zero_jax.spec import StepSpec
+from zero_jax.step.signature import optimizer_signature
+from zero_jax.step.spec import StepSpec
 
 
 class StepSignature(NamedTuple):
@@ -37,7 +37,7 @@ class StepSignature(NamedTuple):
     data: ``((axis, size), ...)`` of the data axes.
     replica: the same for the replica axes.
     model: the same for the model axes.
-    optimizer: `zero_jax.signature.optimizer_signature` of the optimizer.
+    optimizer: `zero_jax.step.signature.optimizer_signature` of the optimizer.
     offload: the ``offload=`` option.
   """
   stage: int
@@ -70,7 +70,7 @@ class StateMeta:
     param_dtypes: one dtype per parameter leaf, as it is stored and seen by the loss.
     signature: the `StepSignature` of the step that made the state.
     module: for a state made from an ``nnx.Module``, how to rebuild it
-      (see `zero_jax.nnx`); None otherwise.
+      (see `zero_jax.layers.nnx`); None otherwise.
     opt_treedef: the tree structure of the optimizer state (derived from the
       optimizer and the trainable leaves once, when the meta is built).
   """
@@ -252,7 +252,7 @@ def partition_specs(spec: StepSpec, meta: StateMeta, treedef, model_state, rng,
 
 
 def state_shardings(spec: StepSpec, specs: TrainState) -> TrainState:
-  """NamedShardings for a TrainState of PartitionSpecs (memory kinds: `zero_jax.offload`)."""
+  """NamedShardings for a TrainState of PartitionSpecs (memory kinds: `zero_jax.step.offload`)."""
   host = placement.host_resident(specs)
   return jax.tree.map(lambda p, h: sharding(spec, p, placement.memory_kind(spec, h)), specs, host,
                       is_leaf=lambda x: isinstance(x, P))

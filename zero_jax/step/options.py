@@ -22,9 +22,9 @@ import numpy as np
 from flax.core import meta as flax_meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zero_jax import nnx as nnx_lib
-from zero_jax import precision as prec
-from zero_jax.spec import StepSpec
+from zero_jax.layers import nnx as nnx_lib
+from zero_jax.numerics import precision as prec
+from zero_jax.step.spec import StepSpec
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -5,8 +5,8 @@ Every process runs the same script and owns some of the mesh's devices; the step
 ``jax.distributed`` (gloo collectives on CPU) and a watchdog that makes every survivor exit
 with `LOST_PEER_EXIT_CODE`, naming the process, when a peer dies or raises, instead of
 hanging in a collective; `metrics_to_host`, `is_main_process` and `print_main` are the host
-side. The batch helpers are in `zero_jax.global_batch`, the local launcher in
-`zero_jax.launch`; the docs' multi-process guide explains the rest.
+side. The batch helpers are in `zero_jax.processes.global_batch`, the local launcher in
+`zero_jax.processes.launch`; the docs' multi-process guide explains the rest.
 
 Example (each process runs this):
   import jax, optax, zero_jax as zj

@@ -18,13 +18,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from zero_jax.comm import layout as lay
-from zero_jax.aux import parse_aux_reduce
-from zero_jax import placement
+from zero_jax.step.aux import parse_aux_reduce
+from zero_jax.step import placement
 from zero_jax.comm.blocks import MAX_BLOCK_SIZE
 from zero_jax.comm.collectives import DEFAULT_BUCKET_BYTES, Comm, Quantize
 
-from zero_jax import loss_scale as ls
-from zero_jax.precision import Policy, get_policy
+from zero_jax.numerics import loss_scale as ls
+from zero_jax.numerics.precision import Policy, get_policy
 
 OFFLOAD_CHOICES = (None, "optimizer")
 
@@ -117,7 +117,7 @@ class StepSpec:
     offload, gather_once: the options of `make_sharded_train_step`.
     comm: the communication record (`zero_jax.comm.collectives.Comm`): axes of
       each hop, ``comm_dtype``, ``bucket_bytes``, ``hpz_axis``, ``quantize``.
-    aux_reduce: ``aux_reduce=`` validated (`zero_jax.aux.parse_aux_reduce`).
+    aux_reduce: ``aux_reduce=`` validated (`zero_jax.step.aux.parse_aux_reduce`).
     policy: the precision `Policy`.
   """
   mesh: Mesh

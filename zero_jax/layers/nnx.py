@@ -1,7 +1,7 @@
 """The thin NNX layer: a Flax NNX module trained by the pure-function step.
 
 ``step.init(model)`` splits the module once (``wrt`` variables train; the others, BatchNorm
-statistics and ``nnx.Rngs`` state, are model state); inside the step `module_loss` merges each
+statistics and ``nnx.Rngs`` state, are model state); inside the step `zero_jax.step.loss.module_loss` merges each
 device's values into a module for ``loss_fn(model, batch)`` and splits it again;
 ``step.get_model(state)`` gives a module back, in the mode it had at ``init``. See the docs'
 NNX guide (``model.train()`` before ``init``, ``model.eval()`` after ``get_model``).
@@ -37,7 +37,6 @@ import jax
 from flax import nnx
 from flax.nnx import filterlib
 
-from zero_jax.loss import check_keywords, split_output as split_loss_output
 
 OPTIMIZER_ERROR = (
     "optimizer is an nnx.Optimizer, which holds the model and an unsharded optimizer state; "
@@ -197,27 +196,7 @@ def gather_module(module, is_sharded: Callable, gather: Callable):
   return nnx.merge(graphdef, gather(sharded), rest)
 
 
-# ------------------------------------------------------------ inside the step
-def module_loss(loss_fn: Callable, module: ModuleDef, wrt, has_aux: bool) -> Callable:
-  """The pure-function loss for a module's ``loss_fn(model, batch)``.
-
-  Returns:
-    ``loss(params, batch, *, model_state, rng=None)`` returning ``(loss,
-    new_model_state)`` or ``(loss, aux, new_model_state)``, as the step
-    calls a loss with model state.
-  """
-  def loss(params, batch, *, model_state, rng=None):
-    model = merge(module, params, model_state)
-    check_keywords(loss_fn, {} if rng is None else {"rng": rng}, names=("rng",))
-    out = loss_fn(model, batch) if rng is None else loss_fn(model, batch, rng=rng)
-    value, aux, _ = split_loss_output(out, has_aux, False)
-    _, _, new_state = nnx.split(model, wrt, ...)
-    _check_same_variables(model_state, new_state)
-    return (value, aux, new_state) if has_aux else (value, new_state)
-  return loss
-
-
-def _check_same_variables(before, after) -> None:
+def check_same_variables(before, after) -> None:
   if jax.tree.structure(before) == jax.tree.structure(after):
     return
   old, new = ({_where(p, v) for p, v, _ in _variables(t)} for t in (before, after))

@@ -1,0 +1,1 @@
+"""Numerics: precision policies, loss scaling and clipping on split gradients."""

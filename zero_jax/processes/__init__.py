@@ -1,0 +1,1 @@
+"""Several processes: jax.distributed set-up, local launch, and the global batch of each process."""
