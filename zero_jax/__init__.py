@@ -7,6 +7,7 @@ from zero_jax.checkpoint.preemption import Preemption, watch_preemption
 from zero_jax.numerics.clipping import clip_by_global_norm, global_norm
 from zero_jax.comm.collectives import Quantize
 from zero_jax.comm.layout import Layout, leaf_layout
+from zero_jax.gpu.targets import compile_only_mesh
 from zero_jax.processes.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
                                   is_main_process, metrics_to_host, print_main)
 from zero_jax.processes.global_batch import make_global_batch, process_batch_slice
@@ -47,6 +48,7 @@ __all__ = [
     "adjust_loss_scale",
     "all_finite",
     "clip_by_global_norm",
+    "compile_only_mesh",
     "compiled_memory",
     "dynamic_loss_scale",
     "export_params",
