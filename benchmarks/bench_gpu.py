@@ -14,9 +14,9 @@ runs prefetch 0 only (``jax.lax.scan`` + ``zj.gather``), and the output says so.
 - **MFU**: the architecture's training flops per token (``_lm.model_flops_per_token``:
   3x the forward matmuls, the recomputed forward pass not counted) times tokens/s, over the
   devices' peak dense bf16 flops (`PEAK_TFLOPS` by device kind, or ``--peak-tflops``).
-- **HFU**: the matmul flops the program executes (counted by ``zero_jax.comm.overlap`` from the
+- **HFU**: the matmul flops the program executes (counted by ``zero_jax.gpu.predict`` from the
   lowered program, recomputation included) over the same peak.
-- **predicted**: ``zero_jax.comm.overlap``'s step time for the program on this device kind,
+- **predicted**: ``zero_jax.gpu.predict``'s step time for the program on this device kind,
   where the model knows it (H100 SXM), beside the measured one.
 
 Usage: ``python benchmarks/bench_gpu.py [--models lm,1b] [--flags default,lhs]
@@ -90,7 +90,7 @@ def measure_stage(cfg, rows, mesh, stage, args) -> dict:
   import _lm
   import _timing
   import zero_jax as zj
-  from zero_jax.comm import overlap
+  from zero_jax.gpu import predict as overlap
   n = mesh.size
   batch = jax.device_put(_lm.gpt_batch(cfg, rows * n, seed=0), NamedSharding(mesh, P("data")))
   params = jax.jit(lambda k: _lm.init_gpt(cfg, k), out_shardings=NamedSharding(mesh, P()))(
@@ -200,7 +200,7 @@ def render(results: dict, seconds: float) -> str:
            f"time: median (IQR) over interleaved rounds, ms. MFU: model flops (architecture) "
            f"per second over the devices' peak; HFU: executed matmul flops (counted in the "
            f"program, recomputation included) over the same peak; predicted: "
-           f"`zero_jax.comm.overlap`'s step time for this program on this device kind.", ""]
+           f"`zero_jax.gpu.predict`'s step time for this program on this device kind.", ""]
   for flag, res in results.items():
     lines += [f"### {FLAG_TEXT[flag]} (`XLA_FLAGS={res['xla_flags'] or '(none)'}`)", ""]
     rows = []

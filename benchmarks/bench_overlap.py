@@ -4,7 +4,7 @@ Writes the ``overlap-model`` section of BENCHMARKS.md. For GPT-2 small's shapes 
 model (``_lm.GPT2_SMALL``, ``_lm.GPT_1B``: the LM example's block, bf16, AdamW, 8192 tokens
 per device) it lowers the training step on 16 fake CPU devices for 8 H100s in one host and
 2 x 8 in two (flat, hybrid ``replica_axis=`` and hpZ), reads each program with
-``zero_jax.comm.overlap.analyze`` (per layer: matmul flops and bytes, collectives, their
+``zero_jax.gpu.predict.analyze`` (per layer: matmul flops and bytes, collectives, their
 bytes and device groups) and predicts per-layer compute and communication time and the
 step's time with prefetch 0 (serial) and 1 (``zj.scan``: one layer ahead) on
 ``overlap.H100_SXM``.
@@ -31,7 +31,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 import _lm  # noqa: E402
 import zero_jax as zj  # noqa: E402
-from zero_jax.comm import overlap  # noqa: E402
+from zero_jax.gpu import predict as overlap  # noqa: E402
 
 TOKENS_PER_DEVICE = 8192
 
@@ -168,7 +168,7 @@ def render(out: dict, args, seconds: float) -> str:
   lines = [
       "## overlap model: predicted exposed communication on H100s (PREDICTIONS, not measured)",
       "",
-      f"**Predictions** of `zero_jax.comm.overlap` (`python benchmarks/bench_overlap.py`, "
+      f"**Predictions** of `zero_jax.gpu.predict` (`python benchmarks/bench_overlap.py`, "
       f"{seconds / 60:.1f} min on this CPU), not measurements: no GPU was available to this "
       f"work. Device: {d.name}, {d.peak_flops / 1e12:.0f} TFLOP/s dense bf16 peak, HBM "
       f"{d.hbm_bandwidth / 1e12:.2f} TB/s, NVLink {d.intra.bandwidth / 1e9:.0f} GB/s each way "

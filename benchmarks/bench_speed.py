@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
 from zero_jax.step import context  # noqa: E402
-from zero_jax.comm import overlap  # noqa: E402
+from zero_jax.gpu import predict as overlap  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import train_lm  # noqa: E402
@@ -330,7 +330,7 @@ def transformer_text(results: dict) -> list:
             quicker else "not faster here in every condition.")
   flops = trs[0].get("flops", {})
   same = (f", {flops[dp] / 1e9:.2f} and {flops[z2] / 1e9:.2f} GFLOP per device "
-          f"(`zero_jax.comm.overlap.analyze` of the compiled programs)" if flops else "")
+          f"(`zero_jax.gpu.predict.analyze` of the compiled programs)" if flops else "")
   return [
       f"**Does ZeRO-2 cost more than plain DP on the real transformer?** {verdict}. Figures "
       f"per malloc condition ({' / '.join(results)}): CPU time per step of all threads, ZeRO-2 / "

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import zero_jax as zj
-from zero_jax.comm import overlap
+from zero_jax.gpu import predict as overlap
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -1,4 +1,4 @@
-"""The overlap model (`zero_jax.comm.overlap`): its arithmetic on hand-computed cases, and what
+"""The overlap model (`zero_jax.gpu.predict`): its arithmetic on hand-computed cases, and what
 it reads from real stage-3 programs (bytes per collective equal to the layers' sizes,
 matmul flops equal to the model's, one loop iteration per layer)."""
 
@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import zero_jax as zj
-from zero_jax.comm import overlap
+from zero_jax.gpu import predict as overlap
 from zero_jax.comm.hlo import replica_groups
 
 LAYERS, D_IN, D_OUT, ROWS = 3, 9, 7, 16  # uneven: a layer's (9, 7) block is padded for 8

@@ -27,7 +27,7 @@ program; give it today's (prefetch 0), whose loops gather and reduce their own l
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
-  >>> from zero_jax.comm import overlap
+  >>> from zero_jax.gpu import predict as overlap
   >>> def loss_fn(p, b):
   ...   def layer(h, w):
   ...     return jnp.tanh(h @ zj.gather(w)), None
