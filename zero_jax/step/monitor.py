@@ -37,7 +37,7 @@ MAX_PENDING = 32  # queued steps beyond which the oldest is read even if the hos
 _READ = ("health", "step", "loss", "skipped_in_a_row", "loss_scale")  # the metrics read
 _WATCHES: "weakref.WeakSet[StallWatch]" = weakref.WeakSet()
 _at_exit = False
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # zero_jax/
 
 
 def health(applied, loss, grads_finite, weight=None) -> jax.Array:
@@ -77,6 +77,26 @@ def _why(bits: int, step: int) -> str:
           f"there is no overflow to expect, so this points to data or model trouble. " + _FIX)
 
 
+_OWN_COUNT = ("a loss that divides by its own count (e.g. sum(loss * mask) / sum(mask)) is NaN "
+              "on a device whose examples are all padding; return zj.WeightedLoss(total="
+              "sum(loss * mask), weight=sum(mask)) instead: the step then divides by the "
+              "global count.")
+
+
+def _nan_loss(treedef, layouts) -> str:
+  """The causes of a NaN loss with a finite gradient, the parameters without elements first
+  (a mean over none of them is 0/0, and its gradient, empty, is finite)."""
+  paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, range(len(layouts))))
+  empty = [f"params{jax.tree_util.keystr(p)} {tuple(l.shape)}"
+           for (p, _), l in zip(paths[0], layouts) if 0 in l.shape]
+  mean = "jnp.mean (or any mean) of an array without elements is NaN (0/0) while its gradient "
+  if not empty:
+    return "Likely cause: " + _OWN_COUNT + f" Or a term of the loss takes a mean over no elements: {mean}is finite."
+  return (f"The parameters {', '.join(empty[:4])} have no elements, and {mean}(empty) is "
+          f"finite: leave such leaves out of the loss, or use jnp.sum (0 over no elements). "
+          f"Otherwise: " + _OWN_COUNT)
+
+
 class StallWatch:
   """Warns about skipped steps and suspicious losses, each kind once per step object.
 
@@ -96,10 +116,14 @@ class StallWatch:
     _WATCHES.add(self)
     _register_at_exit()
 
-  def observe(self, metrics, loss_scale):
-    """Queues a step's metrics; reads those ready (and the oldest beyond `MAX_PENDING`)."""
-    self.pending.append(({k: metrics[k] for k in _READ}, (loss_scale.dynamic,
-                                                          loss_scale.min_scale)))
+  def observe(self, metrics, state):
+    """Queues a step's metrics; reads those ready (and the oldest beyond `MAX_PENDING`).
+
+    ``state``: the `TrainState` the step started from (its static parts are read: the
+    loss-scale policy, the parameters' paths and shapes; its arrays may be donated)."""
+    ls = state.loss_scale
+    self.pending.append(({k: metrics[k] for k in _READ}, (ls.dynamic, ls.min_scale),
+                         (jax.tree.structure(state.params), state.meta.param_layouts)))
     while self.pending and (len(self.pending) > MAX_PENDING or _done(self.pending[0][0])):
       self._read(*self.pending.popleft())
 
@@ -123,12 +147,12 @@ class StallWatch:
     except Exception:  # pylint: disable=broad-except  (arrays gone at interpreter teardown)
       self.pending.clear()
 
-  def _read(self, m, loss_scale):
+  def _read(self, m, loss_scale, params):
     if m["health"].is_deleted():  # the user deleted the metrics (or donated them)
       return
     bits = int(_host(m["health"]))
     if bits:
-      self._check(bits, {k: _host(v) for k, v in m.items()}, loss_scale)
+      self._check(bits, {k: _host(v) for k, v in m.items()}, loss_scale, params)
 
   def _warn(self, kind: str, message: str):
     """Warns once per kind, at the user's line that called into zero_jax."""
@@ -137,7 +161,7 @@ class StallWatch:
       warnings.warn("zero_jax: " + message + self.note, RuntimeWarning,
                     stacklevel=2 if self.note else _user_level())
 
-  def _check(self, bits: int, m, loss_scale):
+  def _check(self, bits: int, m, loss_scale, params):
     dynamic, min_scale = loss_scale
     if bits & NEGATIVE_WEIGHT:
       self._warn("negative", f"step {int(m['step'])}: a WeightedLoss weight is negative on "
@@ -145,11 +169,7 @@ class StallWatch:
                  f"makes the weighted mean meaningless. Use weights >= 0 (e.g. the mask).")
     if bits & LOSS_NONFINITE and not bits & (GRADS_NONFINITE | NO_WEIGHT):
       self._warn("nan_loss", f"step {int(m['step'])}: metrics['loss'] is {float(m['loss'])} "
-                 f"while the gradient is finite (the step was applied). A loss that divides "
-                 f"by its own count (e.g. sum(loss * mask) / sum(mask)) is NaN on a device "
-                 f"whose examples are all padding; return zj.WeightedLoss(total=sum(loss * "
-                 f"mask), weight=sum(mask)) instead: the step then divides by the global "
-                 f"count.")
+                 f"while the gradient is finite (the step was applied). " + _nan_loss(*params))
     if bits & SKIPPED and (bits & NO_WEIGHT or not dynamic):
       self._warn("skipped", _why(bits, int(m["step"])))
     if bits & SKIPPED:

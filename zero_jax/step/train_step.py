@@ -234,10 +234,9 @@ class ShardedTrainStep:
   def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     """One training step on a global batch. Returns ``(new_state, metrics)``."""
     state = self._prepare(state)
-    loss_scale = state.loss_scale
     new_state, metrics = self._run(self._compiled(state), state, batch)
     if not isinstance(new_state.step, jax.core.Tracer):  # not inside the user's jit or scan
-      self._stall.observe(metrics, loss_scale)
+      self._stall.observe(metrics, state)
     return new_state, metrics
 
   def lower(self, state: TrainState, batch, *, lowering_platforms=None) -> jax.stages.Lowered:
