@@ -335,6 +335,33 @@ def test_a_nonfinite_gradient_skips_the_quantized_step_bit_for_bit(case):
         == float(m["loss_scale"]) / 2
 
 
+def test_a_nan_weight_the_batch_never_reads_skips_qwz_steps_and_the_warning_names_its_leaf():
+  """A NaN in an embedding row no example reads: the exact step trains (as on one device),
+  the qwZ step's gather spreads it over its block, which rows the batch reads share, so
+  every step is skipped; the skip warning names the leaf and the block size."""
+  r = np.random.default_rng(0)
+  params = {"emb": r.normal(size=(64, 16)).astype(np.float32),
+            "w": r.normal(size=(16, 4)).astype(np.float32)}
+  params["emb"][63, 5] = np.nan  # the last device's last block: rows 60-63 at B = 64
+  loss = lambda p, b: jnp.mean((p["emb"][b] @ p["w"]) ** 2)
+  b = np.tile(np.array([0, 1, 2, 3, 4, 5, 6, 62]), 2)  # row 62 shares row 63's block
+  mesh = _mesh((8,))
+  exact = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh, stage=3)
+  state, m = exact(exact.init(params), b)
+  assert int(m["skipped_steps"]) == 0 and np.isfinite(float(m["loss"]))
+  ref, _, _ = reference_run(loss, optax.sgd(0.1), params, [b])
+  np.testing.assert_allclose(np.asarray(exact.get_params(state)["w"]), ref[-1]["w"], rtol=1e-5)
+  quant = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh, stage=3,
+                                     quantize=zj.Quantize(block_size=64))
+  with pytest.warns(RuntimeWarning, match=r"step 0 was skipped.*non-finite weights: "
+                                          r"params\['emb'\] \(1 of 1024 values\).*whole block of "
+                                          r"64 values.*never reads the bad value"):
+    state, m = quant(quant.init(params), b)
+    state, m = quant(state, b)
+    quant.get_params(state)
+  assert int(m["skipped_steps"]) == 2
+
+
 def test_quantized_step_with_accumulation_clipping_and_weighted_loss():
   def wloss(p, b):
     per = jnp.mean(jnp.square(jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import math
 import os
 import sys
 import warnings
@@ -109,18 +110,23 @@ class StallWatch:
   step after the trouble still hears of it.
   """
 
-  def __init__(self):
+  def __init__(self, weights_block: int | None = None):
+    self.weights_block = weights_block  # quantized weights (qwZ): values per block
     self.pending: collections.deque = collections.deque()
     self.warned: set[str] = set()
     self.note = ""
+    self.latest = lambda: None  # the newest state, while the user holds it
     _WATCHES.add(self)
     _register_at_exit()
 
-  def observe(self, metrics, state):
+  def observe(self, metrics, state, new_state):
     """Queues a step's metrics; reads those ready (and the oldest beyond `MAX_PENDING`).
 
     ``state``: the `TrainState` the step started from (its static parts are read: the
-    loss-scale policy, the parameters' paths and shapes; its arrays may be donated)."""
+    loss-scale policy, the parameters' paths and shapes; its arrays may be donated);
+    ``new_state``: the one it returned, whose weights a skip warning checks while the
+    user holds it (a weak reference)."""
+    self.latest = weakref.ref(new_state)
     ls = state.loss_scale
     self.pending.append(({k: metrics[k] for k in _READ}, (ls.dynamic, ls.min_scale),
                          (jax.tree.structure(state.params), state.meta.param_layouts)))
@@ -170,8 +176,10 @@ class StallWatch:
     if bits & LOSS_NONFINITE and not bits & (GRADS_NONFINITE | NO_WEIGHT):
       self._warn("nan_loss", f"step {int(m['step'])}: metrics['loss'] is {float(m['loss'])} "
                  f"while the gradient is finite (the step was applied). " + _nan_loss(*params))
-    if bits & SKIPPED and (bits & NO_WEIGHT or not dynamic):
-      self._warn("skipped", _why(bits, int(m["step"])))
+    if bits & SKIPPED and (bits & NO_WEIGHT or not dynamic) and "skipped" not in self.warned:
+      self._warn("skipped", _why(bits, int(m["step"])) +
+                 ("" if bits & NO_WEIGHT else
+                  _nonfinite_weights(self.latest(), self.weights_block)))
     if bits & SKIPPED:
       self._check_stall(int(m["skipped_in_a_row"]), float(m["loss_scale"]), dynamic, min_scale)
 
@@ -181,9 +189,43 @@ class StallWatch:
       return
     why = (f"the dynamic loss scale sits at its minimum ({min_scale:g}) and steps "
            f"still overflow" if at_min else f"the last {in_a_row} steps were all skipped")
-    self._warn("stall", f"training is not progressing: {why}, because their gradients were "
-               f"not finite (metrics['grads_finite'] is False) or, with a WeightedLoss, their "
-               f"weight was zero; metrics['skipped_steps'] counts skipped steps. " + _FIX)
+    if "stall" not in self.warned:
+      self._warn("stall", f"training is not progressing: {why}, because their gradients were "
+                 f"not finite (metrics['grads_finite'] is False) or, with a WeightedLoss, "
+                 f"their weight was zero; metrics['skipped_steps'] counts skipped steps. " +
+                 _FIX + _nonfinite_weights(self.latest(), self.weights_block))
+
+
+def _nonfinite_weights(state, weights_block: int | None) -> str:
+  """Names the parameter leaves of ``state`` that hold NaN or inf, counted in this process's
+  blocks (each device counts its own; no collective, so processes need not agree); "" when
+  there are none or the state is gone (donated, deleted, not held). ``weights_block``: the
+  block size of quantized weight gathers, or None."""
+  if state is None:
+    return ""
+  bad = []
+  paths = jax.tree_util.tree_flatten_with_path(state.params)[0]
+  try:
+    for (path, x), layout in zip(paths, state.meta.param_layouts):
+      if not jnp.issubdtype(x.dtype, jnp.inexact):
+        continue
+      n = sum(int(jnp.sum(~jnp.isfinite(s.data))) for s in x.addressable_shards
+              if s.replica_id == 0)
+      if n:
+        bad.append(f"params{jax.tree_util.keystr(path)} ({n} of {math.prod(layout.shape)} "
+                   f"values)")
+  except Exception:  # pylint: disable=broad-except  (donated by a later step: nothing to say)
+    return ""
+  if not bad:
+    return ""
+  qwz = "" if weights_block is None else (
+      f" With quantized weights (qwZ) a non-finite weight spoils its whole block of "
+      f"{weights_block} values as they are gathered, so every step that reads any value of "
+      f"that block is skipped, even when the batch never reads the bad value itself (the "
+      f"exact step trains on).")
+  return (f" The parameters hold non-finite weights: {', '.join(bad[:4])}: a step whose "
+          f"loss reads one is not finite.{qwz} Repair those values (params = "
+          f"step.get_params(state), fix them, step.init(params)) or restore a checkpoint.")
 
 
 def deliver(note: str = "") -> None:

@@ -68,7 +68,8 @@ class ShardedTrainStep:
     self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
     self._metas: dict[int, StateMeta] = {}
     self._batches: set = set()
-    self._stall = StallWatch()
+    q = spec.comm.quantize
+    self._stall = StallWatch(q.block_size if q is not None and q.weights else None)
 
   @property
   def n(self) -> int:
@@ -236,7 +237,7 @@ class ShardedTrainStep:
     state = self._prepare(state)
     new_state, metrics = self._run(self._compiled(state), state, batch)
     if not isinstance(new_state.step, jax.core.Tracer):  # not inside the user's jit or scan
-      self._stall.observe(metrics, state)
+      self._stall.observe(metrics, state, new_state)
     return new_state, metrics
 
   def lower(self, state: TrainState, batch, *, lowering_platforms=None) -> jax.stages.Lowered:
