@@ -382,6 +382,29 @@ def test_quantized_step_with_accumulation_clipping_and_weighted_loss():
                                rtol=2e-2, atol=2e-3, err_msg=k)
 
 
+def test_stage3_gather_once_local_accumulation_quantizes_the_gradient_once():
+  """accumulate="local" with gather_once sums the micro-batches' gradients in float32 and
+  reduce-scatters them once (it reduce-scattered, and so quantized, each micro-batch): the
+  qgZ gradient is stage 2's local one, not its sharded one, and within the bound of the
+  exact step, which equals the single-device reference."""
+  params, b = init_params(), batches(1)[0]
+  q = zj.Quantize(weights=False, block_size=64)
+  make = lambda **kw: zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=_mesh((8,)),
+                                                 grad_accum_steps=2, **kw)
+  once = dict(stage=3, gather_once=True, accumulate="local")
+  g_once, _ = _sgd_grads(make(quantize=q, **once), params, b)
+  g_local, _ = _sgd_grads(make(quantize=q, stage=2, accumulate="local"), params, b)
+  g_sharded, _ = _sgd_grads(make(quantize=q, stage=2, accumulate="sharded"), params, b)
+  g_exact, _ = _sgd_grads(make(**once), params, b)
+  ref, _, _ = reference_run(loss_fn, optax.sgd(0.1), params, [b])
+  rel = lambda a, e: np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-12)
+  for k in params:
+    np.testing.assert_allclose(g_once[k], g_local[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(params[k] - 0.1 * g_exact[k], ref[-1][k], rtol=1e-5, atol=1e-6)
+    assert rel(g_once[k], g_exact[k]) < 2e-2, k
+  assert max(rel(g_sharded[k], g_local[k]) for k in params) > 1e-4  # another rounding
+
+
 def test_checkpoint_restores_with_or_without_quantization(tmp_path):
   """They change the wire, not the state."""
   params, bs = init_params(), batches(2)

@@ -388,9 +388,9 @@ def make_sharded_train_step(
       update equals one step on the whole batch.
     accumulate: where the micro-batch gradients are summed: ``"local"``
       (default for stages 1-2, like ``no_sync``: full-size float32
-      accumulator, one reduction per step) or ``"sharded"`` (stage 2 or 3;
-      the default and only choice for stage 3: each micro-batch's gradient is
-      reduce-scattered at once and only the 1/N block accumulated).
+      accumulator, one reduction per step; at stage 3 with ``gather_once``) or
+      ``"sharded"`` (stages 2-3, the default for stage 3: each micro-batch's
+      gradient is reduce-scattered at once and only the 1/N block accumulated).
     trainable: which parameter leaves train: ``None`` (every floating or
       complex leaf), a pytree of bools matching the params or a prefix of
       them, or a function ``(path, leaf) -> bool``; with a module, an NNX
