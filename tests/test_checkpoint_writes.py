@@ -6,7 +6,8 @@ and ``restore`` given a step number first are clear errors; an ``inject_hyperpar
 learning rate restored from a checkpoint is warned about, or taken from the step. Issue 28:
 a Python number in a saved state, leaves without elements, export into an existing path,
 restore(step="2"), a full disk deep in TensorStore's message or at the first save, a directory
-that is a file, and a mistyped directory that restore leaves uncreated.
+that is a file, and a mistyped directory that restore leaves uncreated. Issue 36: restore from a
+safetensors export names it, reached_preemption on a closed manager.
 """
 
 import errno
@@ -74,6 +75,8 @@ def test_save_and_restore_after_close_are_clear_errors(tmp_path):
     mngr.save(state, force=True)
   with pytest.raises(RuntimeError, match=r"restore: this manager .* is closed"):
     mngr.restore(step, params())
+  with pytest.raises(RuntimeError, match=r"reached_preemption: this manager .* is closed"):
+    mngr.reached_preemption(state)  # refused up front, not at the save a notice would make
   with zj.CheckpointManager(tmp_path) as again:  # what the message says works
     assert again.latest_step() == 2
 
@@ -271,3 +274,22 @@ def test_a_directory_that_is_a_file_is_named_and_a_mistyped_one_is_not_created(t
   with zj.CheckpointManager(mistyped) as mngr:  # the first save makes it
     assert mngr.save(state)
   assert zj.CheckpointManager(mistyped).all_steps() == [2]
+
+
+def test_restoring_from_a_safetensors_export_points_at_load_safetensors(tmp_path):
+  """An export holds parameters only: restore names its files and the reader to use, and
+  the reader it names loads them."""
+  step, state = trained(optax.sgd(0.1))
+  zj.export_safetensors(step, state, tmp_path / "hf")
+  with zj.CheckpointManager(tmp_path / "hf") as mngr:
+    with pytest.raises(FileNotFoundError, match=r"hf holds a safetensors export "
+                                                r"\(model.safetensors\), not a CheckpointManager "
+                                                r"checkpoint.*zj.load_safetensors\("):
+      mngr.restore(step, params())
+  loaded = zj.load_safetensors(tmp_path / "hf", params(), step=step)
+  for k, v in step.get_params(state).items():
+    np.testing.assert_array_equal(np.asarray(loaded[k]), np.asarray(v), err_msg=k)
+  (tmp_path / "empty").mkdir()
+  with zj.CheckpointManager(tmp_path / "empty") as mngr:  # an empty directory: as before
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint in .*empty: nothing"):
+      mngr.restore(step, params())

@@ -232,6 +232,22 @@ def test_dtype_writes_floating_leaves_converted_on_the_devices(exports, tmp_path
     np.testing.assert_array_equal(got[k].view(np.uint16), ref.view(np.uint16), err_msg=k)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.bool_])
+def test_dtype_that_is_not_floating_is_refused_naming_the_leaf_and_writes_nothing(
+    dtype, tmp_path):
+  """Floating weights converted to integers would be truncated: refused before a byte is
+  written. A leaf that is not floating keeps its dtype whatever ``dtype`` says."""
+  params = {"w": np.full((8, 5), 0.7, np.float32)}
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=jax.make_mesh((8,), ("data",)),
+                                    stage=3)
+  state = step.init(params)
+  name = np.dtype(dtype).name
+  with pytest.raises(TypeError, match=rf"dtype={name}\): params\['w'\] is float32.*"
+                                      rf"truncate.*pass a floating dtype"):
+    zj.export_safetensors(step, state, tmp_path, dtype=dtype)
+  assert not os.listdir(tmp_path)
+
+
 def test_two_processes_write_the_bytes_of_one(tmp_path):
   out = tmp_path / "mp"
   rc = zj.launch_local([sys.executable, W.__file__, str(out)], num_processes=2,

@@ -106,6 +106,24 @@ def test_init_from_a_function_equals_the_eager_init_bitwise(mesh, name, request)
   assert jax.tree.map(as_struct, from_fn) == abstract
 
 
+@pytest.mark.parametrize("stage,grouped", [(2, False), (3, False), (3, True)])
+def test_a_python_number_returned_by_an_init_function_is_the_array_it_makes(
+    mesh, stage, grouped, request):
+  """``lambda: {**params, "scale": 2.0}`` gives the state of ``jnp.asarray(2.0)`` given
+  directly, and trains alike (it failed inside the state code: a weak-typed literal)."""
+  if grouped:
+    request.getfixturevalue("one_leaf_per_jit")
+  loss = lambda p, b: loss_fn(p, b) * p["scale"]
+  step = zj.make_sharded_train_step(loss, optax.adam(1e-2), mesh=mesh, stage=stage)
+  from_fn = step.init(lambda: {**init_fn(), "scale": 2.0})
+  direct = step.init({**init_fn(), "scale": jnp.asarray(2.0)})
+  leaves_equal(from_fn, direct, what="state")
+  for b in batches():
+    from_fn, _ = step(from_fn, b)
+    direct, _ = step(direct, b)
+  leaves_equal(step.get_params(from_fn), step.get_params(direct), what="trained")
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_training_from_a_function_matches_the_single_device_reference(mesh, opt):
   tx = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}[opt]
@@ -288,6 +306,9 @@ def test_init_function_misuse_is_named(mesh):
                      match=r"init got params\[.b1.\], a jax.ShapeDtypeStruct.*without values"):
     step.init(jax.eval_shape(init_fn))
   module_step = zj.make_sharded_train_step(net_loss, optax.sgd(0.1), mesh=mesh)
+  with pytest.raises(TypeError, match=r"the class Net, whose constructor needs rngs.*"
+                                      r"step.init\(lambda: Net\(nnx.Rngs\(0\)\)\)"):
+    module_step.init(Net)  # a Module class reports (*args, **kwargs) for itself
   with pytest.raises(TypeError, match="takes no model_state="):
     module_step.init(lambda: Net(nnx.Rngs(0)), model_state={"n": jnp.zeros(())})
   tp = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh2(("data", "model")),

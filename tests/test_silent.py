@@ -3,7 +3,8 @@ WeightedLoss steps without weight skipped (against one device), negative weights
 NaN loss with a finite gradient warned, low-precision leaves without a master copy
 warned, and param_specs that do not divide refused at init. Round three: these warnings reach
 a run that stops a step after the trouble (at get_params, a checkpoint save, wait_until_finished,
-close, or interpreter exit)."""
+close, or interpreter exit). Round four: a NaN loss from a mean over a leaf without elements
+names the leaf."""
 
 import contextlib
 import os
@@ -183,6 +184,23 @@ def test_nan_loss_with_a_finite_gradient_points_to_weighted_loss(mesh):
     _, ms = run(step, step.init(init_params()), [masked_batch(1, 5)] * 3)
   assert len(messages(rec, "while the gradient is finite")) == 1
   assert bool(ms[0]["grads_finite"]) and int(ms[-1]["skipped_steps"]) == 0
+
+
+def test_nan_loss_from_a_mean_over_a_leaf_without_elements_names_the_leaf(mesh):
+  """jnp.mean of a zero-size leaf is 0/0: the warning names the leaf and that cause first
+  (it blamed a loss dividing by its own count); the step trains the rest as one device."""
+  params = {**init_params(), "e": np.zeros((0, 4), np.float32)}
+  empty_mean = lambda p, b: loss_fn(p, b) + jnp.mean(p["e"])
+  step = zj.make_sharded_train_step(empty_mean, optax.sgd(0.1), mesh=mesh)
+  with pytest.warns(RuntimeWarning, match=r"metrics\['loss'\] is nan while the gradient is "
+                                          r"finite.*The parameters params\['e'\] \(0, 4\) have "
+                                          r"no elements.*jnp.mean") as rec:
+    state, ms = run(step, step.init(params), [batch()] * 2)
+    got = step.get_params(state)
+  assert len(messages(rec, "while the gradient is finite")) == 1
+  assert int(ms[-1]["skipped_steps"]) == 0
+  ref, _, _ = reference_run(loss_fn, optax.sgd(0.1), init_params(), [batch()] * 2)
+  assert_tree_close({k: v for k, v in got.items() if k != "e"}, ref[-1])
 
 
 # ------------------------------------------- 3. low precision without a master copy

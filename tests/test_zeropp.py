@@ -335,6 +335,33 @@ def test_a_nonfinite_gradient_skips_the_quantized_step_bit_for_bit(case):
         == float(m["loss_scale"]) / 2
 
 
+def test_a_nan_weight_the_batch_never_reads_skips_qwz_steps_and_the_warning_names_its_leaf():
+  """A NaN in an embedding row no example reads: the exact step trains (as on one device),
+  the qwZ step's gather spreads it over its block, which rows the batch reads share, so
+  every step is skipped; the skip warning names the leaf and the block size."""
+  r = np.random.default_rng(0)
+  params = {"emb": r.normal(size=(64, 16)).astype(np.float32),
+            "w": r.normal(size=(16, 4)).astype(np.float32)}
+  params["emb"][63, 5] = np.nan  # the last device's last block: rows 60-63 at B = 64
+  loss = lambda p, b: jnp.mean((p["emb"][b] @ p["w"]) ** 2)
+  b = np.tile(np.array([0, 1, 2, 3, 4, 5, 6, 62]), 2)  # row 62 shares row 63's block
+  mesh = _mesh((8,))
+  exact = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh, stage=3)
+  state, m = exact(exact.init(params), b)
+  assert int(m["skipped_steps"]) == 0 and np.isfinite(float(m["loss"]))
+  ref, _, _ = reference_run(loss, optax.sgd(0.1), params, [b])
+  np.testing.assert_allclose(np.asarray(exact.get_params(state)["w"]), ref[-1]["w"], rtol=1e-5)
+  quant = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh, stage=3,
+                                     quantize=zj.Quantize(block_size=64))
+  with pytest.warns(RuntimeWarning, match=r"step 0 was skipped.*non-finite weights: "
+                                          r"params\['emb'\] \(1 of 1024 values\).*whole block of "
+                                          r"64 values.*never reads the bad value"):
+    state, m = quant(quant.init(params), b)
+    state, m = quant(state, b)
+    quant.get_params(state)
+  assert int(m["skipped_steps"]) == 2
+
+
 def test_quantized_step_with_accumulation_clipping_and_weighted_loss():
   def wloss(p, b):
     per = jnp.mean(jnp.square(jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
@@ -353,6 +380,29 @@ def test_quantized_step_with_accumulation_clipping_and_weighted_loss():
   for k, v in exact.get_params(se).items():
     np.testing.assert_allclose(np.asarray(quant.get_params(sq)[k]), np.asarray(v),
                                rtol=2e-2, atol=2e-3, err_msg=k)
+
+
+def test_stage3_gather_once_local_accumulation_quantizes_the_gradient_once():
+  """accumulate="local" with gather_once sums the micro-batches' gradients in float32 and
+  reduce-scatters them once (it reduce-scattered, and so quantized, each micro-batch): the
+  qgZ gradient is stage 2's local one, not its sharded one, and within the bound of the
+  exact step, which equals the single-device reference."""
+  params, b = init_params(), batches(1)[0]
+  q = zj.Quantize(weights=False, block_size=64)
+  make = lambda **kw: zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=_mesh((8,)),
+                                                 grad_accum_steps=2, **kw)
+  once = dict(stage=3, gather_once=True, accumulate="local")
+  g_once, _ = _sgd_grads(make(quantize=q, **once), params, b)
+  g_local, _ = _sgd_grads(make(quantize=q, stage=2, accumulate="local"), params, b)
+  g_sharded, _ = _sgd_grads(make(quantize=q, stage=2, accumulate="sharded"), params, b)
+  g_exact, _ = _sgd_grads(make(**once), params, b)
+  ref, _, _ = reference_run(loss_fn, optax.sgd(0.1), params, [b])
+  rel = lambda a, e: np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-12)
+  for k in params:
+    np.testing.assert_allclose(g_once[k], g_local[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(params[k] - 0.1 * g_exact[k], ref[-1][k], rtol=1e-5, atol=1e-6)
+    assert rel(g_once[k], g_exact[k]) < 2e-2, k
+  assert max(rel(g_sharded[k], g_local[k]) for k in params) > 1e-4  # another rounding
 
 
 def test_checkpoint_restores_with_or_without_quantization(tmp_path):

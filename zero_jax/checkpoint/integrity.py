@@ -227,3 +227,22 @@ def damaged_error(directory, step: int, problem: str, intact: list[int]) -> Dama
           "There is no intact checkpoint there.")
   return DamagedCheckpointError(f"the checkpoint of step {step} in {directory} is "
                                 f"damaged: {problem}. {then}")
+
+
+def nothing_to_restore(directory: epath.Path) -> FileNotFoundError:
+  """The error for a directory without a checkpoint; safetensors files there are named (an
+  export of parameters, read with `zero_jax.load_safetensors`, not restored)."""
+  if not directory.is_dir():
+    return FileNotFoundError(f"no complete checkpoint in {directory} (the directory does not "
+                             f"exist): nothing to restore. Check the path, or start from "
+                             f"step.init(params).")
+  exported = sorted(p.name for p in directory.iterdir()
+                    if p.name.endswith((".safetensors", ".safetensors.index.json")))
+  if not exported:
+    return FileNotFoundError(f"no complete checkpoint in {directory}: nothing to restore. "
+                             f"Check the path, or start from step.init(params).")
+  return FileNotFoundError(
+      f"{directory} holds a safetensors export ({', '.join(exported[:_MAX_NAMED])}), not a "
+      f"CheckpointManager checkpoint: an export has the parameters only, no optimizer state. "
+      f"Read it with params = zj.load_safetensors({os.fspath(directory)!r}, params_like, "
+      f"step=step), then start from step.init(params, donate=True).")

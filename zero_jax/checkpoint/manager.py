@@ -166,9 +166,7 @@ class CheckpointManager:
                       f"for the latest intact checkpoint.")
     steps = self._step_dirs()
     if not steps:
-      missing = "" if self.directory.exists() else " (the directory does not exist)"
-      raise FileNotFoundError(f"no complete checkpoint in {self.directory}{missing}: nothing "
-                              f"to restore. Check the path, or start from step.init(params).")
+      raise integrity.nothing_to_restore(self.directory)
     if step is None:
       return steps[::-1]
     if step not in steps:
@@ -408,6 +406,7 @@ class CheckpointManager:
     Args:
       state: the `TrainState` the next step would start from.
     """
+    self._check_open("reached_preemption")
     return preemption_lib.reached(self, state)
 
   # ---------------------------------------------------------------- finish

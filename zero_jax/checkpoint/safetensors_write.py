@@ -55,13 +55,26 @@ def _plan(state: TrainState, rename, dtype) -> list[_Leaf]:
     leaf = f"params{jax.tree_util.keystr(path)}"
     name, transpose = fmt.apply_rename(rename, fmt.default_name(path, variable=variable), leaf,
                                        len(layout.shape))
-    dt = np.dtype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) \
-        else np.dtype(x.dtype)
+    dt = _file_dtype(x.dtype, dtype, leaf)
     fmt.dtype_code(dt, leaf)
     shape = tuple(reversed(layout.shape)) if transpose else tuple(layout.shape)
     out.append(_Leaf(fmt.Tensor(name, shape, dt, leaf, transpose), x, tuple(layout.shape)))
   fmt.check_unique([l.tensor for l in out])
   return out
+
+
+def _file_dtype(leaf_dtype, dtype, leaf: str) -> np.dtype:
+  """The dtype ``leaf`` is written in: ``dtype`` for a floating leaf, its own otherwise.
+  A floating leaf is not converted to a dtype that is not floating (it would be truncated)."""
+  if dtype is None or not jnp.issubdtype(leaf_dtype, jnp.floating):
+    return np.dtype(leaf_dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"export_safetensors(dtype={np.dtype(dtype).name}): {leaf} is "
+                    f"{np.dtype(leaf_dtype).name}, and converting floating weights to "
+                    f"{np.dtype(dtype).name} would truncate them. dtype= converts floating "
+                    f"leaves only: pass a floating dtype (jnp.bfloat16, jnp.float16) or None "
+                    f"to write each leaf as get_params returns it.")
+  return np.dtype(dtype)
 
 
 # ------------------------------------------------------------------ the data
@@ -309,6 +322,7 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
   Raises:
     ValueError: ``rename`` maps two leaves to one name, or transposes a leaf
       that is not 2-D.
+    TypeError: ``dtype`` is not floating (a floating leaf would be truncated).
     FileExistsError: ``directory`` holds an export and ``force`` is False.
     OSError: ``directory`` cannot be written (nothing is left behind).
   """

@@ -16,7 +16,7 @@ NNX modules) into flat leaves. See the docs' stage 3 guide and "How it works".
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -259,23 +259,24 @@ def _scan_prefetched(f, init, layers: Layers):
                             jax.eval_shape(flat, init_leaves, ex_w, ex_x)[0])
   conv, consts = jax.closure_convert(flat, init_leaves, ex_w, ex_x)
   out_s = jax.eval_shape(conv, init_leaves, ex_w, ex_x, *consts)
+  loop = _Loop(conv, sharded, length, out_s)
   perturbed: dict = {}
 
   @jax.custom_vjp
   def run(c, sp, xs, ks):
-    return _forward(conv, sharded, length, out_s, c, sp, xs, ks, save=False)[0]
+    return _forward(loop, c, sp, xs, ks, save=False)[0]
 
   def run_fwd(c, sp, xs, ks):
     value = lambda t: [a.value for a in t]
     perturbed.update(sp=[a.perturbed for a in sp], xs=[a.perturbed for a in xs],
                      ks=[a.perturbed for a in ks])
     c, sp, xs, ks = value(c), value(sp), value(xs), value(ks)
-    out, saved = _forward(conv, sharded, length, out_s, c, sp, xs, ks, save=True)
+    out, saved = _forward(loop, c, sp, xs, ks, save=True)
     return out, (saved, sp, xs, ks)
 
   def run_bwd(res, cts):
     saved, sp, xs, ks = res
-    return tuple(_backward(conv, sharded, length, saved, sp, xs, ks, perturbed,
+    return tuple(_backward(loop, saved, sp, xs, ks, perturbed,
                            [[_ct(x) for x in part] for part in cts]))
 
   run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
@@ -296,10 +297,25 @@ def _carry_like(init_leaves, init_def, defs, out_s) -> list:
   return [make_varying(a, _vma(s)) for a, s in zip(init_leaves, out_s)]
 
 
-def _forward(conv, sharded: _Sharded, length: int, out_s, c, sp, xs, ks, save: bool):
+class _Loop(NamedTuple):
+  """What the forward and backward loops run, fixed once traced.
+
+  Attributes:
+    conv: the closure-converted layer, ``conv(carry, w, x, *consts) -> (carry, ys, new)``.
+    sharded: the stack's sharded leaves (`_Sharded`).
+    length: the number of layers.
+    out_s: ``conv``'s output shapes (carry, ys, new states).
+  """
+  conv: Callable
+  sharded: _Sharded
+  length: int
+  out_s: Any
+
+
+def _forward(loop: _Loop, c, sp, xs, ks, *, save: bool):
   """Layer i+1 gathered while layer i computes; with ``save``, each layer's input carry
   kept for the backward pass. Returns ``((carry, ys, new states), saved carries)``."""
-  c_s, y_s, new_s = out_s
+  conv, sharded, length, (c_s, y_s, new_s) = loop
   bufs = ([_zeros(s, (length,)) for s in y_s], [_zeros(s, (length,)) for s in new_s],
           [_zeros(s, (length,)) for s in c_s] if save else [])
 
@@ -324,13 +340,13 @@ def _forward(conv, sharded: _Sharded, length: int, out_s, c, sp, xs, ks, save: b
   return (c, ys, news), saved
 
 
-def _backward(conv, sharded: _Sharded, length: int, saved, sp, xs, ks, perturbed: dict,
-              cts) -> list:
+def _backward(loop: _Loop, saved, sp, xs, ks, perturbed: dict, cts) -> list:
   """Layer i-1 re-gathered and layer i+1's gradient reduced while layer i's backward runs.
 
   Returns the cotangents of ``run``'s inputs (init, sharded leaves, per-layer arrays,
   closed-over values); None where nothing flows.
   """
+  conv, sharded, length, _ = loop
   layer_sps, pos = sharded.at(sp, 0), sharded.diff_pos
   masks = ([_is_float(x) for x in saved],
            [_is_float(x.block) and perturbed["sp"][p] for x, p in zip(layer_sps, pos)],

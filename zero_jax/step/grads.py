@@ -284,7 +284,7 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
   layouts = [meta.param_layouts[i] for i in idx]
   stacks = [meta.stacked[i] for i in idx]
   frozen = {i: leaves[i] for i, t in enumerate(meta.trainable) if not t}
-  sharded_acc = spec.accumulate == "sharded" or spec.stage == 3
+  sharded_acc = spec.accumulate == "sharded" or spec.param_stage == 3  # gather_once: either
   grad_fn = jax.value_and_grad(_objective(spec, meta, loss_fn, state.params, frozen, leaves,
                                           state.loss_scale), has_aux=True)
   diff, in_loop = _differentiated(spec, meta, leaves)

@@ -67,6 +67,9 @@ def is_init_fn(x) -> bool:
 
 
 def _check_signature(fn) -> None:
+  if isinstance(fn, type):
+    _check_class(fn)
+    return
   try:
     sig = inspect.signature(fn)
   except (TypeError, ValueError):  # a builtin without a signature: let the call tell
@@ -79,6 +82,28 @@ def _check_signature(fn) -> None:
         f"arguments; an init function takes none and returns the params pytree or an "
         f"nnx.Module. Bind them: step.init(lambda: init(jax.random.key(0))), or "
         f"step.init(lambda: Model(nnx.Rngs(0))).") from None
+
+
+def _check_class(cls: type) -> None:
+  """A class is called with no arguments: its constructor's own signature says whether it
+  can be (an ``nnx.Module`` class reports ``(*args, **kwargs)`` for itself)."""
+  try:
+    sig = inspect.signature(cls.__init__)
+  except (TypeError, ValueError):
+    return
+  try:
+    sig.bind(None)  # self
+  except TypeError:
+    needs = [p for p in list(sig.parameters.values())[1:]
+             if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    value = lambda p: "nnx.Rngs(0)" if p.name == "rngs" else p.name
+    args = ", ".join(f"{p.name}={value(p)}" if p.kind == p.KEYWORD_ONLY else value(p)
+                     for p in needs)
+    raise TypeError(
+        f"step.init got the class {cls.__name__}, whose constructor needs "
+        f"{', '.join(p.name for p in needs)}; "
+        f"step.init calls an init function with no arguments. Pass a function that builds "
+        f"the model: step.init(lambda: {cls.__name__}({args})).") from None
 
 
 def _check_leaves(tree, what: str) -> None:
@@ -236,7 +261,7 @@ def maker(spec: StepSpec, meta: st.StateMeta, source: Source) -> Maker:
   idx_groups[0] += list(range(n, len(avals)))
 
   def values(idx):
-    made = run()
+    made = [jnp.asarray(x) for x in run()]  # a Python number returned comes back as one
     return [lay.pad(made[i], layouts[i]) if i < n else made[i] for i in idx]
 
   def program(idx):

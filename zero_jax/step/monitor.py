@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import math
 import os
 import sys
 import warnings
@@ -37,7 +38,7 @@ MAX_PENDING = 32  # queued steps beyond which the oldest is read even if the hos
 _READ = ("health", "step", "loss", "skipped_in_a_row", "loss_scale")  # the metrics read
 _WATCHES: "weakref.WeakSet[StallWatch]" = weakref.WeakSet()
 _at_exit = False
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # zero_jax/
 
 
 def health(applied, loss, grads_finite, weight=None) -> jax.Array:
@@ -77,6 +78,26 @@ def _why(bits: int, step: int) -> str:
           f"there is no overflow to expect, so this points to data or model trouble. " + _FIX)
 
 
+_OWN_COUNT = ("a loss that divides by its own count (e.g. sum(loss * mask) / sum(mask)) is NaN "
+              "on a device whose examples are all padding; return zj.WeightedLoss(total="
+              "sum(loss * mask), weight=sum(mask)) instead: the step then divides by the "
+              "global count.")
+
+
+def _nan_loss(treedef, layouts) -> str:
+  """The causes of a NaN loss with a finite gradient, the parameters without elements first
+  (a mean over none of them is 0/0, and its gradient, empty, is finite)."""
+  paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, range(len(layouts))))
+  empty = [f"params{jax.tree_util.keystr(p)} {tuple(l.shape)}"
+           for (p, _), l in zip(paths[0], layouts) if 0 in l.shape]
+  mean = "jnp.mean (or any mean) of an array without elements is NaN (0/0) while its gradient "
+  if not empty:
+    return "Likely cause: " + _OWN_COUNT + f" Or a term of the loss takes a mean over no elements: {mean}is finite."
+  return (f"The parameters {', '.join(empty[:4])} have no elements, and {mean}(empty) is "
+          f"finite: leave such leaves out of the loss, or use jnp.sum (0 over no elements). "
+          f"Otherwise: " + _OWN_COUNT)
+
+
 class StallWatch:
   """Warns about skipped steps and suspicious losses, each kind once per step object.
 
@@ -89,17 +110,26 @@ class StallWatch:
   step after the trouble still hears of it.
   """
 
-  def __init__(self):
+  def __init__(self, weights_block: int | None = None):
+    self.weights_block = weights_block  # quantized weights (qwZ): values per block
     self.pending: collections.deque = collections.deque()
     self.warned: set[str] = set()
     self.note = ""
+    self.latest = lambda: None  # the newest state, while the user holds it
     _WATCHES.add(self)
     _register_at_exit()
 
-  def observe(self, metrics, loss_scale):
-    """Queues a step's metrics; reads those ready (and the oldest beyond `MAX_PENDING`)."""
-    self.pending.append(({k: metrics[k] for k in _READ}, (loss_scale.dynamic,
-                                                          loss_scale.min_scale)))
+  def observe(self, metrics, state, new_state):
+    """Queues a step's metrics; reads those ready (and the oldest beyond `MAX_PENDING`).
+
+    ``state``: the `TrainState` the step started from (its static parts are read: the
+    loss-scale policy, the parameters' paths and shapes; its arrays may be donated);
+    ``new_state``: the one it returned, whose weights a skip warning checks while the
+    user holds it (a weak reference)."""
+    self.latest = weakref.ref(new_state)
+    ls = state.loss_scale
+    self.pending.append(({k: metrics[k] for k in _READ}, (ls.dynamic, ls.min_scale),
+                         (jax.tree.structure(state.params), state.meta.param_layouts)))
     while self.pending and (len(self.pending) > MAX_PENDING or _done(self.pending[0][0])):
       self._read(*self.pending.popleft())
 
@@ -123,12 +153,12 @@ class StallWatch:
     except Exception:  # pylint: disable=broad-except  (arrays gone at interpreter teardown)
       self.pending.clear()
 
-  def _read(self, m, loss_scale):
+  def _read(self, m, loss_scale, params):
     if m["health"].is_deleted():  # the user deleted the metrics (or donated them)
       return
     bits = int(_host(m["health"]))
     if bits:
-      self._check(bits, {k: _host(v) for k, v in m.items()}, loss_scale)
+      self._check(bits, {k: _host(v) for k, v in m.items()}, loss_scale, params)
 
   def _warn(self, kind: str, message: str):
     """Warns once per kind, at the user's line that called into zero_jax."""
@@ -137,7 +167,7 @@ class StallWatch:
       warnings.warn("zero_jax: " + message + self.note, RuntimeWarning,
                     stacklevel=2 if self.note else _user_level())
 
-  def _check(self, bits: int, m, loss_scale):
+  def _check(self, bits: int, m, loss_scale, params):
     dynamic, min_scale = loss_scale
     if bits & NEGATIVE_WEIGHT:
       self._warn("negative", f"step {int(m['step'])}: a WeightedLoss weight is negative on "
@@ -145,13 +175,11 @@ class StallWatch:
                  f"makes the weighted mean meaningless. Use weights >= 0 (e.g. the mask).")
     if bits & LOSS_NONFINITE and not bits & (GRADS_NONFINITE | NO_WEIGHT):
       self._warn("nan_loss", f"step {int(m['step'])}: metrics['loss'] is {float(m['loss'])} "
-                 f"while the gradient is finite (the step was applied). A loss that divides "
-                 f"by its own count (e.g. sum(loss * mask) / sum(mask)) is NaN on a device "
-                 f"whose examples are all padding; return zj.WeightedLoss(total=sum(loss * "
-                 f"mask), weight=sum(mask)) instead: the step then divides by the global "
-                 f"count.")
-    if bits & SKIPPED and (bits & NO_WEIGHT or not dynamic):
-      self._warn("skipped", _why(bits, int(m["step"])))
+                 f"while the gradient is finite (the step was applied). " + _nan_loss(*params))
+    if bits & SKIPPED and (bits & NO_WEIGHT or not dynamic) and "skipped" not in self.warned:
+      self._warn("skipped", _why(bits, int(m["step"])) +
+                 ("" if bits & NO_WEIGHT else
+                  _nonfinite_weights(self.latest(), self.weights_block)))
     if bits & SKIPPED:
       self._check_stall(int(m["skipped_in_a_row"]), float(m["loss_scale"]), dynamic, min_scale)
 
@@ -161,9 +189,43 @@ class StallWatch:
       return
     why = (f"the dynamic loss scale sits at its minimum ({min_scale:g}) and steps "
            f"still overflow" if at_min else f"the last {in_a_row} steps were all skipped")
-    self._warn("stall", f"training is not progressing: {why}, because their gradients were "
-               f"not finite (metrics['grads_finite'] is False) or, with a WeightedLoss, their "
-               f"weight was zero; metrics['skipped_steps'] counts skipped steps. " + _FIX)
+    if "stall" not in self.warned:
+      self._warn("stall", f"training is not progressing: {why}, because their gradients were "
+                 f"not finite (metrics['grads_finite'] is False) or, with a WeightedLoss, "
+                 f"their weight was zero; metrics['skipped_steps'] counts skipped steps. " +
+                 _FIX + _nonfinite_weights(self.latest(), self.weights_block))
+
+
+def _nonfinite_weights(state, weights_block: int | None) -> str:
+  """Names the parameter leaves of ``state`` that hold NaN or inf, counted in this process's
+  blocks (each device counts its own; no collective, so processes need not agree); "" when
+  there are none or the state is gone (donated, deleted, not held). ``weights_block``: the
+  block size of quantized weight gathers, or None."""
+  if state is None:
+    return ""
+  bad = []
+  paths = jax.tree_util.tree_flatten_with_path(state.params)[0]
+  try:
+    for (path, x), layout in zip(paths, state.meta.param_layouts):
+      if not jnp.issubdtype(x.dtype, jnp.inexact):
+        continue
+      n = sum(int(jnp.sum(~jnp.isfinite(s.data))) for s in x.addressable_shards
+              if s.replica_id == 0)
+      if n:
+        bad.append(f"params{jax.tree_util.keystr(path)} ({n} of {math.prod(layout.shape)} "
+                   f"values)")
+  except Exception:  # pylint: disable=broad-except  (donated by a later step: nothing to say)
+    return ""
+  if not bad:
+    return ""
+  qwz = "" if weights_block is None else (
+      f" With quantized weights (qwZ) a non-finite weight spoils its whole block of "
+      f"{weights_block} values as they are gathered, so every step that reads any value of "
+      f"that block is skipped, even when the batch never reads the bad value itself (the "
+      f"exact step trains on).")
+  return (f" The parameters hold non-finite weights: {', '.join(bad[:4])}: a step whose "
+          f"loss reads one is not finite.{qwz} Repair those values (params = "
+          f"step.get_params(state), fix them, step.init(params)) or restore a checkpoint.")
 
 
 def deliver(note: str = "") -> None:

@@ -68,7 +68,8 @@ class ShardedTrainStep:
     self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
     self._metas: dict[int, StateMeta] = {}
     self._batches: set = set()
-    self._stall = StallWatch()
+    q = spec.comm.quantize
+    self._stall = StallWatch(q.block_size if q is not None and q.weights else None)
 
   @property
   def n(self) -> int:
@@ -234,10 +235,9 @@ class ShardedTrainStep:
   def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     """One training step on a global batch. Returns ``(new_state, metrics)``."""
     state = self._prepare(state)
-    loss_scale = state.loss_scale
     new_state, metrics = self._run(self._compiled(state), state, batch)
     if not isinstance(new_state.step, jax.core.Tracer):  # not inside the user's jit or scan
-      self._stall.observe(metrics, loss_scale)
+      self._stall.observe(metrics, state, new_state)
     return new_state, metrics
 
   def lower(self, state: TrainState, batch, *, lowering_platforms=None) -> jax.stages.Lowered:
@@ -388,9 +388,9 @@ def make_sharded_train_step(
       update equals one step on the whole batch.
     accumulate: where the micro-batch gradients are summed: ``"local"``
       (default for stages 1-2, like ``no_sync``: full-size float32
-      accumulator, one reduction per step) or ``"sharded"`` (stage 2 or 3;
-      the default and only choice for stage 3: each micro-batch's gradient is
-      reduce-scattered at once and only the 1/N block accumulated).
+      accumulator, one reduction per step; at stage 3 with ``gather_once``) or
+      ``"sharded"`` (stages 2-3, the default for stage 3: each micro-batch's
+      gradient is reduce-scattered at once and only the 1/N block accumulated).
     trainable: which parameter leaves train: ``None`` (every floating or
       complex leaf), a pytree of bools matching the params or a prefix of
       them, or a function ``(path, leaf) -> bool``; with a module, an NNX
