@@ -78,13 +78,20 @@ def _kind(dtype) -> str:
   return "float" if jnp.issubdtype(dtype, jnp.inexact) else "other"
 
 
-def _reader(files: mapped.MappedFiles, t: fmt.Tensor, shape) -> Callable:
-  """The callback of ``jax.make_array_from_callback``: one device's block, from the file."""
+def _reader(files: mapped.MappedFiles, t: fmt.Tensor, shape, sharding) -> Callable:
+  """The callback of ``jax.make_array_from_callback``: one device's block. The distinct
+  blocks of this process's devices are read from the file together, each once (jax
+  copies a block into each device that holds it)."""
+  box = lambda index: tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+  wanted = sorted({box(i) for i in sharding.addressable_devices_indices_map(shape).values()
+                   if math.prod(b - a for a, b in box(i))})
+  got = dict(zip(wanted, files.read(t.name, wanted, t.transpose, t.dtype))) if wanted else {}
+
   def read(index) -> np.ndarray:
-    box = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-    if not math.prod(b - a for a, b in box):  # nothing to read
-      return np.zeros(tuple(b - a for a, b in box), t.dtype)
-    return files.read(t.name, box, t.transpose, t.dtype)
+    b = box(index)
+    if b not in got:  # nothing to read
+      return np.zeros(tuple(y - x for x, y in b), t.dtype)
+    return got[b]
   return read
 
 
@@ -211,7 +218,7 @@ def _load(path, files: mapped.MappedFiles, tensors, step, source, *, cast, stric
   arrays = []
   with progress_lib.bytes_bar(sum(mine), f"load {path}", progress) as done:
     for t, sh, shape, n in zip(tensors, shardings, shapes, mine):
-      arrays.append(jax.make_array_from_callback(shape, sh, _reader(files, t, shape)))
+      arrays.append(jax.make_array_from_callback(shape, sh, _reader(files, t, shape, sh)))
       done(n)
   loaded = jax.tree.unflatten(treedef, arrays)
   if module is None:
