@@ -361,6 +361,28 @@ def test_truncated_files_and_offsets_past_the_end_are_refused(exports, tmp_path)
       zj.load_safetensors(tmp_path / name, like, step=step, rename=rename)
 
 
+def test_a_failed_read_leaves_the_views_in_its_traceback_readable(exports, monkeypatch):
+  """An error while a block is copied: the mapping stays until the views of it that the
+  traceback holds are gone (unmapped under them, reading one would crash the process)."""
+  from zero_jax.checkpoint import safetensors_mapped
+
+  def fail(out, part, transpose):
+    raise OSError(5, "Input/output error")
+  monkeypatch.setattr(safetensors_mapped, "_copy", fail)
+  e = exports["stage1_fp32_8"]
+  with pytest.raises(OSError, match="Input/output error") as info:
+    zj.load_safetensors(e["dir"], like_of(e["params"]), step=e["step"], rename=rename)
+  views = [t.tb_frame.f_locals["part"] for t in _walk(info.tb)
+           if "part" in t.tb_frame.f_locals]
+  assert views and float(np.sum(views[0])) == float(np.sum(views[0].copy()))
+
+
+def _walk(tb):
+  while tb is not None:
+    yield tb
+    tb = tb.tb_next
+
+
 def test_an_index_that_places_a_tensor_in_another_file_than_its_header_is_named(exports,
                                                                             tmp_path):
   e = exports["stage3_fp32_hybrid_2x4"]

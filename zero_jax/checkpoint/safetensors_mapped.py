@@ -48,7 +48,7 @@ def _release(mm: mmap.mmap, begin: int, end: int) -> None:
 def _close(mm: mmap.mmap) -> None:
   try:
     mm.close()
-  except BufferError:  # a view is still alive (an error while copying): closed when it goes
+  except BufferError:  # a view is alive (in an error's traceback): unmapped when it goes
     pass
 
 
@@ -76,7 +76,7 @@ class MappedFiles:
     e = self.entries[name]
     mm = self._maps[e.file]
     outs = [_block(tuple(b - a for a, b in box), dtype) for box in boxes]
-    view = np.ndarray(e.shape, e.dtype, buffer=mm, offset=e.begin)
+    view = np.frombuffer(mm, e.dtype, math.prod(e.shape), e.begin).reshape(e.shape)
     if not e.shape:  # a scalar
       for out in outs:
         out[...] = view
