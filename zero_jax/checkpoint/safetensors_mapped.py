@@ -75,7 +75,7 @@ class MappedFiles:
     """
     e = self.entries[name]
     mm = self._maps[e.file]
-    outs = [_block(tuple(b - a for a, b in box), dtype) for box in boxes]
+    outs = _blocks([tuple(b - a for a, b in box) for box in boxes], dtype)
     view = np.frombuffer(mm, e.dtype, math.prod(e.shape), e.begin).reshape(e.shape)
     if not e.shape:  # a scalar
       for out in outs:
@@ -98,18 +98,22 @@ class MappedFiles:
     return outs
 
 
-def _block(shape: tuple[int, ...], dtype) -> np.ndarray:
-  """An empty array starting 16 bytes past a multiple of `ALIGN` bytes, on purpose.
+def _blocks(shapes: list[tuple[int, ...]], dtype) -> list[np.ndarray]:
+  """Empty arrays of ``shapes`` in one buffer, each starting 16 bytes past a multiple of
+  `ALIGN` bytes, on purpose.
 
   jax's CPU client takes a host array aligned to 64 bytes as the device's buffer itself,
   and XLA never donates a buffer it does not own: ``step.init(loaded, donate=True)``
   would then copy the whole model. An array off that alignment is copied into a buffer
-  jax owns (the block here is freed right after), which ``step.init`` can take.
+  jax owns (the blocks here are freed right after), which ``step.init`` can take.
   """
-  n = math.prod(shape) * np.dtype(dtype).itemsize
-  raw = np.empty(n + ALIGN, np.uint8)
-  start = (16 - raw.ctypes.data) % ALIGN
-  return raw[start:start + n].view(dtype).reshape(shape)
+  sizes = [math.prod(s) * np.dtype(dtype).itemsize for s in shapes]
+  raw = np.empty(sum(-(-n // ALIGN) * ALIGN for n in sizes) + ALIGN, np.uint8)
+  start, out = (16 - raw.ctypes.data) % ALIGN, []
+  for shape, n in zip(shapes, sizes):
+    out.append(raw[start:start + n].view(dtype).reshape(shape))
+    start += -(-n // ALIGN) * ALIGN
+  return out
 
 
 def _copy(out: np.ndarray, part: np.ndarray, transpose: bool) -> None:

@@ -78,28 +78,25 @@ def _kind(dtype) -> str:
   return "float" if jnp.issubdtype(dtype, jnp.inexact) else "other"
 
 
-def _reader(files: mapped.MappedFiles, t: fmt.Tensor, shape, sharding) -> Callable:
+def _reader(files: mapped.MappedFiles, t: fmt.Tensor, shape, boxes) -> Callable:
   """The callback of ``jax.make_array_from_callback``: one device's block. The distinct
-  blocks of this process's devices are read from the file together, each once (jax
-  copies a block into each device that holds it)."""
-  box = lambda index: tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-  wanted = sorted({box(i) for i in sharding.addressable_devices_indices_map(shape).values()
-                   if math.prod(b - a for a, b in box(i))})
+  blocks of this process's devices (``boxes``) are read from the file together, each once
+  (jax copies a block into each device that holds it)."""
+  wanted = [b for b in boxes if math.prod(y - x for x, y in b)]
   got = dict(zip(wanted, files.read(t.name, wanted, t.transpose, t.dtype))) if wanted else {}
 
   def read(index) -> np.ndarray:
-    b = box(index)
+    b = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
     if b not in got:  # nothing to read
       return np.zeros(tuple(y - x for x, y in b), t.dtype)
     return got[b]
   return read
 
 
-def _blocks(sharding, shape) -> set:
-  """The distinct blocks of ``shape`` this process's devices hold (a progress bar counts
-  each once, a leaf at a time)."""
-  return {tuple(s.indices(n) for s, n in zip(index, shape))
-          for index in sharding.addressable_devices_indices_map(shape).values()}
+def _held(sharding, shape) -> list:
+  """The distinct blocks of ``shape`` this process's devices hold, as boxes."""
+  return sorted({tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+                 for index in sharding.addressable_devices_indices_map(shape).values()})
 
 
 def _abstract_rest(rest) -> list[str]:
@@ -213,12 +210,13 @@ def _load(path, files: mapped.MappedFiles, tensors, step, source, *, cast, stric
   shardings = [st.sharding(step.spec, init_lib.input_spec(step.spec, layout))
                for layout in meta.param_layouts]
   shapes = [tuple(np.shape(x)) for x in flat]
-  mine = [len(_blocks(sh, shape)) * math.prod(sh.shard_shape(shape)) * t.dtype.itemsize
-          for t, sh, shape in zip(tensors, shardings, shapes)]
+  held = [_held(sh, shape) for sh, shape in zip(shardings, shapes)]
+  mine = [sum(math.prod(b - a for a, b in box) for box in boxes) * t.dtype.itemsize
+          for t, boxes in zip(tensors, held)]  # a bar counts each distinct block once
   arrays = []
   with progress_lib.bytes_bar(sum(mine), f"load {path}", progress) as done:
-    for t, sh, shape, n in zip(tensors, shardings, shapes, mine):
-      arrays.append(jax.make_array_from_callback(shape, sh, _reader(files, t, shape, sh)))
+    for t, sh, shape, boxes, n in zip(tensors, shardings, shapes, held, mine):
+      arrays.append(jax.make_array_from_callback(shape, sh, _reader(files, t, shape, boxes)))
       done(n)
   loaded = jax.tree.unflatten(treedef, arrays)
   if module is None:
