@@ -211,6 +211,52 @@ def test_load_onto_another_mesh_and_stage_then_init_gives_the_same_params(loader
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(ref[k]), err_msg=k)
 
 
+def test_each_file_is_opened_its_header_parsed_and_mapped_once_per_load(exports,
+                                                                        monkeypatch):
+  """Many blocks (each leaf's, on 8 devices) from an export in several files: every file's
+  header is parsed once and the file mapped once, whatever the number of blocks."""
+  from zero_jax.checkpoint import safetensors_mapped
+  e = exports["stage3_fp32_hybrid_2x4"]
+  parsed, mapped = [], []
+  parse, mmap_ = fmt.parse_header, safetensors_mapped.mmap.mmap
+  monkeypatch.setattr(fmt, "parse_header", lambda path, *a: parsed.append(path) or
+                      parse(path, *a))
+  monkeypatch.setattr(safetensors_mapped.mmap, "mmap", lambda fileno, *a, **k: mapped.append(
+      os.readlink(f"/proc/self/fd/{fileno}")) or mmap_(fileno, *a, **k))
+  step = exports["stage3_bf16_8_stacked"]["step"]
+  loaded = zj.load_safetensors(e["dir"], like_of(e["params"]), step=step, rename=rename)
+  files = sorted(str(e["dir"] / f) for f in e["files"] if f.endswith(".safetensors"))
+  assert len(files) > 2 and sorted(parsed) == files and sorted(mapped) == files
+  blocks_read = sum(len({str(s.index) for s in x.addressable_shards}) for x in loaded.values())
+  assert blocks_read > 3 * len(files)  # many blocks per file
+  for k, v in e["params"].items():
+    np.testing.assert_array_equal(np.asarray(loaded[k]), v, err_msg=k)
+
+
+@pytest.mark.parametrize("chunk", [1, 40, 200])
+@pytest.mark.parametrize("loader", ["stage3_bf16_8_stacked", "stage3_fp32_model_4x2",
+                                    "stage1_fp32_8"])
+def test_blocks_read_a_chunk_of_rows_at_a_time_are_the_files_bytes(loader, chunk, exports,
+                                                                   monkeypatch):
+  """A tensor is gone through a few rows at a time (CHUNK_BYTES), every block taking its
+  part of each chunk: row blocks, blocks across the rows of a transposed leaf, replicated
+  blocks (read once), a stacked leaf, a scalar, a cast; bitwise. Each device holds a buffer
+  of its own (jax's copy of the block, which step.init(donate=True) can take)."""
+  from zero_jax.checkpoint import safetensors_mapped
+  monkeypatch.setattr(safetensors_mapped, "CHUNK_BYTES", chunk)
+  e = exports["stage1_fp32_8"]
+  like = {**like_of(e["params"]), "big": jax.ShapeDtypeStruct((16, 24), jnp.bfloat16)}
+  loaded = zj.load_safetensors(e["dir"], like, step=exports[loader]["step"], rename=rename,
+                               cast=True)
+  for k, v in e["params"].items():
+    want = v.astype(jnp.bfloat16) if k == "big" else v
+    got = np.asarray(loaded[k])
+    assert got.dtype == want.dtype, k
+    np.testing.assert_array_equal(got, want, err_msg=k)
+    pointers = [s.data.unsafe_buffer_pointer() for s in loaded[k].addressable_shards]
+    assert len(set(pointers)) == len(pointers), k  # no two devices share a buffer
+
+
 def test_loaded_leaves_are_split_as_the_step_splits_them(exports):
   step = exports["stage3_fp32_hybrid_2x4"]["step"]
   e = exports["stage1_fp32_8"]
@@ -329,6 +375,57 @@ def test_truncated_files_and_offsets_past_the_end_are_refused(exports, tmp_path)
     (tmp_path / name).write_bytes(data)
     with pytest.raises(ValueError, match=f"not a complete safetensors file: .*({message})"):
       zj.load_safetensors(tmp_path / name, like, step=step, rename=rename)
+
+
+def test_a_failed_read_leaves_the_views_in_its_traceback_readable(exports, monkeypatch):
+  """An error while a block is copied: the mapping stays until the views of it that the
+  traceback holds are gone (unmapped under them, reading one would crash the process)."""
+  from zero_jax.checkpoint import safetensors_mapped
+
+  def fail(out, part, transpose):
+    raise OSError(5, "Input/output error")
+  monkeypatch.setattr(safetensors_mapped, "_copy", fail)
+  e = exports["stage1_fp32_8"]
+  with pytest.raises(OSError, match="Input/output error") as info:
+    zj.load_safetensors(e["dir"], like_of(e["params"]), step=e["step"], rename=rename)
+  views = [t.tb_frame.f_locals["part"] for t in _walk(info.tb)
+           if "part" in t.tb_frame.f_locals]
+  assert views and float(np.sum(views[0])) == float(np.sum(views[0].copy()))
+
+
+def _walk(tb):
+  while tb is not None:
+    yield tb
+    tb = tb.tb_next
+
+
+def test_an_index_that_places_a_tensor_in_another_file_than_its_header_is_named(exports,
+                                                                            tmp_path):
+  e = exports["stage3_fp32_hybrid_2x4"]
+  for f in e["files"]:
+    (tmp_path / f).write_bytes((e["dir"] / f).read_bytes())
+  like = like_of(e["params"])
+  index = json.loads((tmp_path / fmt.INDEX).read_text())
+  held = lambda f: [k for k, v in index["weight_map"].items() if v == f]
+  files = sorted(set(index["weight_map"].values()), key=lambda f: -len(held(f)))
+  name = held(files[0])[0]  # from a file holding more tensors (it stays listed)
+  edit = lambda wm: (tmp_path / fmt.INDEX).write_text(json.dumps({**index, "weight_map": wm}))
+  edit({**index["weight_map"], name: files[1]})
+  with pytest.raises(ValueError, match=rf"index.json does not match the headers of its files: "
+                                       rf"'{name}' is placed in \S*{files[1]}, but it is in "
+                                       rf"\S*{files[0]}.*Download or export the model again"):
+    zj.load_safetensors(tmp_path, like, step=e["step"], rename=rename)
+  edit({**index["weight_map"], "model.ghost.weight": files[0]})
+  with pytest.raises(ValueError, match=rf"'model.ghost.weight' is placed in \S*{files[0]}, but "
+                                       rf"no file holds it"):
+    zj.load_safetensors(tmp_path, like, step=e["step"], rename=rename)
+  edit({k: f for k, f in index["weight_map"].items() if k != name})
+  with pytest.raises(ValueError, match=rf"'{name}' is in \S*{files[0]}, which the index does "
+                                       rf"not list for it"):
+    zj.load_safetensors(tmp_path, like, step=e["step"], rename=rename)
+  edit({**index["weight_map"], name: ["a", "list"]})
+  with pytest.raises(ValueError, match=rf"maps '{name}' to \['a', 'list'\]; a weight_map maps"):
+    zj.load_safetensors(tmp_path, like, step=e["step"], rename=rename)
 
 
 def test_an_existing_export_an_unwritable_directory_and_a_failed_write(exports, tmp_path,

@@ -228,17 +228,20 @@ def parse_header(path: str, head: bytes, size: int) -> dict[str, Entry]:
   return out
 
 
-def read_header(path: str) -> dict[str, Entry]:
-  """`parse_header` of a file on disk."""
-  size = os.path.getsize(path)
-  with open(path, "rb") as f:
-    head = f.read(8)
-    if len(head) == 8:
-      head += f.read(min(struct.unpack("<Q", head)[0], MAX_HEADER))
-  return parse_header(path, head, size)
+class Found(NamedTuple):
+  """The safetensors files of a path (`find_files`).
+
+  Attributes:
+    files: their paths.
+    index: the ``model.safetensors.index.json`` they come with, or None for one file.
+    weight_map: the index's ``{tensor name: path of its file}``, or None for one file.
+  """
+  files: list[str]
+  index: str | None = None
+  weight_map: dict[str, str] | None = None
 
 
-def find_files(path) -> list[str]:
+def find_files(path) -> Found:
   """The safetensors files of ``path``: a file, an index, or a directory holding
   ``model.safetensors.index.json`` or ``model.safetensors``."""
   path = os.fspath(path)
@@ -251,28 +254,40 @@ def find_files(path) -> list[str]:
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} does not exist.")
   if not path.endswith(".json"):
-    return [path]
+    return Found([path])
   with open(path) as f:
     index = json.load(f)
   weight_map = index.get("weight_map") if isinstance(index, dict) else None
   if not isinstance(weight_map, dict) or not weight_map:
     raise ValueError(f"{path} has no weight_map; it is not a safetensors index.")
+  odd = [(k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v]
+  if odd:
+    raise ValueError(f"{path} maps {odd[0][0]!r} to {odd[0][1]!r}; a weight_map maps each "
+                     f"tensor name to the name of its file.")
   base = os.path.dirname(path)
   files = sorted(set(weight_map.values()))
   missing = [f for f in files if not os.path.exists(os.path.join(base, f))]
   if missing:
     raise FileNotFoundError(f"{path} lists {missing[:4]}, which are not in {base}: the "
                             f"download or export is incomplete.")
-  return [os.path.join(base, f) for f in files]
+  return Found([os.path.join(base, f) for f in files], path,
+               {k: os.path.join(base, v) for k, v in weight_map.items()})
 
 
-def read_entries(path) -> dict[str, Entry]:
-  """Every tensor of ``path`` (`find_files`), from their headers alone."""
-  out: dict[str, Entry] = {}
-  for f in find_files(path):
-    for name, e in read_header(f).items():
-      if name in out:
-        raise ValueError(f"tensor {name!r} is in both {out[name].file} and {f}.")
-      out[name] = e
-  return out
-
+def check_index(index: str, weight_map: dict[str, str], held: dict[str, dict]) -> None:
+  """Raises naming the tensors when the index's ``weight_map`` ({name: file}) and what the
+  files' headers hold (``held``: {file: {name: ...}}) disagree: a tensor the index places
+  in one file but found in another or in none, or one a file holds that the index omits."""
+  where = {name: f for f, names in held.items() for name in names}
+  wrong = []
+  for name, f in weight_map.items():
+    if name not in held.get(f, ()):
+      found = f"it is in {where[name]}" if name in where else "no file holds it"
+      wrong.append(f"{name!r} is placed in {f}, but {found}")
+  wrong += [f"{name!r} is in {f}, which the index does not list for it"
+            for name, f in where.items() if name not in weight_map]
+  if wrong:
+    raise ValueError(f"{index} does not match the headers of its files: " + "; ".join(wrong[:6])
+                     + (f" and {len(wrong) - 6} more" if len(wrong) > 6 else "")
+                     + ". Download or export the model again (the index and the files are "
+                     "from different copies?).")

@@ -2,8 +2,8 @@
 
 Names, shapes and dtypes are checked against ``like`` from the files' headers alone
 (`zero_jax.checkpoint.safetensors_format`), before any data is read; then each leaf
-becomes a global array split the way the step splits it, each device's block read from
-the memory-mapped file with the ``safetensors`` library (``get_slice``).
+becomes a global array split the way the step splits it, each device's block copied from
+the file, mapped once for the whole load (`zero_jax.checkpoint.safetensors_mapped`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from zero_jax.step import init as init_lib
 from zero_jax.layers import nnx as nnx_lib
@@ -23,6 +22,7 @@ from zero_jax.step import state as st
 from zero_jax.checkpoint import blocks
 from zero_jax.checkpoint import progress as progress_lib
 from zero_jax.checkpoint import safetensors_format as fmt
+from zero_jax.checkpoint import safetensors_mapped as mapped
 from zero_jax.step.train_step import ShardedTrainStep
 
 
@@ -78,28 +78,25 @@ def _kind(dtype) -> str:
   return "float" if jnp.issubdtype(dtype, jnp.inexact) else "other"
 
 
-def _reader(entry: fmt.Entry, name: str, shape, transpose: bool, dtype) -> Callable:
-  """The callback of ``jax.make_array_from_callback``: one device's block, from the file."""
+def _reader(files: mapped.MappedFiles, t: fmt.Tensor, shape, boxes) -> Callable:
+  """The callback of ``jax.make_array_from_callback``: one device's block. The distinct
+  blocks of this process's devices (``boxes``) are read from the file together, each once
+  (jax copies a block into each device that holds it)."""
+  wanted = [b for b in boxes if math.prod(y - x for x, y in b)]
+  got = dict(zip(wanted, files.read(t.name, wanted, t.transpose, t.dtype))) if wanted else {}
+
   def read(index) -> np.ndarray:
-    box = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-    if not math.prod(b - a for a, b in box):  # nothing to read (the library cannot slice it)
-      return np.zeros(tuple(b - a for a, b in box), dtype)
-    with safe_open(entry.file, framework="numpy") as f:  # unmapped when the block is read
-      if not shape:
-        a = f.get_tensor(name)
-      else:
-        a = f.get_slice(name)[tuple(slice(a, b) for a, b in
-                                    blocks.transpose_box(box, transpose))]
-    a = a.T if transpose else a
-    return a if a.dtype == dtype else a.astype(dtype)
+    b = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+    if b not in got:  # nothing to read
+      return np.zeros(tuple(y - x for x, y in b), t.dtype)
+    return got[b]
   return read
 
 
-def _blocks(sharding, shape) -> set:
-  """The distinct blocks of ``shape`` this process's devices hold (a progress bar counts
-  each once, a leaf at a time)."""
-  return {tuple(s.indices(n) for s, n in zip(index, shape))
-          for index in sharding.addressable_devices_indices_map(shape).values()}
+def _held(sharding, shape) -> list:
+  """The distinct blocks of ``shape`` this process's devices hold, as boxes."""
+  return sorted({tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+                 for index in sharding.addressable_devices_indices_map(shape).values()})
 
 
 def _abstract_rest(rest) -> list[str]:
@@ -179,11 +176,16 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
                      f"values ({', '.join(abstract[:4])}); the files hold parameters only. "
                      f"Pass the function that makes the module (lambda: Model(nnx.Rngs(0))): "
                      f"those variables are then made by it, under jit.")
-  entries = fmt.read_entries(path)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  with mapped.open_files(path) as files:
+    return _load(path, files, _tensors(params, rename), step, source,
+                 cast=cast, strict=strict, progress=progress)
+
+
+def _tensors(params, rename) -> list[fmt.Tensor]:
+  """The tensor each leaf of ``params`` reads, as the file holds it."""
   variable = nnx_lib.holds_variables(params)
   tensors = []
-  for p, x in flat:
+  for p, x in jax.tree_util.tree_flatten_with_path(params)[0]:
     leaf = f"params{jax.tree_util.keystr(p)}"
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
       raise TypeError(f"`like` holds {leaf} = {x!r}, a {type(x).__name__}; every leaf must be "
@@ -195,18 +197,26 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     tensors.append(fmt.Tensor(name, shape[::-1] if transpose else shape, np.dtype(x.dtype),
                               leaf, transpose))
   fmt.check_unique(tensors)
-  _check(path, tensors, entries, cast, strict)
+  return tensors
+
+
+def _load(path, files: mapped.MappedFiles, tensors, step, source, *, cast, strict,
+          progress) -> Any:
+  """`load_safetensors` once the files are mapped and ``like`` read."""
+  module, params = source.module, source.params
+  _check(path, tensors, files.entries, cast, strict)
+  flat, treedef = jax.tree_util.tree_flatten(params)
   _, meta = st.build_meta(step.spec, step.optimizer, params, step.leaf_options)
   shardings = [st.sharding(step.spec, init_lib.input_spec(step.spec, layout))
                for layout in meta.param_layouts]
-  shapes = [tuple(np.shape(x)) for _, x in flat]
-  mine = [len(_blocks(sh, shape)) * math.prod(sh.shard_shape(shape)) * t.dtype.itemsize
-          for t, sh, shape in zip(tensors, shardings, shapes)]
+  shapes = [tuple(np.shape(x)) for x in flat]
+  held = [_held(sh, shape) for sh, shape in zip(shardings, shapes)]
+  mine = [sum(math.prod(b - a for a, b in box) for box in boxes) * t.dtype.itemsize
+          for t, boxes in zip(tensors, held)]  # a bar counts each distinct block once
   arrays = []
   with progress_lib.bytes_bar(sum(mine), f"load {path}", progress) as done:
-    for t, sh, shape, n in zip(tensors, shardings, shapes, mine):
-      arrays.append(jax.make_array_from_callback(
-          shape, sh, _reader(entries[t.name], t.name, shape, t.transpose, t.dtype)))
+    for t, sh, shape, boxes, n in zip(tensors, shardings, shapes, held, mine):
+      arrays.append(jax.make_array_from_callback(shape, sh, _reader(files, t, shape, boxes)))
       done(n)
   loaded = jax.tree.unflatten(treedef, arrays)
   if module is None:
