@@ -1,9 +1,9 @@
 """The files of one load, each opened, its header parsed and its bytes mapped once.
 
 `load_safetensors` reads many blocks (a block per device of a tensor per leaf) from few
-files. `open_files` maps each file once for the whole load and parses its header from that
-mapping (`safetensors_format.parse_header`); the index's ``weight_map``, when there is one,
-is checked against the headers. A block is then one copy out of the page cache
+files. `open_files` opens each file once for the whole load, parses its header
+(`safetensors_format.parse_header`) and maps it; the index's ``weight_map``, when there is
+one, is checked against the headers. A block is then one copy out of the page cache
 (`MappedFiles.read`), after which the block's pages are handed back to the kernel
 (``madvise(MADV_DONTNEED)``): the resident set holds the blocks read, never the files.
 """
@@ -136,6 +136,17 @@ def open_files(path) -> Iterator[MappedFiles]:
   Raises:
     ValueError: a file is truncated or its header points past its end, a tensor is in two
       files, or the index's ``weight_map`` disagrees with the headers.
+
+  Example:
+    >>> import os, tempfile, numpy as np
+    >>> from safetensors.numpy import save_file
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> save_file({"w": np.arange(12, dtype=np.float32).reshape(3, 4)}, path)
+    >>> with open_files(path) as files:   # rows 1-2, columns 0-1
+    ...   (block,) = files.read("w", [((1, 3), (0, 2))], False, np.float32)
+    >>> block
+    array([[4., 5.],
+           [8., 9.]], dtype=float32)
   """
   found = fmt.find_files(path)
   with contextlib.ExitStack() as stack:
