@@ -24,6 +24,10 @@ from zero_jax.checkpoint import safetensors_format as fmt
 
 ALIGN = 64  # bytes: a cache line, and the alignment jax's CPU client takes without a copy
 CHUNK_BYTES = 2 << 20  # of a tensor mapped at a time
+# A fault maps the pages around the one touched too (Linux's fault-around, and a whole
+# large folio of the page cache, up to 2 MiB): the pages of a small tensor's neighbours,
+# already dropped, come back with it. A release takes them as well.
+AROUND = 2 << 20
 
 
 def _map(path: str) -> tuple[mmap.mmap, dict[str, fmt.Entry]]:
@@ -38,11 +42,13 @@ def _map(path: str) -> tuple[mmap.mmap, dict[str, fmt.Entry]]:
 
 
 def _release(mm: mmap.mmap, begin: int, end: int) -> None:
-  """Drops the pages holding bytes ``[begin, end)`` from the resident set (they stay in the
-  page cache; touching them again maps them back)."""
-  start = begin - begin % mmap.PAGESIZE
+  """Drops the pages holding bytes ``[begin, end)`` from the resident set, and those within
+  `AROUND` bytes of them (they stay in the page cache; touching them maps them back)."""
+  start = max(0, begin - AROUND)
+  start -= start % mmap.PAGESIZE
+  end = min(end + AROUND, len(mm))
   if end > start and hasattr(mmap, "MADV_DONTNEED"):
-    mm.madvise(mmap.MADV_DONTNEED, start, min(end, len(mm)) - start)
+    mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _close(mm: mmap.mmap) -> None:
