@@ -19,7 +19,6 @@ from flax import nnx
 from zero_jax.step import init as init_lib
 from zero_jax.layers import nnx as nnx_lib
 from zero_jax.step import state as st
-from zero_jax.checkpoint import blocks
 from zero_jax.checkpoint import progress as progress_lib
 from zero_jax.checkpoint import safetensors_format as fmt
 from zero_jax.checkpoint import safetensors_mapped as mapped
