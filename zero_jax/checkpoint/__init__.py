@@ -7,9 +7,9 @@ Orbax or plain files), `writer` (the directory's lock, temporary names, failed w
 (a signal to any process stops every process at the same step, saved), `hyperparams`
 (restored ``inject_hyperparams`` values), `export` (full parameters as a plain Orbax
 checkpoint) and the safetensors files of Hugging Face: `safetensors_format` (names,
-headers, index), `blocks` (which part of a leaf each device writes), `safetensors_write`
-and `safetensors_read`. It sits above the step and imports it; nothing of the step
-imports it.
+headers, index), `blocks` (which part of a leaf each device writes), `safetensors_write`,
+`safetensors_mapped` (the files of a load, each mapped once) and `safetensors_read`. It
+sits above the step and imports it; nothing of the step imports it.
 """
 
 from zero_jax.checkpoint.export import export_params

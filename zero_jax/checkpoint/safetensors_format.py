@@ -6,8 +6,8 @@ offsets relative to the end of the header), then every tensor's row-major bytes.
 header depends on names, shapes and dtypes alone, so every tensor's byte range is known
 before any data is written. Several files come with ``model.safetensors.index.json``
 (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``), as Hugging Face
-writes them. Reading and writing data is `zero_jax.checkpoint.safetensors_read` /
-``safetensors_write``'s job.
+writes them. Reading and writing data is `zero_jax.checkpoint.safetensors_read` (with
+``safetensors_mapped``) / ``safetensors_write``'s job.
 """
 
 from __future__ import annotations

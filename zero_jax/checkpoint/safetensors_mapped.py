@@ -1,9 +1,9 @@
 """The files of one load, each opened, its header parsed and its bytes mapped once.
 
 `load_safetensors` reads many blocks (a block per device of a tensor per leaf) from few
-files. `open_files` maps each file once for the whole load and parses its header from that
-mapping (`safetensors_format.parse_header`); the index's ``weight_map``, when there is one,
-is checked against the headers. A block is then one copy out of the page cache
+files. `open_files` opens each file once for the whole load, parses its header
+(`safetensors_format.parse_header`) and maps it; the index's ``weight_map``, when there is
+one, is checked against the headers. A block is then one copy out of the page cache
 (`MappedFiles.read`), after which the block's pages are handed back to the kernel
 (``madvise(MADV_DONTNEED)``): the resident set holds the blocks read, never the files.
 """
@@ -24,6 +24,10 @@ from zero_jax.checkpoint import safetensors_format as fmt
 
 ALIGN = 64  # bytes: a cache line, and the alignment jax's CPU client takes without a copy
 CHUNK_BYTES = 2 << 20  # of a tensor mapped at a time
+# A fault maps the pages around the one touched too (Linux's fault-around, and a whole
+# large folio of the page cache, up to 2 MiB): the pages of a small tensor's neighbours,
+# already dropped, come back with it. A release takes them as well.
+AROUND = 2 << 20
 
 
 def _map(path: str) -> tuple[mmap.mmap, dict[str, fmt.Entry]]:
@@ -38,11 +42,13 @@ def _map(path: str) -> tuple[mmap.mmap, dict[str, fmt.Entry]]:
 
 
 def _release(mm: mmap.mmap, begin: int, end: int) -> None:
-  """Drops the pages holding bytes ``[begin, end)`` from the resident set (they stay in the
-  page cache; touching them again maps them back)."""
-  start = begin - begin % mmap.PAGESIZE
+  """Drops the pages holding bytes ``[begin, end)`` from the resident set, and those within
+  `AROUND` bytes of them (they stay in the page cache; touching them maps them back)."""
+  start = max(0, begin - AROUND)
+  start -= start % mmap.PAGESIZE
+  end = min(end + AROUND, len(mm))
   if end > start and hasattr(mmap, "MADV_DONTNEED"):
-    mm.madvise(mmap.MADV_DONTNEED, start, min(end, len(mm)) - start)
+    mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _close(mm: mmap.mmap) -> None:
@@ -136,6 +142,17 @@ def open_files(path) -> Iterator[MappedFiles]:
   Raises:
     ValueError: a file is truncated or its header points past its end, a tensor is in two
       files, or the index's ``weight_map`` disagrees with the headers.
+
+  Example:
+    >>> import os, tempfile, numpy as np
+    >>> from safetensors.numpy import save_file
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> save_file({"w": np.arange(12, dtype=np.float32).reshape(3, 4)}, path)
+    >>> with open_files(path) as files:   # rows 1-2, columns 0-1
+    ...   (block,) = files.read("w", [((1, 3), (0, 2))], False, np.float32)
+    >>> block
+    array([[4., 5.],
+           [8., 9.]], dtype=float32)
   """
   found = fmt.find_files(path)
   with contextlib.ExitStack() as stack:

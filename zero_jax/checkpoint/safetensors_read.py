@@ -19,7 +19,6 @@ from flax import nnx
 from zero_jax.step import init as init_lib
 from zero_jax.layers import nnx as nnx_lib
 from zero_jax.step import state as st
-from zero_jax.checkpoint import blocks
 from zero_jax.checkpoint import progress as progress_lib
 from zero_jax.checkpoint import safetensors_format as fmt
 from zero_jax.checkpoint import safetensors_mapped as mapped
@@ -112,8 +111,10 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
 
   Each device reads only its own block of each tensor from the memory-mapped file:
   no process holds a whole leaf (a leaf no dimension of which divides over the data
-  axes comes replicated; such leaves are small: biases, odd shapes). Names, shapes and
-  dtypes are checked against ``like`` from the headers before any data is read. Pass
+  axes comes replicated; such leaves are small: biases, odd shapes). Each file is
+  opened, its header parsed and its bytes mapped once per load, and the pages a block
+  was copied from leave the resident set as it is placed. Names, shapes and dtypes are
+  checked against ``like`` from the headers before any data is read. Pass
   the result to ``step.init(..., donate=True)``: the state then keeps the loaded blocks
   themselves, without a second copy of the model.
 
@@ -160,8 +161,9 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
 
   Raises:
     KeyError: a tensor a leaf needs is missing.
-    ValueError: a shape differs, an unexpected tensor (``strict``), or a file is
-      truncated or its header points past its end.
+    ValueError: a shape differs, an unexpected tensor (``strict``), a file is
+      truncated or its header points past its end, or an index's ``weight_map``
+      places a tensor in another file than the one holding it.
     TypeError: a dtype differs and ``cast`` is False.
   """
   if not isinstance(step, ShardedTrainStep):
