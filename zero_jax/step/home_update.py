@@ -62,11 +62,12 @@ def _tree(n_leaves, treedef, units: dict, value):
 def _device(plan: Plan, d: int, optimizer, treedef, paths, dtypes) -> _Device:
   units = plan.home_units(d)
   n = len(paths)
-  shape_of = lambda g, t, layer: jax.ShapeDtypeStruct(plan.groups[g].shape, jnp.float32)
-  tree = _tree(n, treedef, units, shape_of)
+  def shape(i):
+    g, _, layer = units[i][0]
+    return plan.groups[g].shape if layer is None else (len(units[i]),) + plan.groups[g].shape
   tree = jax.tree.unflatten(treedef, [
-      jax.ShapeDtypeStruct(x.shape, dtypes[i]) if i in units else x
-      for i, x in enumerate(jax.tree.leaves(tree))])
+      jax.ShapeDtypeStruct(shape(i), dtypes[i]) if i in units else
+      jax.ShapeDtypeStruct((), jnp.float32) for i in range(n)])
   mask = mask_tree(treedef, [i in units for i in range(n)])
   abstract = jax.eval_shape(optax.masked(optimizer, mask).init, tree)
   own = owners(abstract, paths, [x.shape if i in units else None
@@ -78,7 +79,7 @@ def _device(plan: Plan, d: int, optimizer, treedef, paths, dtypes) -> _Device:
 
 
 def update(spec: StepSpec, meta, optimizer, treedef, run, grads, state: WholeLeafState,
-           src, loss, whole_src):
+           src, *, loss, whole_src):
   """The updates (one per parameter leaf) and the new `WholeLeafState`.
 
   Args:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -214,8 +215,8 @@ def build_meta(spec: StepSpec, optimizer, params, options: LeafOptions,
                                    model_size=msize))
   src = [jax.ShapeDtypeStruct(np.shape(x), prec.optimizer_dtype(spec.policy, d) if t else d)
          for x, d, t in zip(leaves, dtypes, flags)]
-  plan = _whole_plan(spec, optimizer, treedef, paths, src, layouts, options, params, flags,
-                     stacks, models)
+  plan = _whole_plan(spec, optimizer, treedef, paths, src, layouts, options, params,
+                     flags=flags, stacks=stacks, models=models)
   opt_abstract, opt_layouts = opt_structure(spec, optimizer, treedef, src, flags, plan, paths,
                                             layouts)
   master = tuple(bool(t and prec.has_master(spec.policy, d)) for t, d in zip(flags, dtypes))
@@ -235,11 +236,15 @@ def opt_structure(spec: StepSpec, optimizer, treedef, src, flags, plan, paths, l
     abstract = jax.eval_shape(masked_optimizer(optimizer, treedef, flags).init, tree)
     return abstract, _opt_layouts(abstract, paths, layouts, spec.n_data)
   abstract = whole_leaf.stored_abstract(optimizer, treedef, tree, flags, plan)
-  return abstract, (_opt_layouts(abstract.split, paths, layouts, spec.n_data)
-                    + whole_leaf.home_layouts(plan))
+  # Small shared leaves (counts, coefficients) stay whole: every home update reads them.
+  own = whole_leaf.owners(abstract.split, paths, [l.shape for l in layouts])
+  split = [l if o is not None or math.prod(l.shape) > whole_leaf.SMALL_SHARED else
+           lay.Layout(l.shape, None, 0)
+           for l, o in zip(_opt_layouts(abstract.split, paths, layouts, spec.n_data), own)]
+  return abstract, tuple(split) + whole_leaf.home_layouts(plan)
 
 
-def _whole_plan(spec: StepSpec, optimizer, treedef, paths, src, layouts, options, params,
+def _whole_plan(spec: StepSpec, optimizer, treedef, paths, src, layouts, options, params, *,
                 flags, stacks, models):
   """The `zero_jax.step.whole_leaf.Plan` of ``whole_leaf_update=`` (None: no leaf)."""
   if options.whole_leaf_update is None:
@@ -255,7 +260,7 @@ def _whole_plan(spec: StepSpec, optimizer, treedef, paths, src, layouts, options
                      "home devices, and offload='optimizer' streams the split state from "
                      "the host: use one or the other.")
   return whole_leaf.make_plan(optimizer, treedef, paths, src, layouts, moved, stacks, flags,
-                              spec.n_data)
+                              n=spec.n_data)
 
 
 # ------------------------------------------------------------- where it lives
@@ -363,6 +368,8 @@ def _differences(mine: StateMeta, theirs: StateMeta, paths) -> list[str]:
                f"params{', params'.join(leaves)}")
   if mine.opt_layouts != theirs.opt_layouts and not out:
     out.append("the optimizer state's leaves differ (another optimizer or its options)")
+  if mine.whole != theirs.whole and not out:
+    out.append("whole_leaf_update= differs (which leaves move home, or their homes)")
   if mine.module != theirs.module and not out:
     out.append("the NNX module's structure differs")
   return out

@@ -186,7 +186,8 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
     else:
       updates, new_opt = home_update.update(
           spec, meta, optimizer, treedef, optimizer_update, full_grads,
-          jax.tree.unflatten(o_def, o_views), full_src, loss, _whole_sources(spec, state))
+          jax.tree.unflatten(o_def, o_views), full_src, loss=loss,
+          whole_src=_whole_sources(spec, state))
     new_src = [(s + updates[i]).astype(s.dtype) for s, i in zip(src, idx)]
     return new_src, [x.astype(y.dtype) for x, y in zip(jax.tree.leaves(new_opt), o_leaves)]
 

@@ -35,6 +35,9 @@ from zero_jax.comm.homes import slot_count
 from zero_jax.step.opt_call import optimizer_update
 
 
+SMALL_SHARED = 4096  # elements: a shared state leaf this small is kept whole on every device
+
+
 class WholeLeafState(NamedTuple):
   """The optimizer state of a step with ``whole_leaf_update=``.
 
@@ -214,7 +217,7 @@ def init_homes(plan: Plan, full_state, paths, shapes) -> tuple:
 
 
 # --------------------------------------------------------------------- the plan
-def make_plan(optimizer, treedef, paths, src, layouts, moved, stacked, trainable,
+def make_plan(optimizer, treedef, paths, src, layouts, moved, stacked, trainable, *,
               n: int) -> Plan | None:
   """The `Plan` of a step (None when no leaf moves); raises ValueError naming a moved leaf
   whose update the transformation computes from other leaves.
