@@ -209,7 +209,7 @@ def test_muon_sends_at_most_125x_adamw_bytes_on_gpt2_small_shapes(mesh):
   loss = lambda p, b: sum(jnp.sum(x * x) for x in jax.tree.leaves(p)) * jnp.mean(b["x"])
   dims = lambda p: jax.tree_util.tree_map_with_path(
       lambda path, x: MuonDimensionNumbers() if gpt2_matrix(path, x) else None, p)
-  muon = optax.contrib.muon(1e-3, muon_weight_dimension_numbers=dims)
+  muon = optax.contrib.muon(1e-3, ns_steps=1, muon_weight_dimension_numbers=dims)  # bytes: any
   adamw = _sent(zj.make_sharded_train_step(loss, optax.adamw(1e-3), mesh=mesh), params, batch)
   whole = _sent(zj.make_sharded_train_step(loss, muon, mesh=mesh, whole_leaf_update=gpt2_matrix),
                 params, batch)
@@ -246,7 +246,8 @@ def test_peak_memory_grows_by_at_most_the_largest_groups_share(mesh):
   params = {f"w{i}": jax.ShapeDtypeStruct((64, 32), jnp.float32) for i in range(12)}
   batch = {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32)}
   loss = lambda p, b: sum(jnp.mean(jnp.tanh(b["x"] @ w)) for w in jax.tree.leaves(p))
-  make = lambda **kw: zj.make_sharded_train_step(loss, optax.contrib.muon(1e-3), mesh=mesh, **kw)
+  opt = optax.contrib.muon(1e-3, ns_steps=1)
+  make = lambda **kw: zj.make_sharded_train_step(loss, opt, mesh=mesh, **kw)
   split = zj.compiled_memory(make(), params, batch).peak
   whole = zj.compiled_memory(make(whole_leaf_update=True), params, batch).peak
   group = 2 * 64 * 32 * 4  # the largest (only) group: two whole matrices per device
