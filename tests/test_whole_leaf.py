@@ -108,10 +108,11 @@ def test_whole_leaf_update_equals_single_device(mesh, stage, name):
     {"grad_accum_steps": 2},
     {"grad_accum_steps": 2, "stage": 3},
     {"trainable": {"w1": True, "b1": False, "w2": False, "w3": True}},
-], ids=["hybrid", "accumulation", "accumulation-stage3", "frozen"])
+    {"axis_name": ("replica", "data"), "stage": 3},
+], ids=["hybrid", "accumulation", "accumulation-stage3", "frozen", "two-data-axes"])
 def test_whole_leaf_update_with_other_options_equals_single_device(kw):
-  mesh = jax.make_mesh((2, 4), ("replica", "data")) if "replica_axis" in kw else \
-      jax.make_mesh((8,), ("data",))
+  mesh = jax.make_mesh((2, 4), ("replica", "data")) if "replica_axis" in kw or \
+      "axis_name" in kw else jax.make_mesh((8,), ("data",))
   batches = make_batches()
   frozen = [k for k, v in kw.get("trainable", {}).items() if not v]
   _, _, got = train(muon(), mesh, batches, whole_leaf_update=is_matrix, **kw)

@@ -295,8 +295,7 @@ def make_sharded_train_step(
     grad_accum_steps: int = 1,
     accumulate: str | None = None,
     trainable=None,
-    stacked=None,
-    whole_leaf_update=None,
+    stacked=None, whole_leaf_update=None,
     wrt=nnx.Param,
     comm_dtype=None,
     offload: str | None = None,
@@ -404,15 +403,7 @@ def make_sharded_train_step(
       stage 3 they reach ``loss_fn`` as `ShardedParam`s and ``loss_fn`` calls
       `zero_jax.gather` on each layer's slice (see `zero_jax.layers.stacked`; for an
       ``nnx.scan`` over a stacked NNX block, `zero_jax.layers.nnx`).
-    whole_leaf_update: which trainable leaves are updated whole, each on one
-      home device (matrix optimizers such as ``optax.contrib.muon``); same
-      forms as ``trainable``. Each matrix (each layer of a ``stacked`` leaf)
-      moves to a device chosen to balance the Newton-Schulz cost, with one
-      all-to-all per group of equal shapes, is updated there by ``optimizer``
-      (the single-device math; its state lives there), and its update moves
-      back with one all-to-all. Other leaves keep the split update. An
-      optimizer that mixes leaves in a moved leaf's update is refused naming
-      the leaf. See the guide "Muon and other matrix optimizers".
+    whole_leaf_update: leaves (as ``trainable``) updated whole on a home device (Muon; `whole_leaf`).
     wrt: with ``init(model)``, an NNX filter (as ``nnx.Optimizer``'s) for
       the variables that are parameters; every other variable is model
       state. An ``nnx.State`` given as params must hold only ``wrt``
