@@ -403,7 +403,7 @@ def make_sharded_train_step(
       stage 3 they reach ``loss_fn`` as `ShardedParam`s and ``loss_fn`` calls
       `zero_jax.gather` on each layer's slice (see `zero_jax.layers.stacked`; for an
       ``nnx.scan`` over a stacked NNX block, `zero_jax.layers.nnx`).
-    whole_leaf_update: leaves (as ``trainable``) updated whole on a home device (Muon; `whole_leaf`).
+    whole_leaf_update: leaves (as ``trainable``) updated whole on a home device (Muon guide).
     wrt: with ``init(model)``, an NNX filter (as ``nnx.Optimizer``'s) for
       the variables that are parameters; every other variable is model
       state. An ``nnx.State`` given as params must hold only ``wrt``
