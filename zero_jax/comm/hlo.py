@@ -161,6 +161,26 @@ def collectives(hlo: str) -> list[Collective]:
   return out
 
 
+def sent_bytes(c: Collective) -> float:
+  """Bytes one device sends for ``c`` (ring reduce-scatter, all-gather and all-reduce; an
+  all-to-all sends every chunk but its own), from its result's size and its group.
+
+  >>> c = Collective("all-gather", "f32[8,4]", [(8, 4)], 128, [tuple(range(8))], False)
+  >>> sent_bytes(c)      # 7 of the 8 blocks of 16 bytes
+  112.0
+  """
+  g = len(c.groups[0]) if c.groups else 1
+  if g <= 1:
+    return 0.0
+  if c.op == "reduce-scatter":
+    return float((g - 1) * c.nbytes)
+  if c.op == "all-reduce":
+    return 2 * (g - 1) / g * c.nbytes
+  if c.op in ("all-gather", "all-to-all"):
+    return (g - 1) / g * c.nbytes
+  return float(c.nbytes)
+
+
 # ------------------------------------------------------------- loops, dataflow
 _COMPUTE = frozenset({"dot", "convolution"})
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')

@@ -41,7 +41,7 @@ from zero_jax.comm.layout import local_storage_shape, model_block_shape
 from zero_jax.step.spec import OFFLOAD_CHOICES, planning_spec
 from zero_jax.step.signature import as_transformation
 from zero_jax.step.options import LeafOptions
-from zero_jax.step.state import build_meta, masked_optimizer
+from zero_jax.step.state import build_meta, opt_structure
 
 STAGE_NAMES = {0: "DP (replicated)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
@@ -168,7 +168,8 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
                   n_devices: int | None = None, mesh=None, axis_name="data", replica_axis=None,
                   param_specs=None, precision: str = "fp32", stages=(0, 1, 2, 3),
                   trainable=None, stacked=None, wrt=nnx.Param, comm_dtype=None,
-                  offload: str | None = None, hpz_axis=None, prefetch: int = 0) -> MemoryReport:
+                  offload: str | None = None, hpz_axis=None, prefetch: int = 0,
+                  whole_leaf_update=None) -> MemoryReport:
   """Per-device bytes of params, gradients, optimizer state and master copy.
 
   Computed from shapes only, with the exact layouts (and padding) the step
@@ -220,6 +221,9 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
       parameters are the secondary copy, split over these axes only.
     prefetch: as for `zero_jax.scan` over the ``stacked`` leaves: with 1 the
       rows of stages 2-3 count its buffers (`StageMemory.prefetch`).
+    whole_leaf_update: as for `make_sharded_train_step`: the moved leaves'
+      optimizer state counts where it lives, whole on its home device (the
+      busiest device's slots of each group of equal shapes).
 
   Returns:
     A `MemoryReport`; ``print`` it for a table, index it by stage for numbers.
@@ -241,13 +245,13 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   shapes = [_shape_dtype(p, x) for p, x in paths_leaves]
   structs = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes])
   _, meta = build_meta(spec, optimizer, structs, LeafOptions(trainable, stacked, param_specs,
-                                                             wrt))
+                                                             wrt, whole_leaf_update))
   n, pol = spec.n_data, spec.policy
-  src = jax.tree.unflatten(treedef, [
-      jax.ShapeDtypeStruct(s, prec.optimizer_dtype(pol, dt) if t else dt)
-      for (s, dt), t in zip(shapes, meta.trainable)])
-  opt_dtypes = [x.dtype for x in jax.tree.leaves(
-      jax.eval_shape(masked_optimizer(optimizer, treedef, meta.trainable).init, src))]
+  src = [jax.ShapeDtypeStruct(s, prec.optimizer_dtype(pol, dt) if t else dt)
+         for (s, dt), t in zip(shapes, meta.trainable)]
+  opt_dtypes = [x.dtype for x in jax.tree.leaves(opt_structure(
+      spec, optimizer, treedef, src, meta.trainable, meta.whole,
+      [jax.tree_util.keystr(p) for p, _ in paths_leaves], meta.param_layouts)[0])]
 
   def size(layout, dtype, split: bool, over: int = n) -> int:  # one device's bytes of a leaf
     shape = local_storage_shape(layout, over) if split else model_block_shape(layout)

@@ -39,11 +39,14 @@ class LeafOptions:
     stacked: ``stacked=`` (None: no leaf).
     param_specs: ``param_specs=`` (None: read from the arrays, else replicated).
     wrt: ``wrt=``, the NNX filter of the variables that are parameters.
+    whole_leaf_update: ``whole_leaf_update=`` (None: no leaf; see
+      `zero_jax.step.whole_leaf`).
   """
   trainable: Any = None
   stacked: Any = None
   param_specs: Any = None
   wrt: Any = None
+  whole_leaf_update: Any = None
 
 
 def _is_bool(m) -> bool:
@@ -113,6 +116,24 @@ def stacked_flags(value, params) -> tuple:
                        f"per-layer weights, but it is a scalar; a stacked leaf has the "
                        f"layers along its first dimension. Mark it False.")
     flags.append(bool(f))
+  return tuple(flags)
+
+
+def whole_leaf_flags(value, params, trainable) -> tuple:
+  """One bool per params leaf: is its update made whole on one device (``whole_leaf_update=``).
+
+  Only trainable leaves are selected; a leaf named for itself (a bool at its own path)
+  that does not train is refused, as selecting it would do nothing.
+  """
+  flags = []
+  for (f, explicit), (path, _), t in zip(leaf_flags(value, params, "whole_leaf_update"),
+                                         jax.tree_util.tree_flatten_with_path(params)[0],
+                                         trainable):
+    if f and explicit and not t:
+      raise ValueError(f"whole_leaf_update marks params{jax.tree_util.keystr(path)}, which does "
+                       f"not train (trainable= or its dtype): it has no update to make whole. "
+                       f"Mark it False, or make it trainable.")
+    flags.append(bool(f and t))
   return tuple(flags)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -22,8 +23,9 @@ from zero_jax.comm import layout as lay
 from zero_jax.numerics import loss_scale as ls
 from zero_jax.step import placement
 from zero_jax.numerics import precision as prec
+from zero_jax.step import whole_leaf
 from zero_jax.step.options import (LeafOptions, model_axes_per_leaf, stacked_flags,
-                              trainable_flags)
+                              trainable_flags, whole_leaf_flags)
 from zero_jax.step.signature import optimizer_signature
 from zero_jax.step.spec import StepSpec
 
@@ -73,6 +75,8 @@ class StateMeta:
       (see `zero_jax.layers.nnx`); None otherwise.
     opt_treedef: the tree structure of the optimizer state (derived from the
       optimizer and the trainable leaves once, when the meta is built).
+    whole: the `zero_jax.step.whole_leaf.Plan` of ``whole_leaf_update=`` (which
+      units move to which home device), or None.
   """
   param_layouts: tuple
   trainable: tuple
@@ -83,10 +87,11 @@ class StateMeta:
   signature: StepSignature
   module: Any = None
   opt_treedef: Any = None
+  whole: Any = None
 
   def _key(self):
     return (self.param_layouts, self.trainable, self.opt_layouts, self.stacked, self.master,
-            self.param_dtypes, self.signature, self.module, self.opt_treedef)
+            self.param_dtypes, self.signature, self.module, self.opt_treedef, self.whole)
 
   def __post_init__(self):  # jit hashes the meta on every call: compute it once
     object.__setattr__(self, "_hash", hash(self._key()))
@@ -208,17 +213,54 @@ def build_meta(spec: StepSpec, optimizer, params, options: LeafOptions,
     msize = tuple(int(np.prod([sizes[a] for a in dim])) for dim in m) if m else None
     layouts.append(lay.leaf_layout(np.shape(x), spec.n_data, stacked=s, model=m,
                                    model_size=msize))
-  src = jax.tree.unflatten(treedef, [
-      jax.ShapeDtypeStruct(np.shape(x), prec.optimizer_dtype(spec.policy, d) if t else d)
-      for x, d, t in zip(leaves, dtypes, flags)])
-  opt_abstract = jax.eval_shape(masked_optimizer(optimizer, treedef, flags).init, src)
+  src = [jax.ShapeDtypeStruct(np.shape(x), prec.optimizer_dtype(spec.policy, d) if t else d)
+         for x, d, t in zip(leaves, dtypes, flags)]
+  plan = _whole_plan(spec, optimizer, treedef, paths, src, layouts, options, params,
+                     flags=flags, stacks=stacks, models=models)
+  opt_abstract, opt_layouts = opt_structure(spec, optimizer, treedef, src, flags, plan, paths,
+                                            layouts)
   master = tuple(bool(t and prec.has_master(spec.policy, d)) for t, d in zip(flags, dtypes))
   stored = tuple(prec.param_dtype(spec.policy, d) if t else jnp.dtype(d)
                  for t, d in zip(flags, dtypes))
-  meta = StateMeta(tuple(layouts), flags, _opt_layouts(opt_abstract, paths, layouts, spec.n_data),
-                   stacks, master, stored, step_signature(spec, optimizer), module,
-                   jax.tree.structure(opt_abstract))
+  meta = StateMeta(tuple(layouts), flags, opt_layouts, stacks, master, stored,
+                   step_signature(spec, optimizer), module, jax.tree.structure(opt_abstract),
+                   plan)
   return treedef, meta
+
+
+def opt_structure(spec: StepSpec, optimizer, treedef, src, flags, plan, paths, layouts):
+  """(shape structs, layouts) of the optimizer state a state keeps: the transformation's
+  own state, or with ``whole_leaf_update=`` a `zero_jax.step.whole_leaf.WholeLeafState`."""
+  tree = jax.tree.unflatten(treedef, src)
+  if plan is None:
+    abstract = jax.eval_shape(masked_optimizer(optimizer, treedef, flags).init, tree)
+    return abstract, _opt_layouts(abstract, paths, layouts, spec.n_data)
+  abstract = whole_leaf.stored_abstract(optimizer, treedef, tree, flags, plan)
+  # Small shared leaves (counts, coefficients) stay whole: every home update reads them.
+  own = whole_leaf.owners(abstract.split, paths, [l.shape for l in layouts])
+  split = [l if o is not None or math.prod(l.shape) > whole_leaf.SMALL_SHARED else
+           lay.Layout(l.shape, None, 0)
+           for l, o in zip(_opt_layouts(abstract.split, paths, layouts, spec.n_data), own)]
+  return abstract, tuple(split) + whole_leaf.home_layouts(plan)
+
+
+def _whole_plan(spec: StepSpec, optimizer, treedef, paths, src, layouts, options, params, *,
+                flags, stacks, models):
+  """The `zero_jax.step.whole_leaf.Plan` of ``whole_leaf_update=`` (None: no leaf)."""
+  if options.whole_leaf_update is None:
+    return None
+  moved = whole_leaf_flags(options.whole_leaf_update, params, flags)
+  for p, m, model in zip(paths, moved, models):
+    if m and model:
+      raise ValueError(f"whole_leaf_update marks params{p}, which param_specs= splits over "
+                       f"model axes; a leaf updated whole on one device cannot be split "
+                       f"there. Leave it out of whole_leaf_update, or unsplit it.")
+  if any(moved) and spec.offload is not None:
+    raise ValueError("whole_leaf_update= keeps the moved leaves' optimizer state on their "
+                     "home devices, and offload='optimizer' streams the split state from "
+                     "the host: use one or the other.")
+  return whole_leaf.make_plan(optimizer, treedef, paths, src, layouts, moved, stacks, flags,
+                              n=spec.n_data)
 
 
 # ------------------------------------------------------------- where it lives
@@ -264,7 +306,7 @@ def init_state(spec: StepSpec, optimizer, meta: StateMeta, treedef, leaves, mode
   """The state for parameter ``leaves`` (traced inside the step's ``init``, in Auto mode)."""
   pol, tr = spec.policy, meta.trainable
   src = [x.astype(prec.optimizer_dtype(pol, x.dtype)) if t else x for x, t in zip(leaves, tr)]
-  opt_state = masked_optimizer(optimizer, treedef, tr).init(jax.tree.unflatten(treedef, src))
+  opt_state = _init_opt(optimizer, meta, treedef, src)
   o_leaves, o_def = jax.tree.flatten(opt_state)
   o_leaves = [spec.to_storage(x, l) for x, l in zip(o_leaves, meta.opt_layouts)]
   params = [x.astype(prec.param_dtype(pol, x.dtype)) if t else x for x, t in zip(leaves, tr)]
@@ -277,6 +319,19 @@ def init_state(spec: StepSpec, optimizer, meta: StateMeta, treedef, leaves, mode
   return TrainState(step=jnp.zeros((), jnp.int32), params=jax.tree.unflatten(treedef, params),
                     master=master, opt_state=jax.tree.unflatten(o_def, o_leaves),
                     loss_scale=loss_scale, model_state=model_state, rng=rng, meta=meta)
+
+
+def _init_opt(optimizer, meta: StateMeta, treedef, src):
+  """The optimizer state at ``init`` (logical views), as `opt_structure` describes it."""
+  tree = jax.tree.unflatten(treedef, src)
+  if meta.whole is None:
+    return masked_optimizer(optimizer, treedef, meta.trainable).init(tree)
+  plan = meta.whole
+  full = optax.masked(optimizer, whole_leaf.mask_tree(treedef, meta.trainable)).init(tree)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  homes = whole_leaf.init_homes(plan, full, paths, [np.shape(x) for x in src])
+  split = whole_leaf.split_optimizer(optimizer, treedef, meta.trainable, plan.moved).init(tree)
+  return whole_leaf.WholeLeafState(split, homes)
 
 
 # ------------------------------------------------------------------ the check
@@ -313,6 +368,8 @@ def _differences(mine: StateMeta, theirs: StateMeta, paths) -> list[str]:
                f"params{', params'.join(leaves)}")
   if mine.opt_layouts != theirs.opt_layouts and not out:
     out.append("the optimizer state's leaves differ (another optimizer or its options)")
+  if mine.whole != theirs.whole and not out:
+    out.append("whole_leaf_update= differs (which leaves move home, or their homes)")
   if mine.module != theirs.module and not out:
     out.append("the NNX module's structure differs")
   return out

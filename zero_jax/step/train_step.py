@@ -295,7 +295,7 @@ def make_sharded_train_step(
     grad_accum_steps: int = 1,
     accumulate: str | None = None,
     trainable=None,
-    stacked=None,
+    stacked=None, whole_leaf_update=None,
     wrt=nnx.Param,
     comm_dtype=None,
     offload: str | None = None,
@@ -403,6 +403,7 @@ def make_sharded_train_step(
       stage 3 they reach ``loss_fn`` as `ShardedParam`s and ``loss_fn`` calls
       `zero_jax.gather` on each layer's slice (see `zero_jax.layers.stacked`; for an
       ``nnx.scan`` over a stacked NNX block, `zero_jax.layers.nnx`).
+    whole_leaf_update: leaves (as ``trainable``) updated whole on a home device (Muon guide).
     wrt: with ``init(model)``, an NNX filter (as ``nnx.Optimizer``'s) for
       the variables that are parameters; every other variable is model
       state. An ``nnx.State`` given as params must hold only ``wrt``
@@ -445,4 +446,5 @@ def make_sharded_train_step(
                    quantize=quantize, aux_reduce=aux_reduce)
   return ShardedTrainStep(loss_fn, optimizer, spec,
                           loss_scale=parse_loss_scale(loss_scale, spec.policy),
-                          leaf_options=LeafOptions(trainable, stacked, param_specs, wrt))
+                          leaf_options=LeafOptions(trainable, stacked, param_specs, wrt,
+                                                      whole_leaf_update))

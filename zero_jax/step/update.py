@@ -9,14 +9,12 @@ parameters. Details: the docs' "How it works"."""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
-import optax
 
 from zero_jax.comm import collectives
 from zero_jax.step import context
+from zero_jax.step import home_update
 from zero_jax.comm import layout as lay
 from zero_jax.numerics import loss_scale as ls
 from zero_jax.step import monitor
@@ -24,6 +22,7 @@ from zero_jax.step import offload
 from zero_jax.step import placement
 from zero_jax.numerics import precision as prec
 from zero_jax.numerics.clipping import clip_with_norm
+from zero_jax.step.opt_call import optimizer_update
 from zero_jax.step.spec import StepSpec
 from zero_jax.step.state import TrainState, masked_optimizer
 
@@ -134,6 +133,17 @@ def _sources(spec: StepSpec, state: TrainState):
   return out
 
 
+def _whole_sources(spec: StepSpec, state: TrainState) -> list:
+  """Per parameter leaf, the value the optimizer updates where every device holds it whole
+  (stages 1-2, no master copy), else None (`zero_jax.step.home_update`)."""
+  meta = state.meta
+  out = []
+  for x, t, m in zip(jax.tree.leaves(state.params), meta.trainable, meta.master):
+    whole = t and not m and spec.stage != 3
+    out.append(x.astype(prec.optimizer_dtype(spec.policy, x.dtype)) if whole else None)
+  return out
+
+
 def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss, aux,
                  weight=None):
   """The new state and the metrics, from the reduced gradient blocks.
@@ -168,10 +178,16 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
         full_grads[i] = jnp.zeros(meta.param_layouts[i].shape, leaves[i].dtype)
         if spec.stage == 3:
           full_src[i] = lay.unpad(leaves[i], meta.param_layouts[i])
-    updates, new_opt = optimizer_update(opt, jax.tree.unflatten(treedef, full_grads),
-                                        jax.tree.unflatten(o_def, o_views),
-                                        jax.tree.unflatten(treedef, full_src), loss)
-    updates = jax.tree.leaves(updates)
+    if meta.whole is None:
+      updates, new_opt = optimizer_update(opt, jax.tree.unflatten(treedef, full_grads),
+                                          jax.tree.unflatten(o_def, o_views),
+                                          jax.tree.unflatten(treedef, full_src), loss)
+      updates = jax.tree.leaves(updates)
+    else:
+      updates, new_opt = home_update.update(
+          spec, meta, optimizer, treedef, optimizer_update, full_grads,
+          jax.tree.unflatten(o_def, o_views), full_src, loss=loss,
+          whole_src=_whole_sources(spec, state))
     new_src = [(s + updates[i]).astype(s.dtype) for s, i in zip(src, idx)]
     return new_src, [x.astype(y.dtype) for x, y in zip(jax.tree.leaves(new_opt), o_leaves)]
 
@@ -199,29 +215,6 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
   if spec.has_aux:
     metrics["aux"] = aux
   return new_state, metrics
-
-
-def optimizer_update(opt, grads, opt_state, params, loss):
-  """``opt.update``, with ``value=`` the step's global loss for an optimizer that takes extra
-  arguments (``optax.GradientTransformationExtraArgs``: ``reduce_on_plateau``,
-  ``polyak_sgd``, ...), as single-device code passes it; an extra argument the step cannot
-  give (a line search's ``value_fn=``, ``grad=``) is a TypeError naming it."""
-  if not isinstance(opt, optax.GradientTransformationExtraArgs):
-    return opt.update(grads, opt_state, params)
-  try:
-    return opt.update(grads, opt_state, params, value=loss)
-  except TypeError as e:
-    missing = re.search(r"missing \d+ required keyword-only arguments?: (.*)$", str(e))
-    if missing is None:
-      raise
-    names = ", ".join(f"{n}=" for n in re.findall(r"'(\w+)'", missing.group(1)))
-    raise TypeError(
-        f"the optimizer's update needs {names}, which the step cannot give: it passes only "
-        f"value=, the step's loss over the global batch (as opt.update(grads, state, params, "
-        f"value=loss) on one device). Line searches (optax.scale_by_backtracking_linesearch, "
-        f"scale_by_zoom_linesearch, optax.lbfgs) need value_fn= and grad= to evaluate the "
-        f"loss again at other parameters on the whole batch; use an optimizer without them "
-        f"(optax.contrib.reduce_on_plateau and optax.polyak_sgd need only value=).") from None
 
 
 def _new_params(spec: StepSpec, meta, leaves, new_src, t_layouts, ok) -> list:
