@@ -31,7 +31,7 @@ A conversion check (then exit, no fine-tuning): ``--tokens T.npy --logits-out O.
 writes the loaded model's float32 logits ``[batch, seq, vocab]`` for the token ids in
 ``T.npy`` (``[batch, seq]`` integers); ``--check-logits T.npy REF.npy`` compares them with
 a reference (e.g. transformers' logits) and exits with status 1 when the largest absolute
-difference passes ``--atol`` (default 1e-4 at ``--precision fp32``, 5e-2 at bf16).
+difference passes ``--atol`` (default 1e-4 at ``--precision fp32``, 0.1 at bf16).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from llama.hf_files import file_dtypes, hf_name, hf_shapes, write_tiny_checkpoin
 from llama.model import build_model  # noqa: E402
 
 READABLE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # lossless into float32
-ATOL = {"fp32": 1e-4, "bf16": 5e-2}
+ATOL = {"fp32": 1e-4, "bf16": 1e-1}
 
 
 def text_batches(batch_size: int, seq_len: int, vocab: int, seed: int = 0):
@@ -95,7 +95,7 @@ def parse_args(argv=None):
                  help="compare the loaded model's logits for TOKENS with REF (.npy files), "
                       "then exit; status 1 beyond --atol")
   p.add_argument("--atol", type=float, help="largest absolute logit difference --check-logits "
-                                            "accepts (default 1e-4 at fp32, 5e-2 at bf16)")
+                                            "accepts (default 1e-4 at fp32, 0.1 at bf16)")
   p.add_argument("--devices", type=int, default=8,
                  help="fake CPU devices to use when the machine has only one device")
   args = p.parse_args(argv)
@@ -226,7 +226,7 @@ def main(argv=None) -> dict:
 
   # The same function step.init would take, traced (nothing allocated): each device reads
   # its block of each tensor; the state keeps those blocks (donate=True: no second copy).
-  make_model = lambda: build_model(cfg, nnx.Rngs(0))
+  make_model = lambda: build_model(cfg, nnx.Rngs(0), dtype=step.spec.policy.param_dtype)
   model = zj.load_safetensors(checkpoint, make_model, step=step, rename=hf_name,
                               cast=codes != {"F32"})
   if args.logits_out or args.check_logits:

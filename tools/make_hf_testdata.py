@@ -9,7 +9,8 @@ Not run in CI (it needs torch and transformers, which the project does not depen
 
 Each variant is a directory as ``save_pretrained`` writes it (``config.json``,
 ``model.safetensors``, ``generation_config.json``) plus ``tokens.npy`` (int32 ``[2, 12]``)
-and ``logits.npy`` (float32 ``[2, 12, vocab]``, the model run in float32 by transformers).
+and ``logits.npy`` (float32 ``[2, 12, vocab]``, the model run in float32 by transformers);
+a bf16 checkpoint also gets ``logits_bfloat16.npy`` (the model run in bfloat16).
 """
 
 from __future__ import annotations
@@ -83,9 +84,14 @@ def make(name: str, seed: int) -> None:
   model.save_pretrained(out)
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, kwargs["vocab_size"], (2, 12)).astype(np.int32)
-  with torch.no_grad():  # the reference: the saved tensors, run in float32
-    logits = model.float()(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  ids = torch.from_numpy(tokens.astype(np.int64))
   np.save(out / "tokens.npy", tokens)
+  if dtype != torch.float32:  # also as transformers runs it in the checkpoint's dtype
+    with torch.no_grad():
+      logits = model(ids).logits.float().numpy()
+    np.save(out / f"logits_{str(dtype).split('.')[-1]}.npy", logits)
+  with torch.no_grad():  # the reference: the saved tensors, run in float32
+    logits = model.float()(ids).logits.numpy()
   np.save(out / "logits.npy", logits.astype(np.float32))
   files = sorted(p.name for p in out.iterdir())
   print(f"{name}: {files}, {sum(p.stat().st_size for p in out.iterdir())} bytes, "

@@ -33,21 +33,24 @@ def inv_freq(rope: Rope, head_dim: int) -> np.ndarray:
   return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def build_model(cfg: LlamaConfig, rngs, *, param_dtype=None):
-  """The NNX model of ``cfg`` (parameters in ``param_dtype``, float32 by default)."""
+def build_model(cfg: LlamaConfig, rngs, *, dtype=None):
+  """The NNX model of ``cfg``, float32 parameters, computing in ``dtype`` (None: float32).
+
+  Pass the dtype the parameters will have when the loss sees them (``jnp.bfloat16`` for a
+  step with ``precision="bf16"``): ``nnx.Embed`` fixes the dtype of its output when it is
+  built, and every later layer computes in the dtype of its input and parameters.
+  """
   import jax
   import jax.numpy as jnp
   from flax import nnx
 
-  param_dtype = jnp.float32 if param_dtype is None else param_dtype
-  dense = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, param_dtype=param_dtype,
-                                        rngs=rngs)
+  dense = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
   hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
   frequencies = inv_freq(cfg.rope, hd)
 
   class RMSNorm(nnx.Module):
     def __init__(self, dim):
-      self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+      self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
 
     def __call__(self, x):
       h = x.astype(jnp.float32)
@@ -100,8 +103,7 @@ def build_model(cfg: LlamaConfig, rngs, *, param_dtype=None):
 
   class Llama(nnx.Module):
     def __init__(self):
-      self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=param_dtype,
-                                    rngs=rngs)
+      self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
       self.layers = nnx.List([Block() for _ in range(cfg.num_hidden_layers)])
       self.norm = RMSNorm(cfg.hidden_size)
       if not cfg.tie_word_embeddings:
