@@ -132,19 +132,19 @@ def forward_logits(step, model, tokens: np.ndarray) -> np.ndarray:
   import jax.numpy as jnp
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec as P
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
   dtype = step.spec.policy.param_dtype
   replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, P())
-  tokens = jax.make_array_from_callback(tokens.shape, replicated, lambda i: tokens[i])
+  ids = jax.make_array_from_callback(tokens.shape, replicated, lambda i: tokens[i])
 
   @jax.jit
   def forward(params, tokens):
     if dtype is not None:
       params = jax.tree.map(lambda x: x.astype(dtype), params)
-    out = nnx.merge(graphdef, params, rest)(tokens).astype(jnp.float32)
+    out = nnx.merge(graphdef, params, *rest)(tokens).astype(jnp.float32)
     return jax.lax.with_sharding_constraint(out, replicated)
 
-  return np.asarray(forward(params, tokens))
+  return np.asarray(forward(params, ids))
 
 
 def logits_check(args, step, model, cfg) -> dict:
@@ -152,7 +152,7 @@ def logits_check(args, step, model, cfg) -> dict:
   import zero_jax as zj
   tokens_path = args.tokens or args.check_logits[0]
   logits = forward_logits(step, model, load_tokens(tokens_path, cfg.vocab_size))
-  out = {"logits": logits}
+  out: dict = {"logits": logits}
   if args.logits_out and zj.is_main_process():
     np.save(args.logits_out, logits)
     zj.print_main(f"wrote logits {logits.shape} float32 to {args.logits_out}")
