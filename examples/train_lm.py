@@ -408,7 +408,7 @@ def memory_section(step, state, params_shapes, optimizer, batch, args) -> str:
   report = zj.memory_report(params_shapes, optimizer, n_devices=step.n,
                             precision=args.precision, stacked=in_blocks)
   row = report[args.stage]
-  f = zj.memory.format_bytes
+  from zero_jax.step.memory import format_bytes as f  # pylint: disable=g-import-not-at-top
   lines = [str(report), "",
            f"This run (ZeRO-{args.stage}), device 0's shards of the state: params "
            f"{f(shard_bytes(state.params))} (report: {f(row.params)}), optimizer state "
