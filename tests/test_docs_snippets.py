@@ -9,10 +9,10 @@ empty temporary directory, and a warning is an error, as in the test suite. A bl
 the block's first line.
 
 A ```text block that directly follows a python block (nothing but blank lines between) shows
-what that block prints, and must match it: the text exactly (line ends stripped; the temporary
-directory the blocks run in shows as ``<cwd>``, and gloo's connection lines, ``[Gloo] Rank 0
-is connected to ...`` in an order that varies, are left out), numbers with a decimal point to 1e-3 relative
-or one unit of their last printed digit. To write an output,
+what that block prints, and must match it: the text exactly (line ends stripped; the
+temporary directory the blocks run in shows as ``<cwd>``, and gloo's connection lines,
+``[Gloo] Rank 0 is connected to ...`` in an order that varies, are left out), numbers with a
+decimal point to 1e-3 relative or one unit of their last printed digit. To write an output,
 put an empty ```text block after the python block and run
 ``ZERO_JAX_UPDATE_OUTPUTS=1 python -m pytest tests/test_docs_snippets.py -k <page>``: it fills
 in every output block of the pages it runs.

@@ -96,8 +96,8 @@ def _get(raw: dict, key: str, kind, default=None):
         isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
         isinstance(value, int) and not isinstance(value, bool) and value > 0)
   if not ok:
-    raise ConfigError(f"config.json: {key!r} is {value!r}; expected "
-                      f"{'true or false' if kind is bool else 'a number' if kind is float else 'a positive integer'}.")
+    wanted = {bool: "true or false", float: "a number"}.get(kind, "a positive integer")
+    raise ConfigError(f"config.json: {key!r} is {value!r}; expected {wanted}.")
   return kind(value)
 
 
@@ -112,7 +112,8 @@ def rope_from_hf(raw: dict) -> Rope:
     if legacy is not None and not isinstance(legacy, dict):
       raise ConfigError(f"config.json: rope_scaling is {legacy!r}; expected an object or null.")
     params = {**(legacy or {"rope_type": "default"}), "rope_theta": raw["rope_theta"]}
-  elif isinstance(legacy, dict) and isinstance(params, dict) and any(params.get(k) != v for k, v in legacy.items()):
+  elif isinstance(legacy, dict) and isinstance(params, dict) and any(
+      params.get(k) != v for k, v in legacy.items()):
     raise ConfigError(f"config.json has both rope_parameters ({params!r}) and rope_scaling "
                       f"({legacy!r}), which disagree; keep one of them.")
   if not isinstance(params, dict):
