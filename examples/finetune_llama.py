@@ -1,16 +1,22 @@
-"""Fine-tune a Llama checkpoint (Hugging Face safetensors) with ZeRO-3, and write it back.
+"""Fine-tune a Llama or Qwen2 checkpoint (Hugging Face safetensors) with ZeRO-3, and write it back.
 
-A Llama-architecture decoder in Flax NNX (RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU MLP) whose parameters map onto Hugging Face's names through one
-``rename`` function (Flax kernels are ``(in, out)``, PyTorch ``Linear`` weights ``(out,
-in)``: those are transposed). The model is never whole on a device or on the host:
+The model (examples/llama/: config, NNX model, Hugging Face names) maps onto
+Hugging Face's tensor names through one ``rename`` function (Flax kernels are ``(in,
+out)``, PyTorch ``Linear`` weights ``(out, in)``: those are transposed). Every
+``config.json`` field that changes the math is read, or refused by name: rope settings in
+transformers 4.x (``rope_theta``, ``rope_scaling``) and 5.x (``rope_parameters``) form,
+``rope_type`` ``default`` and ``llama3``, tied embeddings, attention and MLP biases,
+``head_dim``, grouped-query attention, and ``model_type`` ``llama`` or ``qwen2``. The model is
+never whole on a device or on the host:
 
 * ``zj.load_safetensors`` traces the function that builds it (nothing is allocated) and
-  reads each device's block of each tensor from the files; ``step.init(..., donate=True)``
-  keeps those blocks as the state;
-* ZeRO-3 (``stage=3``) fine-tunes it on the bytes of a Python source file;
-* ``zj.export_safetensors`` writes the result from the shards, in the layout it came in
-  (``config.json`` copied along), ready for ``transformers``' ``from_pretrained``.
+  reads each device's block of each tensor from the files (a bf16 or fp16 file converted
+  to float32 on the way); ``step.init(..., donate=True)`` keeps those blocks as the state;
+* ZeRO-3 (``stage=3``) fine-tunes it on the bytes of a Python source file, each process
+  feeding its own rows of every batch (``--precision bf16``: bf16 parameters, float32
+  master copy);
+* ``zj.export_safetensors`` writes the result from the shards, in the layout and dtype it
+  came in (``config.json`` copied along), ready for ``transformers``' ``from_pretrained``.
 
 Without ``--checkpoint`` a tiny random checkpoint in the Hugging Face layout is written
 first (nothing is downloaded). A real one is a directory with ``config.json`` and
@@ -19,12 +25,18 @@ would come from its tokenizer, here they are the file's bytes.
 
     python examples/finetune_llama.py                      # tiny random model, 20 steps
     python examples/finetune_llama.py --checkpoint DIR --out DIR2 --steps 100
+    python examples/launch_local.py -n 2 -d 4 examples/finetune_llama.py --out DIR2
+
+A conversion check (then exit, no fine-tuning): ``--tokens T.npy --logits-out O.npy``
+writes the loaded model's float32 logits ``[batch, seq, vocab]`` for the token ids in
+``T.npy`` (``[batch, seq]`` integers); ``--check-logits T.npy REF.npy`` compares them with
+a reference (e.g. transformers' logits) and exits with status 1 when the largest absolute
+difference passes ``--atol`` (default 1e-4 at ``--precision fp32``, 0.1 at bf16).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -33,148 +45,13 @@ import tempfile
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/llama
+from llama.config import ConfigError, LlamaConfig  # noqa: E402
+from llama.hf_files import file_dtypes, hf_name, hf_shapes, write_tiny_checkpoint  # noqa: E402,F401
+from llama.model import build_model  # noqa: E402
 
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-  """The fields of a Hugging Face ``LlamaConfig`` this model uses."""
-  vocab_size: int = 256
-  hidden_size: int = 64
-  intermediate_size: int = 128
-  num_hidden_layers: int = 2
-  num_attention_heads: int = 4
-  num_key_value_heads: int = 2
-  rms_norm_eps: float = 1e-5
-  rope_theta: float = 10000.0
-
-  @classmethod
-  def from_json(cls, path):
-    with open(path) as f:
-      raw = json.load(f)
-    return cls(**{k.name: raw[k.name] for k in dataclasses.fields(cls) if k.name in raw})
-
-  def to_hf(self) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
-            "mlp_bias": False, "max_position_embeddings": 2048, **dataclasses.asdict(self)}
-
-
-def hf_name(name: str):
-  """A leaf's default name (``layers.0.self_attn.q_proj.kernel``) -> the Hugging Face tensor
-  name, and whether the file holds it transposed (``Linear`` weights are ``(out, in)``)."""
-  if name.endswith(".kernel"):
-    name, transpose = name[:-len("kernel")] + "weight", True
-  elif name.endswith(".embedding"):
-    name, transpose = name[:-len("embedding")] + "weight", False
-  else:
-    transpose = False
-  return (name if name.startswith("lm_head.") else "model." + name), transpose
-
-
-def build_model(cfg: LlamaConfig, rngs):
-  """The NNX Llama (classes made here, so that flax is imported only when used)."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  dense = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
-  head_dim = cfg.hidden_size // cfg.num_attention_heads
-
-  class RMSNorm(nnx.Module):
-    def __init__(self, dim):
-      self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-
-    def __call__(self, x):
-      h = x.astype(jnp.float32)
-      h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + cfg.rms_norm_eps)
-      return self.weight[...] * h.astype(x.dtype)
-
-  def rotary(x, positions):  # Hugging Face's rotate_half convention
-    inv = 1.0 / cfg.rope_theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    freqs = positions[:, None].astype(jnp.float32) * inv
-    cos, sin = jnp.cos(jnp.concatenate([freqs] * 2, -1)), jnp.sin(jnp.concatenate([freqs] * 2, -1))
-    x1, x2 = jnp.split(x, 2, -1)
-    return x * cos[:, None] + jnp.concatenate([-x2, x1], -1) * sin[:, None]
-
-  class Attention(nnx.Module):
-    def __init__(self):
-      kv = cfg.num_key_value_heads * head_dim
-      self.q_proj, self.k_proj = dense(cfg.hidden_size, cfg.hidden_size), dense(cfg.hidden_size, kv)
-      self.v_proj, self.o_proj = dense(cfg.hidden_size, kv), dense(cfg.hidden_size, cfg.hidden_size)
-
-    def __call__(self, x):
-      b, s, _ = x.shape
-      pos = jnp.arange(s)
-      q = rotary(self.q_proj(x).reshape(b, s, cfg.num_attention_heads, head_dim), pos)
-      k = rotary(self.k_proj(x).reshape(b, s, cfg.num_key_value_heads, head_dim), pos)
-      v = self.v_proj(x).reshape(b, s, cfg.num_key_value_heads, head_dim)
-      rep = cfg.num_attention_heads // cfg.num_key_value_heads  # grouped-query attention
-      k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(head_dim)
-      scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
-      w = jax.nn.softmax(scores.astype(jnp.float32), -1).astype(x.dtype)
-      return self.o_proj(jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, -1))
-
-  class MLP(nnx.Module):
-    def __init__(self):
-      h, m = cfg.hidden_size, cfg.intermediate_size
-      self.gate_proj, self.up_proj, self.down_proj = dense(h, m), dense(h, m), dense(m, h)
-
-    def __call__(self, x):
-      return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-  class Block(nnx.Module):
-    def __init__(self):
-      self.input_layernorm, self.self_attn = RMSNorm(cfg.hidden_size), Attention()
-      self.post_attention_layernorm, self.mlp = RMSNorm(cfg.hidden_size), MLP()
-
-    def __call__(self, x):
-      x = x + self.self_attn(self.input_layernorm(x))
-      return x + self.mlp(self.post_attention_layernorm(x))
-
-  class Llama(nnx.Module):
-    def __init__(self):
-      self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
-      self.layers = nnx.List([Block() for _ in range(cfg.num_hidden_layers)])
-      self.norm = RMSNorm(cfg.hidden_size)
-      self.lm_head = dense(cfg.hidden_size, cfg.vocab_size)
-
-    def __call__(self, tokens):
-      x = self.embed_tokens(tokens)
-      for layer in self.layers:
-        x = layer(x)
-      return self.lm_head(self.norm(x))
-
-  return Llama()
-
-
-def hf_shapes(cfg: LlamaConfig) -> dict:
-  """Hugging Face's tensor names and (PyTorch) shapes of a Llama."""
-  h, m, kv = cfg.hidden_size, cfg.intermediate_size, \
-      cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-  out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
-         "lm_head.weight": (cfg.vocab_size, h)}
-  for i in range(cfg.num_hidden_layers):
-    p = f"model.layers.{i}."
-    out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                p + "mlp.gate_proj.weight": (m, h), p + "mlp.up_proj.weight": (m, h),
-                p + "mlp.down_proj.weight": (h, m)})
-  return out
-
-
-def write_tiny_checkpoint(directory, cfg: LlamaConfig, seed: int = 0) -> dict:
-  """A random checkpoint in the Hugging Face layout (what a download would give)."""
-  from safetensors.numpy import save_file
-  rng = np.random.default_rng(seed)
-  weights = {k: (1.0 + 0.1 * rng.normal(size=s) if k.endswith("norm.weight") else
-                 rng.normal(size=s) / np.sqrt(s[-1])).astype(np.float32)
-             for k, s in hf_shapes(cfg).items()}
-  os.makedirs(directory, exist_ok=True)
-  save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-  with open(os.path.join(directory, "config.json"), "w") as f:
-    json.dump(cfg.to_hf(), f, indent=2)
-  return weights
+READABLE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # lossless into float32
+ATOL = {"fp32": 1e-4, "bf16": 1e-1}
 
 
 def text_batches(batch_size: int, seq_len: int, vocab: int, seed: int = 0):
@@ -197,57 +74,177 @@ def loss_fn(model, tokens):
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--checkpoint", help="a Hugging Face Llama directory (default: a tiny "
-                                      "random one, written first)")
+  p.add_argument("--checkpoint", help="a Hugging Face Llama or Qwen2 directory (default: a "
+                                      "tiny random one, written first)")
   p.add_argument("--out", help="where to export (default: a temporary directory; the tiny "
-                               "checkpoint is written beside it)")
+                               "checkpoint is written beside it). Required with several "
+                               "processes: a directory they share")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--batch-size", type=int, default=16, help="global batch size")
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--lr", type=float, default=1e-3)
+  p.add_argument("--precision", choices=sorted(ATOL), default="fp32",
+                 help="bf16: bf16 parameters and a float32 master copy")
+  p.add_argument("--export-dtype", choices=["checkpoint", "float32", "bfloat16", "float16"],
+                 default="checkpoint", help="dtype of the exported tensors (default: the "
+                                            "checkpoint's own)")
+  p.add_argument("--tokens", help="token ids [batch, seq] (.npy) for --logits-out")
+  p.add_argument("--logits-out", help="write the loaded model's float32 logits for --tokens "
+                                      "here (.npy), then exit")
+  p.add_argument("--check-logits", nargs=2, metavar=("TOKENS", "REF"),
+                 help="compare the loaded model's logits for TOKENS with REF (.npy files), "
+                      "then exit; status 1 beyond --atol")
+  p.add_argument("--atol", type=float, help="largest absolute logit difference --check-logits "
+                                            "accepts (default 1e-4 at fp32, 0.1 at bf16)")
   p.add_argument("--devices", type=int, default=8,
                  help="fake CPU devices to use when the machine has only one device")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.logits_out and not args.tokens or args.tokens and not args.logits_out:
+    p.error("--tokens and --logits-out go together")
+  return args
 
 
-def main(argv=None) -> dict:
-  args = parse_args(argv)
+def export_dtype(choice: str, codes: set[str]):
+  """The dtype to export in: ``choice``, or the checkpoint's one floating dtype."""
+  if choice != "checkpoint":
+    return choice
+  if len(codes) != 1:
+    raise SystemExit(f"the checkpoint's tensors have several dtypes ({sorted(codes)}); pass "
+                     f"--export-dtype float32, bfloat16 or float16.")
+  return READABLE[next(iter(codes))]
+
+
+def load_tokens(path: str, vocab: int) -> np.ndarray:
+  tokens = np.load(path)
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise SystemExit(f"{path}: token ids must be a [batch, seq] integer array, got "
+                     f"{tokens.dtype} {tokens.shape}.")
+  if tokens.size and not 0 <= tokens.min() <= tokens.max() < vocab:
+    raise SystemExit(f"{path}: token ids must lie in [0, {vocab}) (vocab_size), got "
+                     f"[{tokens.min()}, {tokens.max()}].")
+  return tokens.astype(np.int32)
+
+
+def forward_logits(step, model, tokens: np.ndarray) -> np.ndarray:
+  """The model's float32 logits for ``tokens``, its parameters split as the step splits
+  them (cast to the step's precision) and the result replicated to every process."""
   import jax
-  jax.config.update("jax_num_cpu_devices", args.devices)  # affects only the CPU backend
-  import optax
+  import jax.numpy as jnp
   from flax import nnx
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  if os.path.exists(os.path.join(root, "zero_jax", "__init__.py")):
-    sys.path.insert(0, root)  # run from a checkout: its zero_jax, installed or not
-  import zero_jax as zj
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+  dtype = step.spec.policy.param_dtype
+  replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, P())
+  ids = jax.make_array_from_callback(tokens.shape, replicated, lambda i: tokens[i])
 
+  @jax.jit
+  def forward(params, tokens):
+    if dtype is not None:
+      params = jax.tree.map(lambda x: x.astype(dtype), params)
+    out = nnx.merge(graphdef, params, *rest)(tokens).astype(jnp.float32)
+    return jax.lax.with_sharding_constraint(out, replicated)
+
+  return np.asarray(forward(params, ids))
+
+
+def logits_check(args, step, model, cfg) -> dict:
+  """``--logits-out`` / ``--check-logits``: writes or compares, on process 0."""
+  import zero_jax as zj
+  tokens_path = args.tokens or args.check_logits[0]
+  logits = forward_logits(step, model, load_tokens(tokens_path, cfg.vocab_size))
+  out: dict = {"logits": logits}
+  if args.logits_out and zj.is_main_process():
+    np.save(args.logits_out, logits)
+    zj.print_main(f"wrote logits {logits.shape} float32 to {args.logits_out}")
+  if args.check_logits:
+    ref = np.load(args.check_logits[1])
+    if ref.shape != logits.shape:
+      raise SystemExit(f"{args.check_logits[1]} has shape {ref.shape}; the logits for "
+                       f"{tokens_path} have {logits.shape} ([batch, seq, vocab]).")
+    atol = ATOL[args.precision] if args.atol is None else args.atol
+    diff = float(np.max(np.abs(logits - ref.astype(np.float32)))) if ref.size else 0.0
+    out["max_abs_diff"] = diff
+    verdict = "ok" if diff <= atol else "FAILED"
+    zj.print_main(f"logits {verdict}: largest absolute difference {diff:.3g} "
+                  f"(tolerance {atol:g}) over {logits.size} values")
+    if diff > atol:
+      raise SystemExit(1)
+  return out
+
+
+def start_jax(devices: int):
+  """Joins a multi-process job when `zj.launch_local` (or a cluster) started this process;
+  otherwise asks the CPU backend for ``devices`` devices."""
+  import jax
+  from zero_jax.processes import distributed
+  if os.environ.get(distributed.ENV_NUM_PROCESSES) or os.environ.get("SLURM_JOB_ID"):
+    import zero_jax as zj
+    zj.initialize_distributed()
+  else:
+    jax.config.update("jax_num_cpu_devices", devices)  # affects only the CPU backend
+  return jax
+
+
+def checkpoint_dir(args, jax) -> tuple[str, str]:
+  """``(checkpoint, out)``: the tiny one written first (by process 0) when none is given."""
+  from jax.experimental import multihost_utils
+  if args.out is None and jax.process_count() > 1:
+    raise SystemExit("with several processes, pass --out: a directory they all share.")
   work = tempfile.mkdtemp(prefix="finetune_llama_") if args.out is None else \
       os.path.dirname(os.path.abspath(args.out))
   checkpoint = args.checkpoint or os.path.join(work, "tiny-llama")
   if args.checkpoint is None:
-    write_tiny_checkpoint(checkpoint, LlamaConfig())
-  cfg = LlamaConfig.from_json(os.path.join(checkpoint, "config.json"))
+    if jax.process_index() == 0:
+      write_tiny_checkpoint(checkpoint, LlamaConfig())
+    multihost_utils.sync_global_devices("finetune_llama: tiny checkpoint written")
+  return checkpoint, args.out or os.path.join(work, "finetuned")
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if os.path.exists(os.path.join(root, "zero_jax", "__init__.py")):
+    sys.path.insert(0, root)  # run from a checkout: its zero_jax, installed or not
+  jax = start_jax(args.devices)
+  import optax
+  from flax import nnx
+  import zero_jax as zj
+
+  checkpoint, out = checkpoint_dir(args, jax)
+  try:
+    cfg = LlamaConfig.from_json(os.path.join(checkpoint, "config.json"))
+  except ConfigError as e:
+    raise SystemExit(str(e)) from None
+  codes = file_dtypes(checkpoint)
+  if not codes <= set(READABLE):
+    raise SystemExit(f"{checkpoint}: tensors of dtype {sorted(codes - set(READABLE))}; this "
+                     f"example reads {sorted(READABLE)} (converted to float32 losslessly).")
+  dtype = jax.numpy.dtype(export_dtype(args.export_dtype, codes))
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  step = zj.make_sharded_train_step(loss_fn, optax.adamw(args.lr), mesh=mesh, stage=3)
+  step = zj.make_sharded_train_step(loss_fn, optax.adamw(args.lr), mesh=mesh, stage=3,
+                                    precision=args.precision)
 
   # The same function step.init would take, traced (nothing allocated): each device reads
   # its block of each tensor; the state keeps those blocks (donate=True: no second copy).
-  make_model = lambda: build_model(cfg, nnx.Rngs(0))
-  model = zj.load_safetensors(checkpoint, make_model, step=step, rename=hf_name)
+  make_model = lambda: build_model(cfg, nnx.Rngs(0), dtype=step.spec.policy.param_dtype)
+  model = zj.load_safetensors(checkpoint, make_model, step=step, rename=hf_name,
+                              cast=codes != {"F32"})
+  if args.logits_out or args.check_logits:
+    return {**logits_check(args, step, model, cfg), "config": cfg, "step": step}
   state = step.init(model, donate=True)
   losses = []
+  rows = zj.process_batch_slice(args.batch_size, step)  # this process's rows of each batch
   batches = text_batches(args.batch_size, args.seq_len, cfg.vocab_size)
   for i in range(args.steps):
-    state, metrics = step(state, next(batches))
-    losses.append(float(metrics["loss"]))
+    state, metrics = step(state, zj.make_global_batch(next(batches)[rows], step))
+    losses.append(zj.metrics_to_host(metrics)["loss"])
     if i % 5 == 0 or i == args.steps - 1:
       zj.print_main(f"step {i:4d}  loss {losses[-1]:.4f}")
 
-  out = args.out or os.path.join(work, "finetuned")
-  files = zj.export_safetensors(step, state, out, rename=hf_name, force=True)
+  files = zj.export_safetensors(step, state, out, rename=hf_name, dtype=dtype, force=True)
   if jax.process_index() == 0:
     shutil.copy(os.path.join(checkpoint, "config.json"), out)
-  zj.print_main(f"wrote {', '.join(files)} and config.json to {out}")
+  zj.print_main(f"wrote {', '.join(files)} ({dtype}) and config.json to {out}")
   return {"losses": losses, "checkpoint": checkpoint, "out": out, "files": files,
           "step": step, "state": state, "config": cfg}
 

@@ -43,7 +43,6 @@ import shlex
 import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 
 import jax
@@ -65,6 +64,7 @@ VOCAB = 257        # 256 bytes + EOF: an uneven size, like GPT-2's 50257
 
 RUN_FLAGS = ("size", "seq_len", "precision")  # change what a checkpoint holds
 RUN_FILE = "run.json"                         # their values, next to the checkpoints
+SCHEDULE_KEY = "schedule_steps"               # also there: the --steps the run started with
 
 SIZES = {          # d_model, layers, heads
     "tiny": (64, 2, 2),
@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="loop over the blocks with zj.scan: 1 gathers the next block while this "
                       "one computes (stage 3) and reduces each gradient one block later")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
-  p.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "zero_jax_train_lm"),
-                 help="checkpoint directory")
+  p.add_argument("--ckpt-dir", default=os.path.join("checkpoints", "train_lm"),
+                 help="checkpoint directory (relative: under the current directory)")
   p.add_argument("--save-every", type=int, default=100,
                  help="save a checkpoint every this many steps (and at the end); 0: only at the end")
   p.add_argument("--resume", nargs="?", const=-1, type=int, default=None, metavar="STEP",
@@ -202,6 +202,22 @@ def read_run_flags(ckpt_dir: str) -> dict | None:
     return {k: v for k, v in json.load(fh).items() if k in RUN_FLAGS}
 
 
+def schedule_steps(args, ckpt_dir: str) -> int:
+  """The length of the learning-rate schedule: on --resume, the --steps the run started
+  with (recorded in run.json), whatever --steps says now; else --steps."""
+  path = os.path.join(ckpt_dir, RUN_FILE)
+  if args.resume is not None and os.path.isfile(path):
+    with open(path) as fh:
+      return int(json.load(fh).get(SCHEDULE_KEY, args.steps))
+  return args.steps
+
+
+def lr_schedule(lr: float, steps: int):
+  """Warmup over a tenth of ``steps``, cosine decay to lr/10 at ``steps``, then lr/10."""
+  return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps=max(1, steps // 10),
+                                            decay_steps=steps, end_value=lr / 10)
+
+
 def resume_with_recorded_flags(args, ckpt_dir: str, recorded: dict) -> None:
   """Takes the checkpoints' flags; exits naming any the command line contradicts."""
   clash = {k: getattr(args, k) for k in RUN_FLAGS
@@ -249,7 +265,7 @@ def record_run_flags(args, ckpt_dir: str) -> None:
     return
   os.makedirs(ckpt_dir, exist_ok=True)
   with open(os.path.join(ckpt_dir, RUN_FILE), "w") as fh:
-    json.dump(run_flags(args), fh)
+    json.dump({**run_flags(args), SCHEDULE_KEY: args.steps}, fh)
 
 
 # ----------------------------------------------------------------------- data
@@ -392,7 +408,7 @@ def memory_section(step, state, params_shapes, optimizer, batch, args) -> str:
   report = zj.memory_report(params_shapes, optimizer, n_devices=step.n,
                             precision=args.precision, stacked=in_blocks)
   row = report[args.stage]
-  f = zj.memory.format_bytes
+  from zero_jax.step.memory import format_bytes as f  # pylint: disable=g-import-not-at-top
   lines = [str(report), "",
            f"This run (ZeRO-{args.stage}), device 0's shards of the state: params "
            f"{f(shard_bytes(state.params))} (report: {f(row.params)}), optimizer state "
@@ -535,10 +551,10 @@ def main(argv=None) -> dict:
                 f"ZeRO-{args.stage}, precision {args.precision}, global batch "
                 f"{args.batch_size} x {args.seq_len} tokens")
 
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, args.lr, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps,
-      end_value=args.lr / 10)
-  optimizer = optax.adamw(schedule, b2=0.99, weight_decay=0.01)
+  # A resumed run keeps the schedule its run started with (another --steps only trains
+  # longer, at the schedule's final lr beyond its end).
+  optimizer = optax.adamw(lr_schedule(args.lr, schedule_steps(args, ckpt_dir)), b2=0.99,
+                          weight_decay=0.01)
   loss_fn = make_loss_fn(model)
   quantize = None if args.quantize == "none" else zj.Quantize(
       weights=args.quantize in ("weights", "both"), grads=args.quantize in ("grads", "both"))

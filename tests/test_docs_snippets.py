@@ -1,12 +1,18 @@
-"""Every fenced ```python block of README.md and docs/**/*.md runs, as a user would paste it.
+"""Every fenced ```python block of README.md and docs/**/*.md runs, as a reader pastes it.
 
-The blocks of one page run in order in one fresh interpreter (one shared namespace), on 8 CPU
-devices, in an empty temporary directory. A block preceded by ``<!-- skip: reason -->`` is left
-out (the page says why); one page's failure names the page and the block's first line.
+Every page of docs/ with python blocks says before its first block how they run (`SEQUENCE` or
+`ALONE`): in sequence, the page's blocks run in order in one fresh interpreter (one shared
+namespace); alone, each block runs in an interpreter of its own. Nothing is set up for them
+(a block that needs 8 CPU devices asks for them itself, as a reader's paste must), they run in an
+empty temporary directory, and a warning is an error, as in the test suite. A block preceded by
+``<!-- skip: reason -->`` is left out (the page says why); one page's failure names the page and
+the block's first line.
 
 A ```text block that directly follows a python block (nothing but blank lines between) shows
-what that block prints, and must match it: the text exactly (line ends stripped), numbers with
-a decimal point to 1e-3 relative or one unit of their last printed digit. To write an output,
+what that block prints, and must match it: the text exactly (line ends stripped; the
+temporary directory the blocks run in shows as ``<cwd>``, and gloo's connection lines,
+``[Gloo] Rank 0 is connected to ...`` in an order that varies, are left out), numbers with a
+decimal point to 1e-3 relative or one unit of their last printed digit. To write an output,
 put an empty ```text block after the python block and run
 ``ZERO_JAX_UPDATE_OUTPUTS=1 python -m pytest tests/test_docs_snippets.py -k <page>``: it fills
 in every output block of the pages it runs.
@@ -27,7 +33,8 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 PAGES = [p for p in PAGES if "_build" not in p.parts and "_autosummary" not in p.parts]
 _FENCE = re.compile(r"(?P<skip><!--\s*skip:[^>]*-->\s*\n)?^(?P<fence>```+)python[ \t]*\n"
                     r"(?P<code>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
-_PRELUDE = 'import jax\njax.config.update("jax_num_cpu_devices", 8)\n'
+SEQUENCE = "The blocks of this page run in sequence"
+ALONE = "Each block of this page runs on its own"
 _OUTPUT = re.compile(r"\n*```text[ \t]*\n(?P<out>.*?)^```[ \t]*$", re.M | re.S)
 _MARK = "<<<zero_jax snippet {}>>>"
 _NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?")
@@ -49,16 +56,24 @@ def output_blocks(text: str) -> dict[int, re.Match]:
   return found
 
 
-def page_script(page: pathlib.Path) -> str:
-  """The page's blocks, each announced on stderr so a failure names the block it was in, and
-  on stdout so that what each block prints can be told apart."""
+def run_mode(page: pathlib.Path) -> str | None:
+  """`SEQUENCE` or `ALONE`: what the page says before its first python block (None: nothing)."""
+  text = page.read_text()
+  head = text[:text.index("```python")] if "```python" in text else text
+  said = [m for m in (SEQUENCE, ALONE) if m in " ".join(head.split())]
+  return said[0] if len(said) == 1 else None
+
+
+def page_scripts(page: pathlib.Path) -> list[str]:
+  """The scripts a reader's pastes make of the page's blocks (one, or one per block), each
+  block announced on stderr so a failure names the block it was in, and on stdout so that
+  what each block prints can be told apart."""
   rel = page.relative_to(ROOT)
-  parts = [_PRELUDE]
+  parts = []
   for line, code in python_blocks(page.read_text()):
     parts.append(f"import sys as _s; print('--- {rel}:{line}', file=_s.stderr, flush=True); "
-                 f"print('\\n{_MARK.format(line)}', flush=True)\n")
-    parts.append(code)
-  return "\n".join(parts)
+                 f"print('\\n{_MARK.format(line)}', flush=True); del _s\n{code}")
+  return parts if run_mode(page) == ALONE else ["\n".join(parts)]
 
 
 def printed_by_block(stdout: str) -> dict[int, str]:
@@ -138,25 +153,48 @@ def test_every_page_with_python_is_collected():
   assert python_blocks((ROOT / "README.md").read_text()), "the README's quick start is gone"
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p.read_text())],
-                         ids=lambda p: p.relative_to(ROOT).as_posix())
+WITH_PYTHON = [p for p in PAGES if python_blocks(p.read_text())]
+
+
+@pytest.mark.parametrize("page", WITH_PYTHON, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_page_snippets_run(page, tmp_path):
-  script = tmp_path / "snippets.py"
-  script.write_text(page_script(page))
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
   env.pop("XLA_FLAGS", None)
-  run = tmp_path / "cwd"
-  run.mkdir()
-  proc = subprocess.run([sys.executable, str(script)], cwd=run, env=env, capture_output=True,
-                        text=True, timeout=300)
-  assert proc.returncode == 0, (
-      f"a python block of {page.relative_to(ROOT)} failed (the last '--- file:line' below is "
-      f"the block):\n{proc.stderr[-6000:]}\n--- stdout:\n{proc.stdout[-2000:]}")
-  stale = stale_outputs(page, printed_by_block(proc.stdout),
+  stdout = ""
+  for i, script in enumerate(page_scripts(page)):
+    path, run = tmp_path / f"snippets_{i}.py", tmp_path / f"cwd_{i}"
+    path.write_text(script)
+    run.mkdir()
+    proc = subprocess.run([sys.executable, "-W", "error", str(path)], cwd=run, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (
+        f"a python block of {page.relative_to(ROOT)} failed (the last '--- file:line' below "
+        f"is the block):\n{proc.stderr[-6000:]}\n--- stdout:\n{proc.stdout[-2000:]}")
+    printed = proc.stdout.replace(str(run.resolve()), "<cwd>").replace(str(run), "<cwd>")
+    stdout += "".join(l for l in printed.splitlines(True) if not l.startswith("[Gloo] "))
+  stale = stale_outputs(page, printed_by_block(stdout),
                         update=os.environ.get("ZERO_JAX_UPDATE_OUTPUTS") == "1")
   assert not stale, ("\n".join(stale) + "\nRefresh with ZERO_JAX_UPDATE_OUTPUTS=1 python -m "
                      "pytest tests/test_docs_snippets.py -k <page>, and read the diff.")
+
+
+@pytest.mark.parametrize("page", [p for p in WITH_PYTHON if p.parent.name in ("docs", "guides")
+                                  and p.name != "pypi_description.md"],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_guide_says_at_its_top_how_its_blocks_run(page):
+  assert run_mode(page), (f"{page.relative_to(ROOT)}: say before the first python block either "
+                          f"'{SEQUENCE}' or '{ALONE}'")
+
+
+@pytest.mark.parametrize("page", WITH_PYTHON, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_block_that_prints_shows_its_output(page):
+  shown = output_blocks(page.read_text())
+  silent = [line for line, code in python_blocks(page.read_text())
+            if re.search(r"\bprint\(", code) and line not in shown]
+  assert not silent, (f"{page.relative_to(ROOT)}: the blocks at lines {silent} print; follow "
+                      f"each with a ```text block of what it prints (an empty one, filled by "
+                      f"ZERO_JAX_UPDATE_OUTPUTS=1)")
 
 
 def _missing_names(text: str) -> list[str]:

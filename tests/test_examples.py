@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -18,10 +17,9 @@ TINY = ["--size", "tiny", "--seq-len", "32", "--batch-size", "16", "--lr", "1e-2
 STEPS, SAVE_EVERY = 24, 12
 
 
-def run_lm(*args, timeout=300, flags=TINY, ok=True, env=None) -> subprocess.CompletedProcess:
+def run_lm(*args, timeout=300, flags=TINY, ok=True, cwd=ROOT) -> subprocess.CompletedProcess:
   proc = subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), *flags, *args],
-                        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                        env=None if env is None else {**os.environ, **env})
+                        capture_output=True, text=True, timeout=timeout, cwd=cwd)
   if ok:
     assert proc.returncode == 0, f"train_lm.py failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
   return proc
@@ -60,7 +58,9 @@ def test_train_lm_loss_falls_and_reports_memory_and_samples(uninterrupted):
 
 
 def test_train_lm_resume_continues_to_the_same_params(uninterrupted, tmp_path):
-  """Resuming at step 12 takes the same steps 13-24 as the run that was never stopped.
+  """Resuming at step 12 takes the same steps 13-24 as the run that was never stopped, also
+  when told to train longer (--steps 26): the learning-rate schedule is the one the run
+  started with (24 steps), held at its final value after step 24.
 
   The resumed run is not told --size and --seq-len: it takes them from the checkpoints.
   """
@@ -68,21 +68,46 @@ def test_train_lm_resume_continues_to_the_same_params(uninterrupted, tmp_path):
   ckpt = tmp_path / "ckpt"
   shutil.copytree(src / "ckpt", ckpt)
   assert (ckpt / str(STEPS)).is_dir() and (ckpt / str(SAVE_EVERY)).is_dir()
+  assert json.loads((ckpt / "run.json").read_text())["schedule_steps"] == STEPS
   shutil.rmtree(ckpt / str(STEPS))   # as if the run had stopped after step 12
-  proc = run_lm("--steps", str(STEPS), "--resume", "--ckpt-dir", str(ckpt),
-                "--metrics-json", str(tmp_path / "metrics.json"),
+  proc = run_lm("--steps", str(STEPS + 2), "--save-every", str(SAVE_EVERY), "--resume",
+                "--ckpt-dir", str(ckpt), "--metrics-json", str(tmp_path / "metrics.json"),
                 flags=without(TINY, "--size", "--seq-len"))
   m = json.loads((tmp_path / "metrics.json").read_text())
   assert "--resume: using --size tiny --seq-len 32, as recorded in" in proc.stdout
   assert "ByteLM tiny: d_model=64, layers=2, heads=2, context=32" in proc.stdout
   assert f"resumed from {ckpt} at step {SAVE_EVERY}" in proc.stdout
-  assert m["start_step"] == SAVE_EVERY and m["step"] == STEPS
+  assert m["start_step"] == SAVE_EVERY and m["step"] == STEPS + 2
   resumed = {int(k): v for k, v in m["losses"].items()}
-  assert sorted(resumed) == list(range(SAVE_EVERY + 1, STEPS + 1))
-  for s, loss in resumed.items():
-    assert loss == pytest.approx(full["losses"][str(s)], rel=1e-6, abs=1e-6), s
-  assert m["param_checksum"] == pytest.approx(full["param_checksum"], rel=1e-6)
-  assert (ckpt / str(STEPS)).is_dir()  # and it saved its own final checkpoint
+  assert sorted(resumed) == list(range(SAVE_EVERY + 1, STEPS + 3))
+  for s in range(SAVE_EVERY + 1, STEPS + 1):
+    assert resumed[s] == pytest.approx(full["losses"][str(s)], rel=1e-6, abs=1e-6), s
+  assert (ckpt / str(STEPS)).is_dir() and (ckpt / str(STEPS + 2)).is_dir()  # its own saves
+
+
+def load_train_lm():
+  spec = importlib.util.spec_from_file_location("train_lm", EXAMPLES / "train_lm.py")
+  train_lm = importlib.util.module_from_spec(spec)
+  sys.modules["train_lm"] = train_lm  # flax's dataclasses look their module up
+  try:
+    spec.loader.exec_module(train_lm)
+  finally:
+    del sys.modules["train_lm"]
+  return train_lm
+
+
+def test_train_lm_resume_keeps_the_schedule_length_the_run_started_with(tmp_path):
+  train_lm = load_train_lm()
+  (tmp_path / "run.json").write_text(json.dumps(
+      {"size": "tiny", "seq_len": 32, "precision": "fp32", "schedule_steps": 300}))
+  resumed = train_lm.parse_args(["--steps", "600", "--resume", "--ckpt-dir", str(tmp_path)])
+  assert train_lm.schedule_steps(resumed, str(tmp_path)) == 300
+  fresh = train_lm.parse_args(["--steps", "600", "--ckpt-dir", str(tmp_path)])
+  assert train_lm.schedule_steps(fresh, str(tmp_path)) == 600
+  lr = train_lm.lr_schedule(1e-2, 300)
+  assert float(lr(30)) == pytest.approx(1e-2)                      # the peak, after warmup
+  for s in (300, 301, 450, 600):
+    assert float(lr(s)) == pytest.approx(1e-3), s                  # held at lr/10 after its end
 
 
 def test_train_lm_resume_refuses_flags_the_checkpoints_contradict(uninterrupted):
@@ -113,34 +138,27 @@ def test_train_lm_new_run_keeps_another_runs_checkpoints(uninterrupted, tmp_path
   assert f"deleting the checkpoints (steps [{SAVE_EVERY}, {STEPS}])" in proc.stdout
   assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2"]
   assert json.loads((ckpt / "run.json").read_text()) == {
-      "size": "tiny", "seq_len": 32, "precision": "bf16"}
+      "size": "tiny", "seq_len": 32, "precision": "bf16", "schedule_steps": 2}
 
 
 def test_train_lm_default_directory_replaces_only_the_same_runs_checkpoints(
     uninterrupted, tmp_path):
   """The README command run twice works; after a run with other flags it refuses instead."""
   src, _, _ = uninterrupted
-  default = tmp_path / "zero_jax_train_lm"          # the default --ckpt-dir under $TMPDIR
+  default = tmp_path / "checkpoints" / "train_lm"   # the default --ckpt-dir, under the cwd
   shutil.copytree(src / "ckpt", default)
   quick = ("--steps", "2", "--save-every", "0", "--eval-batches", "0", "--sample-bytes", "0")
-  env = {"TMPDIR": str(tmp_path)}
-  proc = run_lm(*quick, "--precision", "bf16", env=env, ok=False)
+  proc = run_lm(*quick, "--precision", "bf16", cwd=tmp_path, ok=False)
   assert proc.returncode != 0 and "with --size tiny --seq-len 32 --precision fp32" in proc.stderr
   assert sorted(p.name for p in default.iterdir() if p.name.isdigit()) == ["12", "24"]
-  proc = run_lm(*quick, env=env)
+  proc = run_lm(*quick, cwd=tmp_path)
   assert f"deleting the checkpoints (steps [{SAVE_EVERY}, {STEPS}]) of an earlier run in " \
          f"{default}" in proc.stdout
   assert sorted(p.name for p in default.iterdir() if p.name.isdigit()) == ["2"]
 
 
 def test_train_lm_help_lists_every_option(capsys):
-  spec = importlib.util.spec_from_file_location("train_lm", EXAMPLES / "train_lm.py")
-  train_lm = importlib.util.module_from_spec(spec)
-  sys.modules["train_lm"] = train_lm  # flax's dataclasses look their module up
-  try:
-    spec.loader.exec_module(train_lm)
-  finally:
-    del sys.modules["train_lm"]
+  train_lm = load_train_lm()
   with pytest.raises(SystemExit) as e:
     train_lm.parse_args(["--help"])
   assert e.value.code == 0

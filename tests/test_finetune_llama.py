@@ -1,17 +1,23 @@
 """examples/finetune_llama.py: a Hugging Face Llama checkpoint in, ZeRO-3 fine-tuning, out.
 
-The checkpoint is written here (random weights under Hugging Face's names and PyTorch's
-shapes); the references are a NumPy Llama written from Hugging Face's definitions (for
-the NNX model's forward pass) and plain optax on one device (for the training steps).
+Two kinds of checkpoint. tests/data/hf/ holds tiny checkpoints that transformers itself
+saved (tools/make_hf_testdata.py: Llama 2, Llama 3.1 rope scaling, tied embeddings,
+biases with head_dim, bf16, Qwen2) with transformers' logits on fixed tokens: each loads
+through the example with those logits, exports after 0 steps to the same bytes and after
+a step to the same names, shapes and dtypes. A random checkpoint written here checks the
+fine-tuning against a NumPy Llama (float64, after transformers' modeling_llama) and plain
+optax on one device.
 """
 
-import importlib.util
+import dataclasses
 import json
 import pathlib
+import shutil
+import struct
+import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -20,10 +26,15 @@ from safetensors.numpy import load_file
 
 import zero_jax as zj
 
-PATH = pathlib.Path(__file__).resolve().parent.parent / "examples" / "finetune_llama.py"
-_spec = importlib.util.spec_from_file_location("finetune_llama", PATH)
-EX = sys.modules["finetune_llama"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(EX)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+import finetune_llama as EX  # noqa: E402
+from llama import config as C  # noqa: E402
+from llama.hf_files import hf_name, hf_shapes  # noqa: E402
+from llama.model import build_model  # noqa: E402
+
+DATA = ROOT / "tests" / "data" / "hf"
+VARIANTS = ["llama2", "llama31", "tied", "bias_head_dim", "bf16", "qwen2"]
 STEPS, BATCH, SEQ = 3, 8, 16
 
 
@@ -34,16 +45,21 @@ def run(tmp_path_factory):
                   "--out", str(out)])
 
 
+def header(path) -> dict:
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(n))
+
+
 def plain_model(cfg, weights):
-  """``(forward(tokens), params)``: the NNX Llama on one device, its parameters set from
-  Hugging Face's tensors."""
-  graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: EX.build_model(cfg, nnx.Rngs(0))),
+  """``(forward(params, tokens), params, graphdef, rest)``: the NNX model on one device, its
+  parameters set from Hugging Face's tensors."""
+  graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))),
                                      nnx.Param, ...)
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   leaves = []
   for path, _ in flat:
-    name, transpose = EX.hf_name(zj.checkpoint.safetensors_format.default_name(path,
-                                                                              variable=True))
+    name, transpose = hf_name(zj.checkpoint.safetensors_format.default_name(path, variable=True))
     leaves.append(jax.device_put(weights[name].T if transpose else weights[name],
                                  jax.devices()[0]))
   params = jax.tree.unflatten(treedef, leaves)
@@ -51,13 +67,13 @@ def plain_model(cfg, weights):
 
 
 def numpy_llama(cfg, w, tokens):
-  """Llama's forward pass in NumPy, after Hugging Face's modeling_llama (float64)."""
+  """Llama's forward pass in NumPy, after Hugging Face's modeling_llama (float64, default
+  rope, no biases, untied)."""
   w = {k: v.astype(np.float64) for k, v in w.items()}
-  nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-  hd = cfg.hidden_size // nh
+  nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
   norm = lambda x, g: g * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
   s = tokens.shape[1]
-  inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2) / hd)
+  inv = 1.0 / cfg.rope.theta ** (np.arange(0, hd, 2) / hd)
   emb = np.concatenate([np.arange(s)[:, None] * inv] * 2, -1)
   cos, sin = np.cos(emb)[None, :, None], np.sin(emb)[None, :, None]
   rope = lambda x: x * cos + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * sin
@@ -72,13 +88,202 @@ def numpy_llama(cfg, w, tokens):
     a = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd) + np.triu(np.full((s, s), -np.inf), 1)
     a = np.exp(a - a.max(-1, keepdims=True))
     a /= a.sum(-1, keepdims=True)
-    x = x + np.einsum("bhqk,bkhd->bqhd", a, v).reshape(x.shape) @ p("self_attn.o_proj").T
+    x = x + np.einsum("bhqk,bkhd->bqhd", a, v).reshape(*x.shape[:2], -1) @ p("self_attn.o_proj").T
     h = norm(x, p("post_attention_layernorm"))
     gate = h @ p("mlp.gate_proj").T
     x = x + ((gate / (1 + np.exp(-gate))) * (h @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
   return norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
 
+# --------------------------------------------------------------- checkpoints transformers wrote
+def check(directory, *extra, ref="logits.npy"):
+  d = pathlib.Path(directory)
+  return EX.main(["--checkpoint", str(d), "--check-logits", str(d / "tokens.npy"),
+                  str(d / ref), *extra])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_checkpoint_transformers_wrote_gives_transformers_logits(variant):
+  result = check(DATA / variant)
+  assert result["logits"].shape == (2, 12, result["config"].vocab_size)
+  assert result["max_abs_diff"] < 1e-4
+
+
+def test_a_bf16_checkpoint_at_bf16_precision_gives_transformers_bf16_logits():
+  result = check(DATA / "bf16", "--precision", "bf16", ref="logits_bfloat16.npy")
+  assert result["max_abs_diff"] < EX.ATOL["bf16"]
+  # computed in bf16, not in float32 with bf16 weights
+  assert result["max_abs_diff"] > 10 * check(DATA / "bf16")["max_abs_diff"]
+
+
+def test_llama3_rope_scaling_changes_the_logits_beyond_the_tolerance():
+  """Without the llama3 frequencies (the default rope at the same theta) the logits are
+  off: the llama3 variant's test can fail."""
+  cfg = C.LlamaConfig.from_json(DATA / "llama31" / "config.json")
+  forward, params, _, _ = plain_model(dataclasses.replace(cfg, rope=C.Rope(cfg.rope.theta)),
+                                      load_file(DATA / "llama31" / "model.safetensors"))
+  tokens = np.load(DATA / "llama31" / "tokens.npy")
+  assert np.abs(np.asarray(forward(params, tokens)) - np.load(DATA / "llama31" / "logits.npy")
+                ).max() > 1e-3
+
+
+def test_the_transformers_4_layout_of_rope_settings_gives_the_same_logits(tmp_path):
+  """Llama 3.1's config.json as transformers 4.x wrote it: rope_theta at the top level,
+  rope_scaling without it."""
+  shutil.copytree(DATA / "llama31", tmp_path / "v4")
+  raw = json.loads((tmp_path / "v4" / "config.json").read_text())
+  rope = raw.pop("rope_parameters")
+  raw["rope_theta"] = rope.pop("rope_theta")
+  raw["rope_scaling"] = rope
+  (tmp_path / "v4" / "config.json").write_text(json.dumps(raw))
+  assert C.LlamaConfig.from_json(tmp_path / "v4" / "config.json") == \
+      C.LlamaConfig.from_json(DATA / "llama31" / "config.json")
+  assert check(tmp_path / "v4")["max_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_export_after_0_steps_is_the_file_transformers_wrote_byte_for_byte(variant, tmp_path):
+  precision = ["--precision", "bf16"] if variant == "bf16" else []
+  EX.main(["--checkpoint", str(DATA / variant), "--steps", "0", "--out", str(tmp_path / "o"),
+           *precision])
+  assert (tmp_path / "o" / "model.safetensors").read_bytes() == \
+      (DATA / variant / "model.safetensors").read_bytes()
+
+
+ONE_STEP = ["--steps", "1", "--batch-size", "8", "--seq-len", "8"]
+
+
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory):
+  """``variant -> the example's result after one step from that checkpoint`` (run once)."""
+  cache = {}
+
+  def get(variant):
+    if variant not in cache:
+      out = tmp_path_factory.mktemp(variant) / "out"
+      cache[variant] = EX.main(["--checkpoint", str(DATA / variant), *ONE_STEP, "--out",
+                                str(out)])
+    return cache[variant]
+  return get
+
+
+@pytest.mark.parametrize("variant", ["tied", "bf16"])
+def test_an_export_after_a_step_has_the_originals_names_shapes_and_dtypes(variant, one_step):
+  result = one_step(variant)
+  out = pathlib.Path(result["out"])
+  before, after = (header(d / "model.safetensors") for d in (DATA / variant, out))
+  strip = lambda h: {k: (e["dtype"], e["shape"]) for k, e in h.items() if k != "__metadata__"}
+  assert strip(after) == strip(before)
+  assert after["__metadata__"] == before["__metadata__"] == {"format": "pt"}
+  assert json.loads((out / "config.json").read_text()) == \
+      json.loads((DATA / variant / "config.json").read_text())
+  old, new = (load_file(d / "model.safetensors") for d in (DATA / variant, out))
+  assert not all(np.array_equal(old[k], new[k]) for k in old)  # trained
+  assert result["files"] == ["model.safetensors"]
+
+
+# --------------------------------------------------------------- the logit flags
+def test_check_logits_exits_with_status_1_beyond_the_tolerance(tmp_path, capsys):
+  ref = np.load(DATA / "llama2" / "logits.npy")
+  np.save(tmp_path / "ref.npy", ref + 2e-4)
+  with pytest.raises(SystemExit) as e:
+    EX.main(["--checkpoint", str(DATA / "llama2"), "--check-logits",
+             str(DATA / "llama2" / "tokens.npy"), str(tmp_path / "ref.npy")])
+  assert e.value.code == 1
+  assert "logits FAILED: largest absolute difference 0.0002" in capsys.readouterr().out
+  result = EX.main(["--checkpoint", str(DATA / "llama2"), "--atol", "1e-3", "--check-logits",
+                    str(DATA / "llama2" / "tokens.npy"), str(tmp_path / "ref.npy")])
+  assert 1e-4 < result["max_abs_diff"] < 1e-3
+
+
+def test_logits_out_writes_the_float32_logits_of_the_tokens(tmp_path):
+  out = tmp_path / "logits.npy"
+  result = EX.main(["--checkpoint", str(DATA / "qwen2"), "--tokens",
+                    str(DATA / "qwen2" / "tokens.npy"), "--logits-out", str(out)])
+  logits = np.load(out)
+  assert logits.dtype == np.float32 and logits.shape == (2, 12, 96)
+  np.testing.assert_array_equal(logits, result["logits"])
+  np.testing.assert_allclose(logits, np.load(DATA / "qwen2" / "logits.npy"), atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (np.zeros((2, 3), np.float32), "integer array"), (np.zeros(4, np.int32), r"\[batch, seq\]"),
+    (np.full((1, 2), 96, np.int32), r"in \[0, 96\)")])
+def test_bad_token_ids_are_refused_naming_what_is_expected(tmp_path, tokens, message):
+  np.save(tmp_path / "t.npy", tokens)
+  with pytest.raises(SystemExit, match=message):
+    EX.main(["--checkpoint", str(DATA / "qwen2"), "--tokens", str(tmp_path / "t.npy"),
+             "--logits-out", str(tmp_path / "o.npy")])
+
+
+# --------------------------------------------------------------- config.json
+LLAMA31_V4 = {  # Meta-Llama-3.1-8B's config.json as transformers 4.x wrote it
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192,
+                                            "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256}
+
+
+def test_a_transformers_4_llama31_config_is_read_field_by_field():
+  cfg = C.from_hf(LLAMA31_V4)
+  assert cfg.rope == C.Rope(500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
+  assert (cfg.head_dim, cfg.num_key_value_heads, cfg.rms_norm_eps) == (128, 8, 1e-5)
+  assert not (cfg.tie_word_embeddings or cfg.attention_bias or cfg.mlp_bias or cfg.qkv_bias)
+  assert C.from_hf(C.LlamaConfig().to_hf()) == C.LlamaConfig()
+  assert C.from_hf({**LLAMA31_V4, "rope_scaling": None}).rope == C.Rope(500000.0)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "mistral"}, "model_type 'mistral' is not one"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "causal language model"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not impl"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear' is not impl"),
+    ({"rope_theta": None}, "rope_theta"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs.*low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}, "rope_scaling": None,
+      "rope_theta": None}, "rope_type 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+     "both rope_parameters .* and rope_scaling .* disagree"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not implemented"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"layer_types": ["sliding_attention"] * 32}, "sliding_attention"),
+    ({"num_key_value_heads": 5}, "not a multiple of num_key_value_heads"),
+    ({"rms_norm_eps": None}, "no 'rms_norm_eps'"),
+    ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' is 'yes'; expected true or false"),
+    ({"head_dim": 7}, "head_dim 7 is odd"),
+])
+def test_a_config_field_this_model_does_not_implement_is_refused_by_name(change, message):
+  raw = {k: v for k, v in {**LLAMA31_V4, **change}.items() if v is not None}
+  with pytest.raises(C.ConfigError, match=message):
+    C.from_hf(raw)
+
+
+def test_qwen2_reads_as_llama_with_qkv_biases_and_refuses_sliding_windows():
+  raw = json.loads((DATA / "qwen2" / "config.json").read_text())
+  cfg = C.from_hf(raw)
+  assert cfg.qkv_bias and not cfg.attention_bias and cfg.model_type == "qwen2"
+  assert "model.layers.0.self_attn.q_proj.bias" in hf_shapes(cfg)
+  assert "model.layers.0.self_attn.o_proj.bias" not in hf_shapes(cfg)
+  with pytest.raises(C.ConfigError, match="use_sliding_window=True"):
+    C.from_hf({**raw, "use_sliding_window": True})
+
+
+def test_an_unreadable_config_stops_the_example_with_its_message(tmp_path):
+  shutil.copytree(DATA / "qwen2", tmp_path / "c")
+  raw = json.loads((tmp_path / "c" / "config.json").read_text())
+  (tmp_path / "c" / "config.json").write_text(json.dumps({**raw, "model_type": "gemma"}))
+  with pytest.raises(SystemExit, match="config.json: model_type 'gemma'"):
+    EX.main(["--checkpoint", str(tmp_path / "c"), "--steps", "0"])
+
+
+# --------------------------------------------------------------- fine-tuning a random checkpoint
 def test_the_nnx_llama_gives_hugging_faces_logits_and_loads_split(run):
   cfg = run["config"]
   weights = load_file(pathlib.Path(run["checkpoint"]) / "model.safetensors")
@@ -86,8 +291,8 @@ def test_the_nnx_llama_gives_hugging_faces_logits_and_loads_split(run):
   ref = numpy_llama(cfg, weights, tokens)
   forward, params, _, _ = plain_model(cfg, weights)
   np.testing.assert_allclose(np.asarray(forward(params, tokens)), ref, rtol=1e-4, atol=1e-4)
-  abstract = nnx.eval_shape(lambda: EX.build_model(cfg, nnx.Rngs(0)))
-  loaded = zj.load_safetensors(run["checkpoint"], abstract, step=run["step"], rename=EX.hf_name)
+  abstract = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
+  loaded = zj.load_safetensors(run["checkpoint"], abstract, step=run["step"], rename=hf_name)
   mine = jax.tree.leaves(nnx.state(loaded, nnx.Param))
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], mine):
     assert b.sharding.spec != jax.sharding.PartitionSpec(*[None] * b.ndim), path  # split
@@ -124,27 +329,50 @@ def test_the_export_is_the_trained_params_under_hugging_faces_names(run):
   assert run["files"] == ["model.safetensors"]
   assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
   got = load_file(out / "model.safetensors")
-  shapes = EX.hf_shapes(run["config"])
-  assert {k: v.shape for k, v in got.items()} == shapes
+  assert {k: v.shape for k, v in got.items()} == hf_shapes(run["config"])
   params = run["step"].get_params(run["state"])
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name, transpose = EX.hf_name(zj.checkpoint.safetensors_format.default_name(path,
-                                                                              variable=True))
+    name, transpose = hf_name(zj.checkpoint.safetensors_format.default_name(path, variable=True))
     x = np.asarray(x)
     assert got[name].tobytes() == np.ascontiguousarray(x.T if transpose else x).tobytes(), name
 
 
-def test_hugging_face_transformers_gives_the_same_logits(run):
-  """Only where torch and transformers are installed (not required by CI)."""
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  cfg = run["config"]
-  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf())).eval()
-  weights = load_file(pathlib.Path(run["out"]) / "model.safetensors")
-  hf.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()})
-  tokens = next(EX.text_batches(2, SEQ, cfg.vocab_size, seed=5))
-  with torch.no_grad():
-    ref = hf(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-  forward, params, _, _ = plain_model(cfg, weights)
-  mine = np.asarray(forward(params, tokens))
-  np.testing.assert_allclose(mine, ref, rtol=1e-4, atol=1e-4)
+# --------------------------------------------------------------- several processes
+def test_two_processes_train_as_one_and_export_the_bytes_one_process_exports(tmp_path,
+                                                                              one_step):
+  """2 processes x 4 devices under zj.launch_local, each feeding its own rows of every
+  batch, make the step 1 process x 8 devices makes (the same loss; parameters equal up to
+  the order of the gradient sums), and export the bytes 1 process exports of the same
+  parameters."""
+  two = tmp_path / "two"
+  rc = zj.launch_local([sys.executable, str(ROOT / "examples" / "finetune_llama.py"),
+                        "--checkpoint", str(DATA / "tied"), *ONE_STEP, "--out", str(two)],
+                       num_processes=2, devices_per_process=4, log_dir=str(tmp_path / "logs"))
+  logs = "\n".join(p.read_text() for p in sorted((tmp_path / "logs").iterdir()))
+  assert rc == 0, logs
+  one = one_step("tied")
+  assert f"step    0  loss {one['losses'][0]:.4f}" in logs
+  a, b = (load_file(pathlib.Path(d) / "model.safetensors") for d in (one["out"], two))
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  EX.main(["--checkpoint", str(two), "--steps", "0", "--out", str(tmp_path / "again")])
+  assert (tmp_path / "again" / "model.safetensors").read_bytes() == \
+      (two / "model.safetensors").read_bytes()
+
+
+def test_several_processes_need_a_shared_out_directory(tmp_path):
+  rc = zj.launch_local([sys.executable, str(ROOT / "examples" / "finetune_llama.py"),
+                        "--steps", "0"], num_processes=2, devices_per_process=1,
+                       log_dir=str(tmp_path))
+  assert rc != 0
+  assert "pass --out" in (tmp_path / "process_0.log").read_text()
+
+
+def test_the_example_runs_as_a_user_runs_it(tmp_path):
+  proc = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_llama.py"),
+                         "--checkpoint", str(DATA / "bf16"), "--check-logits",
+                         str(DATA / "bf16" / "tokens.npy"), str(DATA / "bf16" / "logits.npy")],
+                        capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert "logits ok: largest absolute difference" in proc.stdout

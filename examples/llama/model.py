@@ -1,0 +1,119 @@
+"""The Llama / Qwen2 decoder in Flax NNX, after transformers' ``modeling_llama``.
+
+RMSNorm, rotary embeddings (``default`` and ``llama3`` frequencies), grouped-query
+attention with optional biases, SwiGLU MLP, and a head that is its own matrix or the
+embedding's transpose (``tie_word_embeddings``). flax is imported inside `build_model`, so
+that reading a config does not start JAX.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from llama.config import LlamaConfig, Rope
+
+
+def inv_freq(rope: Rope, head_dim: int) -> np.ndarray:
+  """The rotary frequencies (float32, as transformers computes them)."""
+  base = np.float32(rope.theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+  inv = (np.float32(1.0) / base).astype(np.float32)
+  if rope.rope_type == "default":
+    return inv
+  # llama3: long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+  old = rope.original_max_position_embeddings
+  low_wavelen, high_wavelen = old / rope.low_freq_factor, old / rope.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
+  smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor -
+                                                     rope.low_freq_factor)
+  blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def build_model(cfg: LlamaConfig, rngs, *, dtype=None):
+  """The NNX model of ``cfg``, float32 parameters, computing in ``dtype`` (None: float32).
+
+  Pass the dtype the parameters will have when the loss sees them (``jnp.bfloat16`` for a
+  step with ``precision="bf16"``): ``nnx.Embed`` fixes the dtype of its output when it is
+  built, and every later layer computes in the dtype of its input and parameters.
+  """
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  dense = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
+  hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+  frequencies = inv_freq(cfg.rope, hd)
+
+  class RMSNorm(nnx.Module):
+    def __init__(self, dim):
+      self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+
+    def __call__(self, x):
+      h = x.astype(jnp.float32)
+      h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + cfg.rms_norm_eps)
+      return self.weight[...] * h.astype(x.dtype)
+
+  def rotary(x, positions):  # transformers' rotate_half convention, cos/sin in float32
+    freqs = positions[:, None].astype(jnp.float32) * frequencies
+    emb = jnp.concatenate([freqs] * 2, -1)
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, -1)
+    return x * cos[:, None] + jnp.concatenate([-x2, x1], -1) * sin[:, None]
+
+  class Attention(nnx.Module):
+    def __init__(self):
+      h, bias = cfg.hidden_size, cfg.attention_bias or cfg.qkv_bias
+      self.q_proj, self.k_proj = dense(h, nh * hd, bias), dense(h, nkv * hd, bias)
+      self.v_proj = dense(h, nkv * hd, bias)
+      self.o_proj = dense(nh * hd, h, cfg.attention_bias)
+
+    def __call__(self, x):
+      b, s, _ = x.shape
+      pos = jnp.arange(s)
+      q = rotary(self.q_proj(x).reshape(b, s, nh, hd), pos)
+      k = rotary(self.k_proj(x).reshape(b, s, nkv, hd), pos)
+      v = self.v_proj(x).reshape(b, s, nkv, hd)
+      k, v = jnp.repeat(k, nh // nkv, axis=2), jnp.repeat(v, nh // nkv, axis=2)
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * hd ** -0.5
+      scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
+      w = jax.nn.softmax(scores.astype(jnp.float32), -1).astype(x.dtype)
+      return self.o_proj(jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, nh * hd))
+
+  class MLP(nnx.Module):
+    def __init__(self):
+      h, m, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+      self.gate_proj, self.up_proj = dense(h, m, bias), dense(h, m, bias)
+      self.down_proj = dense(m, h, bias)
+
+    def __call__(self, x):
+      return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+  class Block(nnx.Module):
+    def __init__(self):
+      self.input_layernorm, self.self_attn = RMSNorm(cfg.hidden_size), Attention()
+      self.post_attention_layernorm, self.mlp = RMSNorm(cfg.hidden_size), MLP()
+
+    def __call__(self, x):
+      x = x + self.self_attn(self.input_layernorm(x))
+      return x + self.mlp(self.post_attention_layernorm(x))
+
+  class Llama(nnx.Module):
+    def __init__(self):
+      self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+      self.layers = nnx.List([Block() for _ in range(cfg.num_hidden_layers)])
+      self.norm = RMSNorm(cfg.hidden_size)
+      if not cfg.tie_word_embeddings:
+        self.lm_head = dense(cfg.hidden_size, cfg.vocab_size, False)
+
+    def __call__(self, tokens):
+      x = self.embed_tokens(tokens)
+      for layer in self.layers:
+        x = layer(x)
+      x = self.norm(x)
+      return self.embed_tokens.attend(x) if cfg.tie_word_embeddings else self.lm_head(x)
+
+  return Llama()
