@@ -25,7 +25,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import zero_jax as zj  # noqa: E402
+import zero_jax as zj
+from zero_jax.step import memory as zj_memory  # noqa: E402
 from _report import write_section  # noqa: E402
 
 GiB = 2.0 ** 30
@@ -54,13 +55,13 @@ def reports(params, optimizer, devices, precision):
 
 
 def table(reps, n_params, precision) -> str:
-  head = "| devices | " + " | ".join(zj.memory.STAGE_NAMES[s] for s in STAGES) + " |"
+  head = "| devices | " + " | ".join(zj_memory.STAGE_NAMES[s] for s in STAGES) + " |"
   lines = [f"Per-device memory of params + gradients + optimizer state + master copy, "
            f"GPT-2 small ({n_params / 1e6:.1f}M parameters), AdamW, precision {precision}; "
            f"from `zj.memory_report` (exact layouts, padding included; activations not "
            f"counted).", "", head, "|---:|" + "---:|" * len(STAGES)]
   for n, rep in reps.items():
-    lines.append(f"| {n} | " + " | ".join(zj.memory.format_bytes(rep[s].total)
+    lines.append(f"| {n} | " + " | ".join(zj_memory.format_bytes(rep[s].total)
                                          for s in STAGES) + " |")
   return "\n".join(lines)
 
@@ -75,7 +76,7 @@ def plot(reps, n_params, precision, out: pathlib.Path, bar_devices: int):
                                         gridspec_kw={"width_ratios": [1, 1.25]})
   # Left: what each device holds at bar_devices devices, part by part.
   rep = reps[bar_devices]
-  names = [zj.memory.STAGE_NAMES[s].replace(" (replicated)", "\n(replicated)") for s in STAGES]
+  names = [zj_memory.STAGE_NAMES[s].replace(" (replicated)", "\n(replicated)") for s in STAGES]
   bottom = [0.0] * len(STAGES)
   for field, label, color in PARTS:
     vals = [getattr(rep[s], field) / GiB for s in STAGES]
@@ -92,11 +93,11 @@ def plot(reps, n_params, precision, out: pathlib.Path, bar_devices: int):
   ns = list(reps)
   for s in STAGES:
     ax_line.plot(ns, [reps[n][s].total / GiB for n in ns], marker="o", ms=4, color=COLORS[s],
-                 label=zj.memory.STAGE_NAMES[s])
+                 label=zj_memory.STAGE_NAMES[s])
   ax_line.set_xscale("log", base=2)
   ax_line.set_yscale("log", base=2)
   ax_line.yaxis.set_major_formatter(
-      matplotlib.ticker.FuncFormatter(lambda v, _: zj.memory.format_bytes(v * GiB)))
+      matplotlib.ticker.FuncFormatter(lambda v, _: zj_memory.format_bytes(v * GiB)))
   ax_line.set_xticks(ns, [str(n) for n in ns])
   ax_line.set_xlabel("devices on the data axis")
   ax_line.set_ylabel("per device (log scale)")
