@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import zero_jax as zj
+import zero_jax as zj  # noqa: E402
 from zero_jax.step import memory as zj_memory  # noqa: E402
 from _report import write_section  # noqa: E402
 
