@@ -5,9 +5,10 @@ A drop-in for ``jax.lax.scan(f, init, stacked)`` over stacked layers (``stacked=
 gathered. With ``prefetch=1`` inside a stage-3 step the forward loop issues layer i+1's
 all-gather before layer i's compute and carries it (a double buffer); the backward pass,
 one ``custom_vjp`` over the whole stack, issues layer i-1's re-gather before layer i's
-backward and reduces layer i's gradient one iteration late (with hpZ or replica axes, its
-hops across hosts too: `zero_jax.layers.stacked.gather_many`), so that it overlaps layer i-1's
-backward. At stage 2 (and with ``gather_once``) only the delayed reduction applies.
+backward and reduces layer i's gradient one iteration late, so that it overlaps layer i-1's
+backward (with hpZ or replica axes its hop across hosts comes one iteration later still:
+`zero_jax.layers.stacked.scatter_outer`, so that neither hop waits for the other). At
+stage 2 (and with ``gather_once``) only the delayed reduction applies.
 Each layer is recomputed in the backward pass from its input carry, as under
 ``jax.checkpoint``. `zero_jax.layers.scan_layers` turns ``stacked`` (arrays, `ShardedParam`s,
 NNX modules) into flat leaves. See the docs' stage 3 guide and "How it works".
