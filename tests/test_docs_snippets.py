@@ -2,7 +2,9 @@
 
 The blocks of one page run in order in one fresh interpreter (one shared namespace), on 8 CPU
 devices, in an empty temporary directory. A block preceded by ``<!-- skip: reason -->`` is left
-out (the page says why); one page's failure names the page and the block's first line.
+out (the page says why), one preceded by ``<!-- needs: cuda-plugin -->`` where JAX's CUDA
+plugin is not installed (tests/gpu/test_guide.py runs those blocks with it); one page's
+failure names the page and the block's first line.
 
 A ```text block that directly follows a python block (nothing but blank lines between) shows
 what that block prints, and must match it: the text exactly (line ends stripped), numbers with
@@ -25,7 +27,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 PAGES = [p for p in PAGES if "_build" not in p.parts and "_autosummary" not in p.parts]
-_FENCE = re.compile(r"(?P<skip><!--\s*skip:[^>]*-->\s*\n)?^(?P<fence>```+)python[ \t]*\n"
+_FENCE = re.compile(r"(?:(?:(?P<skip><!--\s*skip:[^>]*-->)|(?P<needs><!--\s*needs:\s*"
+                    r"cuda-plugin\s*-->))\s*\n)?^(?P<fence>```+)python[ \t]*\n"
                     r"(?P<code>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
 _PRELUDE = 'import jax\njax.config.update("jax_num_cpu_devices", 8)\n'
 _OUTPUT = re.compile(r"\n*```text[ \t]*\n(?P<out>.*?)^```[ \t]*$", re.M | re.S)
@@ -33,10 +36,23 @@ _MARK = "<<<zero_jax snippet {}>>>"
 _NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?")
 
 
-def python_blocks(text: str) -> list[tuple[int, str]]:
-  """(line number, code) of each fenced python block not marked ``<!-- skip: ... -->``."""
+def cuda_plugin() -> bool:
+  """Whether JAX's CUDA plugin is installed (the GPU compile tier's venv has it)."""
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    return True
+  except ImportError:
+    return False
+
+
+def python_blocks(text: str, plugin: bool | None = None) -> list[tuple[int, str]]:
+  """(line number, code) of each fenced python block not marked ``<!-- skip: ... -->``; one
+  marked ``<!-- needs: cuda-plugin -->`` only where JAX's CUDA plugin is installed (or
+  ``plugin`` says so)."""
+  plugin = cuda_plugin() if plugin is None else plugin
   return [(text.count("\n", 0, m.start("code")) + 1, m.group("code"))
-          for m in _FENCE.finditer(text) if not m.group("skip")]
+          for m in _FENCE.finditer(text)
+          if not m.group("skip") and (plugin or not m.group("needs"))]
 
 
 def output_blocks(text: str) -> dict[int, re.Match]:
@@ -44,7 +60,7 @@ def output_blocks(text: str) -> dict[int, re.Match]:
   found = {}
   for m in _FENCE.finditer(text):
     out = _OUTPUT.match(text, m.end() + 1)
-    if out and not m.group("skip"):
+    if out and not m.group("skip") and (cuda_plugin() or not m.group("needs")):
       found[text.count("\n", 0, m.start("code")) + 1] = out
   return found
 
@@ -111,6 +127,9 @@ def test_the_extractor_finds_blocks_and_honours_skip():
   text = ("a\n```python\nx = 1\n```\n<!-- skip: needs a GPU -->\n```python\ny = 2\n```\n"
           "```bash\nls\n```\n````python\nz = '```'\n````\n")
   assert python_blocks(text) == [(3, "x = 1\n"), (13, "z = '```'\n")]
+  needs = "<!-- needs: cuda-plugin -->\n```python\nw = 3\n```\n"
+  assert python_blocks(needs, plugin=False) == []
+  assert python_blocks(needs, plugin=True) == [(3, "w = 3\n")]
 
 
 def test_an_output_block_is_the_text_block_right_after_a_python_block():
