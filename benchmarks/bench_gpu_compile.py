@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pathlib
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -29,6 +31,14 @@ import zero_jax as zj  # noqa: E402
 
 TOKENS_PER_DEVICE = 8192
 MiB = 1 << 20
+# Where each compiled program's text is kept, for bench_overlap.py's GPU-schedule predictions.
+PROGRAMS = pathlib.Path(tempfile.gettempdir()) / "zero_jax_gpu_programs"
+
+
+def program_path(model: str, name: str) -> pathlib.Path:
+  """Where the compiled text of ``model`` in configuration ``name`` is kept."""
+  slug = lambda s: "".join(c if c.isalnum() else "_" for c in s)
+  return PROGRAMS / f"{slug(model)}__{slug(name)}.hlo.txt"
 
 
 def configs() -> dict:
@@ -79,6 +89,8 @@ def measure(args) -> dict:
       t0 = time.perf_counter()
       compiled, params, batch, mesh, options = compile_gpu(cfg, name)
       m = compiled.memory_analysis()
+      PROGRAMS.mkdir(exist_ok=True)
+      program_path(cfg.name, name).write_text(compiled.as_text())
       row = report_row(cfg, params, mesh, options)
       batch_bytes = math.prod(batch["tokens"].shape) * 4 // math.prod(mesh.devices.shape)
       out[(cfg.name, name)] = {
