@@ -42,6 +42,12 @@ EXPECTED = {
     "nnx": {"all-gather": 2, "reduce-scatter": 1, "all-reduce": 1},
     "linen": {"reduce-scatter": 1, "all-gather": 1, "all-reduce": 1},
 }
+# On two hosts: hybrid sharding reduces and gathers within each host and all-reduces the
+# gradient block and the loss across (the gradient norm's sum stays within the host: each
+# host holds the whole gradient); hpZ gathers within the host and crosses it to reduce the
+# gradient's second hop, to refresh its secondary copy and for the scalars.
+CROSSING = {"replica_axis": {"all-reduce": 2},
+            "hpz": {"reduce-scatter": 1, "all-gather": 1, "all-reduce": 2}}
 COMPILED = [n for n in CASES if n != "offload"]
 
 
@@ -64,6 +70,10 @@ def test_each_step_compiles_for_gpus_with_async_collectives_only(name, hosts):
   assert not schedule.synchronous(text)
   assert dict(async_collectives(text)) == EXPECTED[name]
   assert not host_transfers(text)
+  if hosts == 2 and name in CROSSING:  # which collectives leave the host (devices 8-15)
+    crossing = collections.Counter(c.op for c in hlo.collectives(text)
+                                   if any(len({d // 8 for d in g}) > 1 for g in c.groups or ()))
+    assert dict(crossing) == CROSSING[name]
   if name.startswith("scan"):  # the layer loops: a gather forward, a gather and a reduce back
     loops = [[w.op for w in l.windows] for l in schedule.loops(text) if l.windows]
     assert sorted(map(sorted, loops)) == [["all-gather"], ["all-gather", "reduce-scatter"]]
