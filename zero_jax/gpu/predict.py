@@ -62,7 +62,7 @@ from zero_jax.comm.hlo import _nbytes, replica_groups  # pylint: disable=protect
 from zero_jax.gpu import schedule
 from zero_jax.gpu.targets import H100, Target
 
-_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_COLLECTIVES = schedule.COLLECTIVES
 _REDUCERS = ("reduce", "reduce-window", "scatter", "sort", "map", "select-and-scatter")  # to_apply
 _ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
 
