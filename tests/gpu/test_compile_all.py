@@ -52,8 +52,9 @@ COMPILED = [n for n in CASES if n != "offload"]
 
 
 def async_collectives(text) -> collections.Counter:
+  comps = hlo._computations(text)  # pylint: disable=protected-access
   return collections.Counter(
-      re.sub(r"-start$", "", i.op) for lines in hlo._computations(text).values()  # pylint: disable=protected-access
+      re.sub(r"-start$", "", i.op) for lines in comps.values()
       for i in filter(None, map(hlo.parse_instruction, lines)) if i.op.endswith("-start"))
 
 

@@ -162,8 +162,8 @@ def _window(comps: dict, instrs: list, shapes: dict, start: int, done: int) -> W
       found = [d for c in x.called for d in matmuls(comps, c)]
     else:  # a loop nested in the window: compute, counted as its own loop
       found = []
-      if x.op == "while" and any(hlo._contains(comps, c, _MATMUL)  # pylint: disable=protected-access
-                                 for c in x.called):
+      contains = hlo._contains  # pylint: disable=protected-access
+      if x.op == "while" and any(contains(comps, c, _MATMUL) for c in x.called):
         compute.append(x.name)
     if found:
       compute.append(x.name)
