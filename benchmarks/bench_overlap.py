@@ -9,6 +9,11 @@ bytes and device groups) and predicts per-layer compute and communication time a
 step's time with prefetch 0 (serial) and 1 (``zj.scan``: one layer ahead) on
 ``overlap.H100_SXM``.
 
+Beside the CPU-derived prediction it puts the one read off XLA:GPU's own schedule
+(``zero_jax.gpu.predict.predict_scheduled``) of the same step with ``zj.scan(prefetch=1)``,
+compiled for compile-only H100s by ``bench_gpu_compile.py`` (run it first: it keeps the
+programs' text; where one is missing and JAX's CUDA plugin is installed it is compiled here).
+
 Usage: ``python benchmarks/bench_overlap.py [--quick] [--no-write]
 [--compute-efficiency 0.6] [--link-efficiency 0.8]``.
 """
@@ -34,6 +39,27 @@ import zero_jax as zj  # noqa: E402
 from zero_jax.gpu import predict as overlap  # noqa: E402
 
 TOKENS_PER_DEVICE = 8192
+
+
+def gpu_schedule_exposed(model: str, name: str, args) -> float | None:
+  """Seconds of communication XLA:GPU's schedule of this step (prefetch 1) leaves exposed on
+  H100s, or None where the program is neither kept by bench_gpu_compile.py nor compilable."""
+  import bench_gpu_compile as gc  # pylint: disable=import-outside-toplevel
+  if name not in gc.configs():
+    return None
+  path = gc.program_path(model, name)
+  if not path.exists():
+    try:
+      cfg = next(c for c in (_lm.GPT2_SMALL, _lm.GPT_1B) if c.name == model)
+      gc.PROGRAMS.mkdir(exist_ok=True)
+      path.write_text(gc.compile_gpu(cfg, name)[0].as_text())
+    except RuntimeError as e:  # no CUDA plugin
+      print(f"{model} {name}: no GPU program ({e})")
+      return None
+  loops = overlap.predict_scheduled(path.read_text(), overlap.H100_SXM,
+                                    compute_efficiency=args.compute_efficiency,
+                                    link_efficiency=args.link_efficiency)
+  return sum(l.exposed for l in loops)
 
 
 def configs() -> dict:
@@ -111,6 +137,7 @@ def measure(args) -> dict:
                           if overlap.crosses_hosts(t, overlap.H100_SXM)],
           "step": {p: pred.step(p) for p in (0, 1)},
           "exposed": {p: pred.exposed(p) for p in (0, 1)},
+          "gpu_exposed": gpu_schedule_exposed(cfg.name, name, args),
           "tokens_per_s": {p: n * TOKENS_PER_DEVICE / pred.step(p) for p in (0, 1)},
           "mfu": {p: _lm.model_flops_per_token(cfg) * TOKENS_PER_DEVICE / pred.step(p)
                   / overlap.H100_SXM.peak_flops for p in (0, 1)}}
@@ -186,8 +213,9 @@ def render(out: dict, args, seconds: float) -> str:
       "",
       "| model | H100s, configuration | fwd layer: compute / comm ms | bwd layer: compute / "
       "comm (cross-host) ms | rest of step: compute / comm ms | step ms, prefetch 0 | step ms, "
-      "prefetch 1 | exposed comm ms, 0 -> 1 | MFU, 0 -> 1 |",
-      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+      "prefetch 1 | exposed comm ms, 0 -> 1 | exposed ms, prefetch 1: CPU-derived / "
+      "GPU schedule | MFU, 0 -> 1 |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for (model, name), r in out.items():
     f, b = r["fwd"], r["bwd"]
     lines.append(
@@ -195,6 +223,7 @@ def render(out: dict, args, seconds: float) -> str:
         f"{ms(b.gather + b.reduce)} ({ms(b.cross_host)}) | {ms(r['rest'][0])} / "
         f"{ms(r['rest'][1])} | {ms(r['step'][0])} | "
         f"{ms(r['step'][1])} | {ms(r['exposed'][0])} -> {ms(r['exposed'][1])} | "
+        f"{ms(r['exposed'][1])} / {'-' if r['gpu_exposed'] is None else ms(r['gpu_exposed'])} | "
         f"{r['mfu'][0]:.0%} -> {r['mfu'][1]:.0%} |")
   lines += ["", *reading(out)]
   lines += [
@@ -205,7 +234,15 @@ def render(out: dict, args, seconds: float) -> str:
       "(forward), and the re-gather plus the gradient's reduce-scatter and any cross-host "
       "hop (backward); the rest of the step (embedding, head, the update's collectives) "
       "runs serially in both schedules. No GPU run exists yet to put measured rows beside "
-      "these: see the `gpu` section."]
+      "these: see the `gpu` section.",
+      "",
+      "*Exposed ms, prefetch 1: CPU-derived / GPU schedule* (both predictions): the first is "
+      "the model above, which assumes the `zj.scan` schedule on a program lowered for CPU; "
+      "the second reads the program XLA:GPU compiled for these H100s (`bench_gpu_compile.py`, "
+      "compile-only devices, bf16, AdamW, prefetch 1) with `predict.predict_scheduled`: each "
+      "async collective's ring time less the matmuls XLA:GPU put inside its start..done "
+      "window, summed over the step (the embedding, head and update's collectives included, "
+      "each against what its own window holds). `-`: no GPU program for that row."]
   return "\n".join(lines)
 
 

@@ -5,8 +5,9 @@ Every page of docs/ with python blocks says before its first block how they run 
 namespace); alone, each block runs in an interpreter of its own. Nothing is set up for them
 (a block that needs 8 CPU devices asks for them itself, as a reader's paste must), they run in an
 empty temporary directory, and a warning is an error, as in the test suite. A block preceded by
-``<!-- skip: reason -->`` is left out (the page says why); one page's failure names the page and
-the block's first line.
+``<!-- skip: reason -->`` is left out (the page says why), one preceded by
+``<!-- needs: cuda-plugin -->`` where JAX's CUDA plugin is not installed (tests/gpu/test_guide.py
+runs those blocks with it); one page's failure names the page and the block's first line.
 
 A ```text block that directly follows a python block (nothing but blank lines between) shows
 what that block prints, and must match it: the text exactly (line ends stripped; the
@@ -31,7 +32,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 PAGES = [p for p in PAGES if "_build" not in p.parts and "_autosummary" not in p.parts]
-_FENCE = re.compile(r"(?P<skip><!--\s*skip:[^>]*-->\s*\n)?^(?P<fence>```+)python[ \t]*\n"
+_FENCE = re.compile(r"(?:(?:(?P<skip><!--\s*skip:[^>]*-->)|(?P<needs><!--\s*needs:\s*"
+                    r"cuda-plugin\s*-->))\s*\n)?^(?P<fence>```+)python[ \t]*\n"
                     r"(?P<code>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
 SEQUENCE = "The blocks of this page run in sequence"
 ALONE = "Each block of this page runs on its own"
@@ -40,10 +42,23 @@ _MARK = "<<<zero_jax snippet {}>>>"
 _NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?")
 
 
-def python_blocks(text: str) -> list[tuple[int, str]]:
-  """(line number, code) of each fenced python block not marked ``<!-- skip: ... -->``."""
+def cuda_plugin() -> bool:
+  """Whether JAX's CUDA plugin is installed (the GPU compile tier's venv has it)."""
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    return True
+  except ImportError:
+    return False
+
+
+def python_blocks(text: str, plugin: bool | None = None) -> list[tuple[int, str]]:
+  """(line number, code) of each fenced python block not marked ``<!-- skip: ... -->``; one
+  marked ``<!-- needs: cuda-plugin -->`` only where JAX's CUDA plugin is installed (or
+  ``plugin`` says so)."""
+  plugin = cuda_plugin() if plugin is None else plugin
   return [(text.count("\n", 0, m.start("code")) + 1, m.group("code"))
-          for m in _FENCE.finditer(text) if not m.group("skip")]
+          for m in _FENCE.finditer(text)
+          if not m.group("skip") and (plugin or not m.group("needs"))]
 
 
 def output_blocks(text: str) -> dict[int, re.Match]:
@@ -51,7 +66,7 @@ def output_blocks(text: str) -> dict[int, re.Match]:
   found = {}
   for m in _FENCE.finditer(text):
     out = _OUTPUT.match(text, m.end() + 1)
-    if out and not m.group("skip"):
+    if out and not m.group("skip") and (cuda_plugin() or not m.group("needs")):
       found[text.count("\n", 0, m.start("code")) + 1] = out
   return found
 
@@ -126,6 +141,9 @@ def test_the_extractor_finds_blocks_and_honours_skip():
   text = ("a\n```python\nx = 1\n```\n<!-- skip: needs a GPU -->\n```python\ny = 2\n```\n"
           "```bash\nls\n```\n````python\nz = '```'\n````\n")
   assert python_blocks(text) == [(3, "x = 1\n"), (13, "z = '```'\n")]
+  needs = "<!-- needs: cuda-plugin -->\n```python\nw = 3\n```\n"
+  assert python_blocks(needs, plugin=False) == []
+  assert python_blocks(needs, plugin=True) == [(3, "w = 3\n")]
 
 
 def test_an_output_block_is_the_text_block_right_after_a_python_block():

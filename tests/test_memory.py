@@ -197,3 +197,18 @@ def test_format_bytes_uses_binary_units():
   assert format_bytes(1536) == "1.5 KiB"
   assert format_bytes(3 * 2 ** 30) == "3 GiB"
   assert math.isclose(float(format_bytes(124.4e6 * 16).split()[0]), 1.85, rel_tol=0.01)
+
+
+def test_prefetch_with_a_hop_across_hosts_counts_a_layer_gradient_reduced_within_the_host():
+  """hpZ or a replica axis: zj.scan also carries layer i+2's gradient, reduced within the
+  host, while its hop across hosts waits one iteration (f32, 4 layers of 64 x 64)."""
+  params = {"layers": jax.ShapeDtypeStruct((4, 64, 64), jnp.float32)}
+  layer = 64 * 64 * 4
+  mesh = jax.sharding.AbstractMesh((2, 4), ("hosts", "data"))
+  kw = dict(stacked=True, prefetch=1, stages=(3,), mesh=mesh)
+  flat = zj.memory_report(params, optax.sgd(0.1), axis_name=("hosts", "data"), **kw)[3]
+  hpz = zj.memory_report(params, optax.sgd(0.1), axis_name=("hosts", "data"), hpz_axis="data",
+                         **kw)[3]
+  hybrid = zj.memory_report(params, optax.sgd(0.1), replica_axis="hosts", **kw)[3]
+  assert flat.prefetch == 2 * layer
+  assert hpz.prefetch == 2 * layer + layer // 4 and hybrid.prefetch == 2 * layer + layer // 4

@@ -101,6 +101,12 @@ CASES = {
                                             "replica_axis": "replica",
                                             "axis_name": ("host", "data"), "hpz_axis": "data",
                                             "grad_accum_steps": 2}, True, 0),
+    # 5 layers: the backward loop runs (the hops across hosts two layers late)
+    "s3_sgd_hpz_replica_5layers": (5, SGD, {"stage": 3, "mesh_shape": (2, 2, 2),
+                                            "axes": ("replica", "host", "data"),
+                                            "replica_axis": "replica",
+                                            "axis_name": ("host", "data"), "hpz_axis": "data"},
+                                   True, 0),
     "s3_adam_replica_accum": (3, ADAM, {"stage": 3, "mesh_shape": (2, 4),
                                         "axes": ("replica", "data"), "replica_axis": "replica",
                                         "grad_accum_steps": 2}, True, 0),
@@ -356,13 +362,18 @@ ACROSS_HOSTS = [(0, 2), (1, 3), (4, 6), (5, 7)]
 ACROSS_REPLICAS = [(0, 4), (1, 5), (2, 6), (3, 7)]
 
 
-def test_cross_host_and_replica_hops_run_in_the_backward_loop_one_layer_late(hosts_compiled):
+def test_cross_host_and_replica_hops_run_in_the_backward_loop_two_layers_late(hosts_compiled):
   """The gradient's hops across hosts (hpZ) and replicas run per layer in the backward
-  loop, bucketed (one collective each for w and b), on the gradient the previous
-  iteration carried in; none waits for the end of the backward pass."""
+  loop, bucketed (one collective each for w and b), on what the previous iteration's
+  reduction within the host carried in (layer i+2's while layer i+1's is reduced within
+  the host); none waits for the end of the backward pass."""
   text = hosts_compiled[1]
   bwd = [l for l in hlo_lib.loops(text) if any(c.op == "reduce-scatter" for c in l.collectives)]
-  assert len(bwd) == 1 and bwd[0].trip_count == DEEP - 2
+  # the first and the last two layers' backward run outside the loop (no layer i+2 yet)
+  assert len(bwd) == 1 and bwd[0].trip_count == DEEP - 3
+  inner = [c for c in bwd[0].collectives if c.op == "reduce-scatter" and len(c.groups[0]) == 2
+           and c.groups != ACROSS_HOSTS]
+  assert inner and not any(c.operand_from_compute or c.used_by_compute for c in inner), inner
   hops = {(c.op, tuple(c.groups)): c for c in bwd[0].collectives}
   outer = hops[("reduce-scatter", tuple(ACROSS_HOSTS))]
   replica = hops[("all-reduce", tuple(ACROSS_REPLICAS))]

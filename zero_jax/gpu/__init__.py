@@ -1,7 +1,8 @@
 """GPUs without a GPU: targets as data, compile-only meshes, and what their programs show.
 
 The family's files in the order work flows through them: `targets` (the cards' figures and
-compile-only meshes of them), `predict` (how much communication a compiled program leaves
+compile-only meshes of them), `schedule` (what XLA:GPU scheduled inside each async
+collective's window), `predict` (how much communication a compiled program leaves
 exposed on a target: a prediction, not a measurement).
 """
 

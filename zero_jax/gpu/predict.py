@@ -19,7 +19,12 @@ each matmul's roofline, ``max(flops / peak, bytes / HBM bandwidth)``; elementwis
 counted, so scale ``peak_flops`` (and the links) to what your software reaches
 (``compute_efficiency``, ``link_efficiency``). These are predictions, not measurements.
 
-Feed it the lowered program, ``step.lower(state, batch).as_text(dialect="hlo")``: it keeps
+`predict_scheduled` reads instead the program XLA:GPU compiled (on `zero_jax.compile_only_mesh`
+devices, no GPU needed): each async collective's exposed time is its ring time less the
+matmuls XLA:GPU actually scheduled inside its window. `device_from_target` makes a `Device`
+of a `zero_jax.gpu.Target`.
+
+Feed `analyze` the lowered program, ``step.lower(state, batch).as_text(dialect="hlo")``: it keeps
 the dtypes the program asks for (XLA:CPU's compiled program carries half-precision
 collectives and matmuls in float32) and needs no device of the target kind. The compiled
 text (``.compile().as_text()``) of XLA:CPU works as well. Both schedules are derived from one
@@ -48,15 +53,16 @@ Example:
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from typing import NamedTuple
 
 from zero_jax.comm import hlo
 from zero_jax.comm.hlo import _nbytes, replica_groups  # pylint: disable=protected-access
+from zero_jax.gpu import schedule
+from zero_jax.gpu.targets import H100, Target
 
-_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_COLLECTIVES = schedule.COLLECTIVES
 _REDUCERS = ("reduce", "reduce-window", "scatter", "sort", "map", "select-and-scatter")  # to_apply
 _ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
 
@@ -87,12 +93,17 @@ class Device(NamedTuple):
   devices_per_host: int = 8
 
 
-# NVIDIA's H100 SXM datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 900 GB/s
-# (the total of both directions: 450 GB/s each way, what a ring step sends), 8 GPUs a host
-# (DGX/HGX H100) with one 400 Gb/s (50 GB/s) NDR InfiniBand port per GPU. The latencies are
-# assumptions of the order NCCL shows for small messages.
-H100_SXM = Device("H100 SXM", 989e12, 3.35e12, intra=Link(450e9, 2e-6),
-                  cross=Link(50e9, 6e-6), devices_per_host=8)
+def device_from_target(target: Target, devices_per_host: int = 8) -> Device:
+  """The `Device` of a `zero_jax.gpu.Target`: its dense bf16 peak, HBM bandwidth and links."""
+  return Device(target.name, target.peak_flops, target.hbm_bandwidth,
+                intra=Link(target.intra_bandwidth, target.intra_latency),
+                cross=Link(target.cross_bandwidth, target.cross_latency),
+                devices_per_host=devices_per_host)
+
+
+# NVIDIA's H100 SXM datasheet (`zero_jax.gpu.H100`): 989 TFLOP/s dense bf16, 3.35 TB/s HBM3,
+# NVLink 450 GB/s each way, one 400 Gb/s NDR port per GPU, 8 GPUs a host.
+H100_SXM = device_from_target(H100)._replace(name="H100 SXM")
 
 
 class Transfer(NamedTuple):
@@ -130,22 +141,6 @@ class Loop(NamedTuple):
 
 
 # ------------------------------------------------------------------- reading
-def _dims(attr: str, line: str) -> list[int]:
-  m = re.search(attr + r"=\{([\d,]*)\}", line)
-  return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
-def _dot(ins: hlo.Instruction, shapes: dict) -> tuple[float, float]:
-  """(flops, bytes read and written) of a ``dot``, from its operands' shapes."""
-  if len(ins.operands) < 2 or not all(o in shapes for o in ins.operands[:2]):
-    raise ValueError(f"dot {ins.name}: cannot find the shapes of its operands {ins.operands}")
-  lhs, rhs = (shapes[o] for o in ins.operands[:2])
-  out = hlo.shapes_in(ins.shape_text)[0]
-  k = math.prod(lhs[0][d] for d in _dims("lhs_contracting_dims", ins.line))
-  nbytes = _nbytes(ins.shape_text) + lhs[1] + rhs[1]
-  return 2.0 * math.prod(out) * k, float(nbytes)
-
-
 def _trips(comps: dict, ins: hlo.Instruction) -> int:
   """A loop's trip count: XLA's ``known_trip_count``, else a ``counter < constant`` condition."""
   m = hlo._TRIPS.search(ins.line)  # pylint: disable=protected-access
@@ -183,7 +178,7 @@ def _walk(comps: dict, name: str, acc: _Acc, n_devices: int | None) -> None:
     body = re.search(r"\bbody=%?([\w.\-]+)", ins.line)
     branches = hlo._BRANCHES.search(ins.line)  # pylint: disable=protected-access
     if ins.op == "dot":
-      acc.dots.append(_dot(ins, shapes))
+      acc.dots.append(schedule.dot_cost(ins, shapes))
     elif base in _COLLECTIVES and not ins.op.endswith("-done"):
       groups = replica_groups(ins.line) or ([tuple(range(n_devices))] if n_devices else None)
       if groups is None:
@@ -353,3 +348,61 @@ def predict(program: Loop, device: Device, *, compute_efficiency: float = 1.0,
 
   visit(program, 1)
   return Prediction(device, tuple(loops), serial[0], serial[1])
+
+
+# ------------------------------------------------------- on XLA:GPU's schedule
+class WindowTime(NamedTuple):
+  """One async collective of a compiled GPU program on a device, seconds per run: ``comm``
+  (its ring time), ``compute`` (the matmuls XLA:GPU scheduled inside its window) and
+  ``exposed``: ``max(0, comm - compute)``, what the step waits for it."""
+  op: str
+  nbytes: float
+  comm: float
+  compute: float
+
+  @property
+  def exposed(self) -> float:
+    return max(0.0, self.comm - self.compute)
+
+
+class ScheduledLoop(NamedTuple):
+  """A loop (or, with ``trips`` 1 and name ``"ENTRY"``, the code outside the loops) and the
+  `WindowTime` of each of its async collectives, per iteration."""
+  name: str
+  trips: int
+  windows: tuple
+
+  @property
+  def exposed(self) -> float:
+    """Seconds of communication one run of the loop leaves exposed (all its iterations)."""
+    return self.trips * sum(w.exposed for w in self.windows)
+
+
+def predict_scheduled(hlo_text: str, device: Device, *, compute_efficiency: float = 1.0,
+                      link_efficiency: float = 1.0) -> tuple[ScheduledLoop, ...]:
+  """Exposed communication per collective from what XLA:GPU put inside each one's window.
+
+  Reads a program compiled for GPUs (``compiled.as_text()`` on a `zero_jax.compile_only_mesh`
+  or real GPUs) with `zero_jax.gpu.schedule`: each async collective costs its ring time on
+  ``device``'s links (`transfer_time`, bytes from the HLO) and hides behind the matmuls
+  scheduled between its start and its done (`compute_time`, flops counted from the operands'
+  shapes). Windows are taken one at a time: a matmul inside two windows hides both. A loop's
+  figure counts its own trip count (a loop nested in another, e.g. under gradient
+  accumulation, is not multiplied by the outer one's). A prediction, not a measurement.
+
+  Returns:
+    The program's code outside loops (``"ENTRY"``) and its loops, as `ScheduledLoop`s.
+  """
+  comps = hlo._computations(hlo_text)  # pylint: disable=protected-access
+  entry = _ENTRY.search(hlo_text)
+
+  def timed(ws) -> tuple:
+    return tuple(WindowTime(w.op, float(w.nbytes), transfer_time(
+        Transfer(w.op, float(w.nbytes), tuple(w.groups or ())), device, link_efficiency),
+        compute_time(w.dots, device, compute_efficiency)) for w in ws)
+
+  out = [ScheduledLoop("ENTRY", 1, timed(schedule.windows(comps, entry.group(1)) if entry
+                                         else ()))]
+  for loop in schedule.loops(hlo_text):
+    out.append(ScheduledLoop(loop.body, loop.trip_count or 1, timed(loop.windows)))
+  return tuple(out)

@@ -5,9 +5,10 @@ A drop-in for ``jax.lax.scan(f, init, stacked)`` over stacked layers (``stacked=
 gathered. With ``prefetch=1`` inside a stage-3 step the forward loop issues layer i+1's
 all-gather before layer i's compute and carries it (a double buffer); the backward pass,
 one ``custom_vjp`` over the whole stack, issues layer i-1's re-gather before layer i's
-backward and reduces layer i's gradient one iteration late (with hpZ or replica axes, its
-hops across hosts too: `zero_jax.layers.stacked.gather_many`), so that it overlaps layer i-1's
-backward. At stage 2 (and with ``gather_once``) only the delayed reduction applies.
+backward and reduces layer i's gradient one iteration late, so that it overlaps layer i-1's
+backward (with hpZ or replica axes its hop across hosts comes one iteration later still:
+`zero_jax.layers.stacked.scatter_outer`, so that neither hop waits for the other). At
+stage 2 (and with ``gather_once``) only the delayed reduction applies.
 Each layer is recomputed in the backward pass from its input carry, as under
 ``jax.checkpoint``. `zero_jax.layers.scan_layers` turns ``stacked`` (arrays, `ShardedParam`s,
 NNX modules) into flat leaves. See the docs' stage 3 guide and "How it works".
@@ -24,7 +25,8 @@ import numpy as np
 
 from zero_jax.comm.axes import make_varying, varying_axes
 from zero_jax.layers.scan_layers import Layers, layer_fn
-from zero_jax.layers.stacked import gather, gather_many, scatter_many
+from zero_jax.layers.stacked import (gather, gather_many, has_outer_hop, scatter_inner,
+                                     scatter_many, scatter_outer)
 
 PREFETCH_CHOICES = (0, 1)
 
@@ -362,10 +364,13 @@ def _backward(loop: _Loop, saved, sp, xs, ks, perturbed: dict, cts) -> list:
                      [at(saved), sharded.use(sp, i, w), at(xs), list(ks)], list(masks),
                      dc + at(cts[1]) + at(cts[2]))
 
-  def reduce(i, g):  # gather's transpose for layer i's gradient
+  def reduce(i, g, hop=scatter_many):  # gather's transpose for layer i's gradient
     layer = sharded.at(sp, i)
-    return scatter_many([layer[j] for j in red], [g[j] for j in red])
+    return hop([layer[j] for j in red], [g[j] for j in red])
 
+  # With a hop across hosts (hpZ, replica axes) layer i+1's gradient is reduced within the
+  # host while layer i+2's crosses: neither waits for the other, both span layer i's backward.
+  two = has_outer_hop([layer_sps[j] for j in red])
   top = length - 1
   dc = list(cts[0])  # the backward pass's gathers wait for a cotangent (`_after`)
   w = sharded.fetch(sp, top, after=cts[:2])
@@ -380,17 +385,26 @@ def _backward(loop: _Loop, saved, sp, xs, ks, perturbed: dict, cts) -> list:
 
     def step(k, st):
       i = top - 1 - k
-      dc, w, pending, dk, dxb, dbl = st
+      dc, w, pending, half, dk, dxb, dbl = st
       w_prev = sharded.fetch(sp, i - 1, after=dc)  # layer i-1, before layer i's backward
-      r = reduce(i + 1, pending)         # layer i+1's gradient, one iteration late
+      if two:  # layer i+1 within the host, layer i+2 across hosts
+        h = reduce(i + 1, pending, scatter_inner)
+        r = None if half is None else reduce(i + 2, half, scatter_outer)
+      else:  # layer i+1's gradient, one iteration late
+        h, r = None, reduce(i + 1, pending)
       dc, g, dx, dk_i = back(i, dc, w)
-      w_prev, r, dc = _barrier((w_prev, r, dc))
-      return dc, w_prev, g, add(dk, dk_i), put(dxb, dx, i), put(dbl, r, i + 1)
+      w_prev, r, h, dc = _barrier((w_prev, r, h, dc))
+      dbl = dbl if r is None else put(dbl, r, i + 1 + two)
+      return dc, w_prev, g, h, add(dk, dk_i), put(dxb, dx, i), dbl
 
-    st = (dc, w_prev, g, dk, dxb, dbl)
-    if length > 2:
-      st = jax.lax.fori_loop(0, length - 2, step, st)
-    dc, w, pending, dk, dxb, dbl = st
+    st, first = (dc, w_prev, g, None, dk, dxb, dbl), int(two)
+    if length > 2 and two:  # the first iteration has no layer i+2 yet
+      st = step(0, st)
+    if length - 2 > first:
+      st = jax.lax.fori_loop(first, length - 2, step, st)
+    dc, w, pending, half, dk, dxb, dbl = st
+    if half is not None:
+      dbl = put(dbl, reduce(2, half, scatter_outer), 2)
     dbl = put(dbl, reduce(1, pending), 1)
     dc, g, dx, dk_0 = back(0, dc, w)
     dk, dxb = add(dk, dk_0), put(dxb, dx, 0)

@@ -237,21 +237,45 @@ def scatter_many(xs: list, cts: list) -> list:
   """`gather_many`'s transpose: the gradients of the values it returned for ``xs`` ->
   gradients of what the step differentiates (`ShardedParam.differentiated`): stage 2's
   and the sinks' reduced as ``comm`` says, plain stage 3's reduce-scattered over the
-  gather axes. A replicated leaf's comes back local, as it is."""
+  gather axes. A replicated leaf's comes back local, as it is. It is `scatter_outer` of
+  `scatter_inner`."""
+  return scatter_outer(xs, scatter_inner(xs, cts))
+
+
+def has_outer_hop(xs: list) -> bool:
+  """Whether reducing the gradients of ``xs`` takes a second hop (hpZ's or a replica
+  axis's, across hosts) after the one over the gather axes: `scatter_outer` moves data."""
+  return any(kind == _SINK for kind, *_ in _plan(xs))
+
+
+def scatter_inner(xs: list, cts: list) -> list:
+  """The first hop of `scatter_many`: every gradient reduced over its gather axes (a sink's
+  stays split over them only, for `scatter_outer`)."""
   out = list(cts)
   for kind, idx, layouts, groups in _plan(xs):
     first, sub = xs[idx[0]], [cts[i] for i in idx]
     if kind == _STAGE2:
       got = [g.astype(xs[i].block.dtype) for i, g in
              zip(idx, reduce_scatter_many(sub, layouts, groups, first.comm))]
-    elif kind == _SINK:
-      got = _sinks_bwd(layouts, first.comm, groups,
-                       ([jnp.zeros((), xs[i].sink.dtype) for i in idx],
-                        [xs[i].block for i in idx]), sub)[0]
     else:
-      got = scatter_in_loss(sub, [xs[i].block for i in idx], layouts, groups, first.comm)
+      blocks = [xs[i].block for i in idx]
+      got = scatter_in_loss(sub, _local(blocks, first.comm) if kind == _SINK else blocks,
+                            layouts, groups, first.comm)
     for i, g in zip(idx, got):
       out[i] = g
+  return out
+
+
+def scatter_outer(xs: list, gs: list) -> list:
+  """The second hop of `scatter_many`, on `scatter_inner`'s result: a sink's gradient
+  reduced across hosts and replicas (`reduce_outer_many`); the others as they are. A
+  separate call, so that a loop can issue it one layer after the first hop."""
+  out = list(gs)
+  for kind, idx, layouts, groups in _plan(xs):
+    if kind == _SINK:
+      got = reduce_outer_many([gs[i] for i in idx], layouts, groups, xs[idx[0]].comm)
+      for i, g in zip(idx, got):
+        out[i] = g.astype(xs[i].sink.dtype)
   return out
 
 

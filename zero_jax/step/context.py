@@ -19,6 +19,12 @@ import jax.numpy as jnp
 
 from zero_jax.step.spec import StepSpec
 
+# What the step's own compile asks of XLA (`ShardedTrainStep`'s ``jax.jit``). XLA:GPU keeps
+# one async collective in flight by default; the backward layer loop of `zero_jax.scan` has
+# three (the next layer's re-gather, a gradient's reduction within the host and another's
+# across hosts), and each must span a layer's compute. XLA:CPU accepts and ignores it.
+COMPILER_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 3}
+
 
 def device_put(tree, sharding):
   """``jax.device_put`` that also places typed PRNG keys on a multi-process mesh."""

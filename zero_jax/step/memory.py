@@ -59,7 +59,9 @@ class StageMemory(NamedTuple):
       (``offload="optimizer"``: optimizer state and master copy).
     prefetch: the buffers `zero_jax.scan` adds with ``prefetch=1``: stage 3
       one more gathered layer and one layer's gradient (reduced one iteration
-      late); stage 2 that gradient.
+      late), with hpZ or replica axes also a layer's gradient reduced within
+      the host (its hop across hosts runs one iteration later); stage 2 that
+      gradient.
   """
   stage: int
   params: int
@@ -264,6 +266,8 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   layer = lambda i: _bytes(model_block_shape(pl[i])[1:], pdt[i]) if meta.stacked[i] else 0
   ahead = {2: 0, 3: sum(map(layer, range(len(pl))))}  # one more gathered layer
   late = sum(map(layer, trained))                      # one layer's gradient
+  # stage 3 with a hop across hosts: another layer's gradient, reduced within the host
+  hop = {2: 0, 3: -(-late // spec.n_gather) if spec.n_gather < n or spec.replica_axes else 0}
   rows = []
   for stage in stages:
     opt_bytes = sum(size(l, d, stage >= 1) for l, d in zip(meta.opt_layouts, opt_dtypes))
@@ -274,7 +278,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
         gradients=sum(size(pl[i], gdt[i], stage >= 2) for i in trained),
         optimizer_state=opt_bytes, master=master,
         host=opt_bytes + master if offload is not None and stage >= 1 else 0,
-        prefetch=(ahead[stage] + late) if prefetch and stage >= 2 else 0))
+        prefetch=(ahead[stage] + late + hop[stage]) if prefetch and stage >= 2 else 0))
   return MemoryReport(
       n_devices=n, precision=pol.name, n_params=sum(math.prod(s) for s, _ in shapes),
       n_trainable=sum(math.prod(shapes[i][0]) for i in trained), rows=tuple(rows),

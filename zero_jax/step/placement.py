@@ -31,6 +31,15 @@ def check_backend(mesh) -> None:
       kinds = sorted(m.kind for m in d.addressable_memories())
     except Exception:  # a backend without memory spaces  # noqa: BLE001
       kinds = []
+    if HOST not in kinds and "CompileOnly" in type(d.client).__name__:
+      raise ValueError(
+          f"offload='optimizer' cannot be compiled on compile-only devices ({d}, e.g. from "
+          f"zj.compile_only_mesh): they list no memory kinds, so JAX would drop "
+          f"memory_kind={HOST!r} and the program would keep the optimizer state on the "
+          f"device. Real GPUs have {HOST!r}. Without one, read the offloaded step's memory "
+          f"with zj.memory_report(..., offload='optimizer'), and its host transfers in the "
+          f"program lowered for CUDA from a CPU mesh: step.lower(state, batch, "
+          f"lowering_platforms=('cuda',)).as_text(); or compile without offload here.")
     if HOST not in kinds:
       raise ValueError(
           f"offload='optimizer' keeps the optimizer state and master copy in "

@@ -228,7 +228,8 @@ class ShardedTrainStep:
       if self.spec.has_aux:
         metrics["aux"] = None  # as the step made it (per-example leaves split over the batch)
       fn = jax.jit(self._step_fn, donate_argnums=(0,) if self.spec.donate else (),
-                   out_shardings=(st.state_shardings(self.spec, specs), metrics))
+                   out_shardings=(st.state_shardings(self.spec, specs), metrics),
+                   compiler_options=context.COMPILER_OPTIONS)
       self._jits[key] = fn
     return fn
 

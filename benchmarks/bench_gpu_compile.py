@@ -1,0 +1,164 @@
+"""Memory on H100s from the program XLA:GPU compiles, next to `zj.memory_report` (no GPU).
+
+Writes the ``gpu-compile`` section of BENCHMARKS.md. For GPT-2 small's shapes and a 1B model
+(``_lm.GPT2_SMALL``, ``_lm.GPT_1B``: bf16, AdamW, ``zj.scan(prefetch=1)``, 8192 tokens per
+device) it compiles the training step for compile-only H100s (`zj.compile_only_mesh`: one
+host of 8, two hosts of 8) and puts XLA:GPU's ``memory_analysis()`` (arguments, outputs,
+aliases, temporaries, per device) beside `zj.memory_report`'s per-device figures: the state
+between steps (parameters, optimizer state, master copy) against the arguments less the
+batch, and the gradients plus the prefetch buffers against the temporaries (which also hold
+the activations, which `memory_report` does not count). Needs JAX's CUDA plugin.
+
+Usage: ``python benchmarks/bench_gpu_compile.py [--quick] [--no-write]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+import _lm  # noqa: E402
+import zero_jax as zj  # noqa: E402
+
+TOKENS_PER_DEVICE = 8192
+MiB = 1 << 20
+# Where each compiled program's text is kept, for bench_overlap.py's GPU-schedule predictions.
+PROGRAMS = pathlib.Path(tempfile.gettempdir()) / "zero_jax_gpu_programs"
+
+
+def program_path(model: str, name: str) -> pathlib.Path:
+  """Where the compiled text of ``model`` in configuration ``name`` is kept."""
+  slug = lambda s: "".join(c if c.isalnum() else "_" for c in s)
+  return PROGRAMS / f"{slug(model)}__{slug(name)}.hlo.txt"
+
+
+def configs() -> dict:
+  """``{name: (hosts, mesh shape, mesh axes, step options)}``."""
+  two, names = (2, 8), ("hosts", "data")
+  return {
+      "8, ZeRO-2": (1, (8,), ("data",), {"stage": 2}),
+      "8, ZeRO-3": (1, (8,), ("data",), {"stage": 3}),
+      "2x8, ZeRO-3 hybrid": (2, two, names, {"stage": 3, "replica_axis": "hosts"}),
+      "2x8, ZeRO-3 hpZ": (2, two, names, {"stage": 3, "axis_name": names, "hpz_axis": "data"}),
+  }
+
+
+def build(cfg: _lm.GPTConfig, name: str):
+  """(step, abstract state, batch, mesh, options) for one configuration."""
+  hosts, shape, axes, options = configs()[name]
+  mesh = zj.compile_only_mesh(shape, axes, gpu="h100", hosts=hosts)
+  params = jax.eval_shape(lambda k: _lm.init_gpt(cfg, k), jax.random.key(0))
+  step = zj.make_sharded_train_step(_lm.make_gpt_loss(cfg, prefetch=1), optax.adamw(1e-4),
+                                    mesh=mesh, precision="bf16", stacked=_lm.in_blocks,
+                                    **options)
+  rows = math.prod(shape) * TOKENS_PER_DEVICE // cfg.seq_len
+  return step, params, _lm.gpt_batch_shape(cfg, rows), mesh, options
+
+
+def compile_gpu(cfg: _lm.GPTConfig, name: str):
+  """The compiled step and its inputs' figures (see `build`)."""
+  step, params, batch, mesh, options = build(cfg, name)
+  compiled = step.lower(step.abstract_state(params), batch).compile()
+  return compiled, params, batch, mesh, options
+
+
+def report_row(cfg: _lm.GPTConfig, params, mesh, options):
+  """`zj.memory_report`'s row for this step's stage, on its mesh."""
+  axes = {k: v for k, v in options.items() if k in ("axis_name", "replica_axis", "hpz_axis")}
+  if "axis_name" not in axes:
+    axes["axis_name"] = "data"
+  return zj.memory_report(params, optax.adamw(1e-4), mesh=mesh, precision="bf16",
+                          stacked=_lm.in_blocks, prefetch=1, stages=(options["stage"],),
+                          **axes)[options["stage"]]
+
+
+def measure(args) -> dict:
+  models = [_lm.GPT2_SMALL] if args.quick else [_lm.GPT2_SMALL, _lm.GPT_1B]
+  out = {}
+  for cfg in models:
+    for name in configs():
+      t0 = time.perf_counter()
+      compiled, params, batch, mesh, options = compile_gpu(cfg, name)
+      m = compiled.memory_analysis()
+      PROGRAMS.mkdir(exist_ok=True)
+      program_path(cfg.name, name).write_text(compiled.as_text())
+      row = report_row(cfg, params, mesh, options)
+      batch_bytes = math.prod(batch["tokens"].shape) * 4 // math.prod(mesh.devices.shape)
+      out[(cfg.name, name)] = {
+          "arg": m.argument_size_in_bytes, "out": m.output_size_in_bytes,
+          "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
+          "batch": batch_bytes, "row": row, "seconds": time.perf_counter() - t0}
+      print(f"{cfg.name:12s} {name:20s} compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+  return out
+
+
+def mib(x: float) -> str:
+  return f"{x / MiB:,.1f}"
+
+
+def render(out: dict, seconds: float) -> str:
+  lines = [
+      "## gpu compile: memory on H100s, XLA:GPU's plan beside memory_report (compiled, no GPU)",
+      "",
+      f"`python benchmarks/bench_gpu_compile.py` ({seconds / 60:.1f} min on this CPU): each "
+      f"step compiled by XLA:GPU for compile-only H100s (`zj.compile_only_mesh`, sm_90a, no GPU "
+      f"present, no autotuning), bf16, AdamW, `zj.scan(prefetch=1)`, {TOKENS_PER_DEVICE} "
+      f"tokens per device. MiB per device. *state* is memory_report's parameters + optimizer "
+      f"state + master copy, set against XLA's arguments less the batch; *grads + prefetch* "
+      f"is its gradient and `zj.scan` buffers, set against XLA's temporaries, which also hold "
+      f"the activations kept for the backward pass and the communication buffers "
+      f"(memory_report does not count them).",
+      "",
+      "| model | H100s, configuration | report: state | XLA: args - batch | diff | XLA: outputs "
+      "/ aliased | report: grads + prefetch | XLA: temp | XLA peak | compile s |",
+      "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  for (model, name), r in out.items():
+    row = r["row"]
+    state = row.params + row.optimizer_state + row.master
+    args = r["arg"] - r["batch"]
+    peak = r["arg"] + r["out"] - r["alias"] + r["temp"]
+    lines.append(
+        f"| {model} | {name} | {mib(state)} | {mib(args)} | {(args - state) / state:+.1%} | "
+        f"{mib(r['out'])} / {mib(r['alias'])} | {mib(row.gradients + row.prefetch)} | "
+        f"{mib(r['temp'])} | {mib(peak)} | {r['seconds']:.0f} |")
+  worst = max(abs(r["arg"] - r["batch"] - (r["row"].params + r["row"].optimizer_state
+                                            + r["row"].master))
+              / (r["row"].params + r["row"].optimizer_state + r["row"].master)
+              for r in out.values())
+  lines += [
+      "",
+      f"The state memory_report predicts and the arguments XLA:GPU plans differ by at most "
+      f"{worst:.1%} here (the arguments also hold the step counter, the loss-scale state and "
+      f"the RNG key). Outputs alias the donated state, so the peak is the arguments plus the "
+      f"temporaries. For the temporaries trust XLA's figure: it holds the activations each "
+      f"layer keeps for the backward pass (`zj.scan` keeps each layer's input carry) and "
+      f"XLA's own buffers, which a count from shapes cannot see."]
+  return "\n".join(lines)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="GPT-2 small only")
+  p.add_argument("--no-write", action="store_true", help="print only")
+  args = p.parse_args()
+  t0 = time.perf_counter()
+  out = measure(args)
+  text = render(out, time.perf_counter() - t0)
+  print(text)
+  if not args.no_write:
+    from _report import write_section  # pylint: disable=g-import-not-at-top
+    write_section("gpu-compile", text)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The GPU compile tier: zero_jax's steps compiled for compile-only H100/H200/A100s (tests/gpu).
+# No GPU is needed: JAX's CUDA plugin compiles for GPUs without one. Its own venv, .venv-gpu,
+# with the plugin pinned to the jax version pip resolves for zero_jax; ZERO_JAX_GPU_TIER=1
+# makes a missing plugin an error instead of a skip. A few minutes on a clean machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv-gpu
+.venv-gpu/bin/pip install -q -e . pytest chex
+JAX_VERSION="$(.venv-gpu/bin/python -c 'import importlib.metadata as m; print(m.version("jax"))')"
+.venv-gpu/bin/pip install -q "jax-cuda12-plugin==${JAX_VERSION}" "jax-cuda12-pjrt==${JAX_VERSION}"
+ZERO_JAX_GPU_TIER=1 .venv-gpu/bin/python -m pytest -q -p no:cacheprovider tests/gpu
