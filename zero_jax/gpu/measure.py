@@ -7,19 +7,17 @@ scheduled text, the step time `zero_jax.gpu.predict` predicts and the bytes each
 within and across hosts. Times are predictions (the overlap model on the target's published
 figures), never measurements.
 
-Example (needs JAX's CUDA plugin; no GPU):
-  >>> import jax, jax.numpy as jnp, optax, zero_jax as zj            # doctest: +SKIP
+Example (on the 8 CPU devices here; `zero_jax.compile_only_mesh` gives the GPU's program):
+  >>> import jax, jax.numpy as jnp, optax
   >>> from zero_jax.gpu import measure, targets
-  >>> mesh = zj.compile_only_mesh((8,), ("data",), gpu="h100")       # doctest: +SKIP
+  >>> mesh = jax.make_mesh((8,), ("data",))
   >>> step = measure.build_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), optax.sgd(0.1),
-  ...                           {"stage": 2}, mesh, {})              # doctest: +SKIP
+  ...                           {"stage": 2}, mesh, {})
   >>> params = {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32)}
-  >>> lowered = step.lower(step.abstract_state(params),
-  ...                      jax.ShapeDtypeStruct((16, 64), jnp.float32))  # doctest: +SKIP
+  >>> lowered = step.lower(step.abstract_state(params), jax.ShapeDtypeStruct((16, 64), jnp.float32))
   >>> r = measure.read(lowered.compile(), measure.device_for(targets.H100, 8, "fp32"), None)
-  ... # doctest: +SKIP
-  >>> r.memory.peak > 64 * 32 * 4                                    # doctest: +SKIP
-  True
+  >>> r.memory.argument >= 64 * 32 * 4, r.step_s > r.compute_s > 0
+  (True, True)
 """
 
 from __future__ import annotations
