@@ -292,7 +292,8 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
       lowered = s.lower(got[0])
       ready.append((measure.estimate(lowered, s.device, opts.get("prefetch")), opts,
                     lowered, got[1]))
-  ready.sort(key=lambda r: r[0])
+      ready.sort(key=lambda r: r[0])  # only the fastest so far keep their lowered program
+      ready[max_compiles:] = [(t, o, None, h) for t, o, _, h in ready[max_compiles:]]
   rows = max(1, jax.tree.leaves(s.batch)[0].shape[0] // (hosts * per_host))
   with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
     jobs = [(o, pool.submit(s.candidate, o, low, host, bool(o.get("offload"))))
