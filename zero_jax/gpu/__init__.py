@@ -9,4 +9,4 @@ measurement), `plan` (`zero_jax.plan`: the fastest candidate that fits).
 
 from zero_jax.gpu.targets import (A100, H100, H200, TARGETS, Target, compile_only_mesh,
                                   get_target, target_config)
-from zero_jax.gpu.plan import Candidate, Plan, plan
+from zero_jax.gpu.plan import Candidate, Plan

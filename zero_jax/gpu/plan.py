@@ -154,8 +154,8 @@ class Plan:
       mark = "**best**" if c is self.best else ("yes" if c.fits else "no")
       size = format_bytes(c.bytes_per_device) + ("" if c.exact else " (est.)") + (
           f" + {format_bytes(c.host_bytes)} host" if c.host_bytes else "")
-      lines.append(f"| {c.name} | {size} | {mark} | {c.step_time_s * 1e3:.1f} ms | "
-                   f"{c.compute_s * 1e3:.1f} ms | {format_bytes(c.intra_bytes)} | "
+      lines.append(f"| {c.name} | {size} | {mark} | {c.step_time_s * 1e3:.3g} ms | "
+                   f"{c.compute_s * 1e3:.3g} ms | {format_bytes(c.intra_bytes)} | "
                    f"{format_bytes(c.cross_bytes)} |")
     if self.best is None and self.closest is not None:
       c = self.closest
