@@ -125,3 +125,17 @@ def test_the_device_model_takes_the_targets_figures():
   dev = measure.device_for(zj.gpu.H200, 8, "bf16")
   assert dev.peak_flops == zj.gpu.H200.peak_flops and dev.hbm_bandwidth == 4.8e12
   assert measure.device_for(zj.gpu.H100, 8, "fp32").peak_flops == zj.gpu.H100.peak_flops_fp32
+
+
+def test_a_state_over_the_budget_is_tried_with_the_optimizer_state_offloaded(roomy):
+  mesh = roomy.best.options["mesh"]
+  opts = {"stage": 3, "axis_name": ("hosts", "data"), "hpz_axis": "data", "prefetch": 1}
+  params, opt = jax.eval_shape(init), optax.adamw(1e-3)
+  on_device = cands.lower_bound(params, opt, mesh, opts, FIXED)[0]
+  device, host = cands.lower_bound(params, opt, mesh, {**opts, "offload": "optimizer"}, FIXED)
+  plan = make_plan(max_compiles=1, hbm=(on_device + device) // 2, stage=3, hpz_axis="data")
+  assert [cands.describe(o) for o, _ in plan.pruned] == ["ZeRO-3 flat hpZ prefetch 1"]
+  first = next(c for c in plan.candidates if c.prefetch == 1)
+  assert first.options["offload"] == "optimizer" and not first.exact
+  assert first.host_bytes == host and first.bytes_per_device == first.memory.peak - host
+  assert "(est.)" in str(plan)
