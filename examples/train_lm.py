@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--metrics-json", default=None,
                  help="write losses, eval loss, tokens/s and a parameter checksum here")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--plan", action="store_true",
+                 help="print zj.plan's table for this model on --hosts x --per-host --gpu "
+                      "GPUs (compiled for them here, no GPU needed: JAX's CUDA plugin is) "
+                      "and exit")
+  p.add_argument("--gpu", default="h100", choices=("h100", "h200", "a100"),
+                 help="with --plan: the GPU to plan for")
+  p.add_argument("--per-host", type=int, default=8, help="with --plan: GPUs per host")
   return p
 
 
@@ -524,8 +531,27 @@ def write_metrics(args, result: dict) -> None:
 
 
 # ----------------------------------------------------------------------- main
+def plan_main(args) -> dict:
+  """``--plan``: which stage and options fit and run fastest on the GPUs named, by compiling."""
+  d_model, layers, heads = SIZES[args.size]
+
+  def loss_fn(params, batch, *, prefetch=0):  # the planner tries zj.scan's prefetch 0 and 1
+    return make_loss_fn(ByteLM(d_model, layers, heads, args.seq_len, prefetch))(params, batch)
+
+  init = lambda: ByteLM(d_model, layers, heads, args.seq_len).init(
+      jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
+  batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32)}
+  plan = zj.plan(loss_fn, optax.adamw(args.lr), init, batch, gpu=args.gpu, hosts=args.hosts,
+                 per_host=args.per_host, precision=args.precision, max_grad_norm=1.0,
+                 stacked=in_blocks)
+  print(plan)
+  return {"plan": str(plan), "best": plan.best.name if plan.best else None}
+
+
 def main(argv=None) -> dict:
   args = parse_args(argv)
+  if args.plan:
+    return plan_main(args)
   ckpt_dir = os.path.abspath(args.ckpt_dir)
   devices = setup_devices(args)
   prepare_ckpt_dir(args, ckpt_dir, default_dir=args.ckpt_dir == parse_args([]).ckpt_dir)

@@ -7,6 +7,7 @@ from zero_jax.checkpoint.preemption import Preemption, watch_preemption
 from zero_jax.numerics.clipping import clip_by_global_norm, global_norm
 from zero_jax.comm.collectives import Quantize
 from zero_jax.comm.layout import Layout, leaf_layout
+from zero_jax.gpu.plan import Candidate, Plan, plan
 from zero_jax.gpu.targets import compile_only_mesh
 from zero_jax.processes.distributed import (LOST_PEER_EXIT_CODE, initialize_distributed,
                                   is_main_process, metrics_to_host, print_main)
@@ -27,6 +28,7 @@ from zero_jax.step.train_step import ShardedTrainStep, make_sharded_train_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "Candidate",
     "CheckpointManager",
     "CompiledMemory",
     "DamagedCheckpointError",
@@ -37,6 +39,7 @@ __all__ = [
     "LossScaleState",
     "MemoryReport",
     "POLICIES",
+    "Plan",
     "Policy",
     "Preemption",
     "Quantize",
@@ -65,6 +68,7 @@ __all__ = [
     "memory_report",
     "metrics_to_host",
     "no_loss_scale",
+    "plan",
     "print_main",
     "process_batch_slice",
     "scale_loss",

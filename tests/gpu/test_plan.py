@@ -1,0 +1,141 @@
+"""zj.plan against the programs it plans: exact bytes, real misfits, no fitting candidate pruned.
+
+A 2-layer stacked model on 2 hosts x 2 compile-only H100s; the searched space is kept small
+(bf16, no quantization) so that the tier stays within minutes.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zero_jax as zj
+from zero_jax.gpu import candidates as cands
+from zero_jax.gpu import measure
+
+VOCAB, D, LAYERS, SEQ, ROWS = 2048, 64, 2, 16, 16
+FIXED = dict(precision="bf16", quantize=None, stacked=lambda path, _: "blocks" in str(path))
+
+
+def init():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"embed": 0.02 * jax.random.normal(k1, (VOCAB, D)),
+          "blocks": {"w": 0.02 * jax.random.normal(k2, (LAYERS, D, D)),
+                     "b": jnp.zeros((LAYERS, D))}}
+
+
+def loss_fn(params, batch, *, prefetch=0):
+  x = params["embed"][batch["tokens"][:, :-1]]
+  x, _ = zj.scan(lambda h, p: (jnp.tanh(h @ p["w"] + p["b"]), None), x, params["blocks"],
+                 prefetch=prefetch)
+  logits = (x @ params["embed"].T).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+
+BATCH = {"tokens": jax.ShapeDtypeStruct((ROWS, SEQ + 1), jnp.int32)}
+
+
+def make_plan(**kw):
+  return zj.plan(loss_fn, optax.adamw(1e-3), init, BATCH, gpu="h100", hosts=2, per_host=2,
+                 **{**FIXED, **kw})
+
+
+@pytest.fixture(scope="module")
+def roomy():
+  return make_plan(max_compiles=2)
+
+
+def compiled_bytes(plan, opts) -> int:
+  """The candidate built by hand and compiled with XLA's default options."""
+  pre = opts.get("prefetch")
+  kw = {k: v for k, v in opts.items() if k != "prefetch"}
+  step = zj.make_sharded_train_step(loss_fn if pre is None else
+                                    (lambda p, b: loss_fn(p, b, prefetch=pre)),
+                                    optax.adamw(1e-3), mesh=plan.candidates[0].options["mesh"],
+                                    **{**FIXED, **kw})
+  return zj.compiled_memory(step, init, BATCH).peak
+
+
+def test_the_best_candidates_bytes_are_its_independently_compiled_memory(roomy):
+  best = roomy.best
+  assert best is not None and best.fits and best.exact
+  step = roomy.make_step()  # the best candidate's options, on the compile-only mesh
+  stats = step.lower(step.abstract_state(init), BATCH).compile().memory_analysis()
+  assert best.bytes_per_device == (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                                   - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
+def test_the_plan_ranks_fitting_candidates_by_predicted_time_and_prints_them(roomy):
+  assert len(roomy.candidates) == 2
+  assert roomy.best is roomy.candidates[0]
+  times = [c.step_time_s for c in roomy.candidates]
+  assert times == sorted(times) and all(t > 0 for t in times)
+  assert all(c.intra_bytes > 0 and c.cross_bytes > 0 for c in roomy.candidates)
+  text = str(roomy)
+  assert "PREDICTIONS" in text and "**best**" in text and roomy.best.name in text
+  assert roomy.best.options["mesh"].axis_names == ("hosts", "data")
+
+
+def test_pruned_candidates_really_exceed_the_budget_and_misfits_do_too(roomy):
+  # A budget between the state of stage 2 (pruned) and of stage 3 (kept) on this model.
+  mesh = roomy.best.options["mesh"]
+  params = jax.eval_shape(init)
+  opt = optax.adamw(1e-3)
+  s2 = cands.lower_bound(params, opt, mesh, {"stage": 2, "axis_name": ("hosts", "data"),
+                                             "prefetch": 1}, FIXED)[0]
+  s3 = cands.lower_bound(params, opt, mesh, {"stage": 3, "axis_name": ("hosts", "data"),
+                                             "prefetch": 1}, FIXED)[0]
+  hbm = (s2 + s3) // 2
+  tight = make_plan(max_compiles=1, hbm=hbm, offload=None)
+  assert tight.pruned, "the budget should prune stage 2"
+  for opts, bound in tight.pruned:
+    assert bound > hbm
+    assert compiled_bytes(tight, opts) > hbm, f"{cands.describe(opts)} was pruned but fits"
+  for c in tight.candidates:
+    opts = {k: v for k, v in c.options.items() if k != "mesh" and k not in FIXED}
+    assert (compiled_bytes(tight, {**opts, "prefetch": c.prefetch}) <= hbm) == c.fits
+
+
+def test_when_nothing_fits_the_plan_names_the_closest_and_by_how_much():
+  plan = make_plan(hbm=1024, offload=None, max_compiles=1)
+  assert plan.best is None and not plan.candidates
+  text = str(plan)
+  assert "Nothing fits in 1 KiB: the closest is ZeRO-3" in text and "over" in text
+  with pytest.raises(ValueError, match="no candidate fits"):
+    plan.make_step()
+
+
+def test_the_search_space_honours_fixed_options_and_the_prefetch_keyword():
+  space = cands.search_space({"stage": 3, "quantize": None}, hosts=2, per_host=8,
+                             takes_prefetch=True)
+  assert {o["stage"] for o in space} == {3}
+  assert {o["prefetch"] for o in space} == {1}
+  assert any(o.get("hpz_axis") == "data" for o in space)
+  assert any(o.get("replica_axis") == "hosts" for o in space)
+  assert cands.takes_prefetch(loss_fn) and not cands.takes_prefetch(lambda p, b: 0.0)
+
+
+def test_a_mesh_of_another_shape_is_refused_naming_the_planned_one(roomy):
+  other = zj.compile_only_mesh((4,), ("data",), gpu="h100", per_host=4)
+  with pytest.raises(ValueError, match=r"jax.make_mesh\(\(2, 2\), \('hosts', 'data'\)\)"):
+    roomy.make_step(mesh=other)
+
+
+def test_the_device_model_takes_the_targets_figures():
+  dev = measure.device_for(zj.gpu.H200, 8, "bf16")
+  assert dev.peak_flops == zj.gpu.H200.peak_flops and dev.hbm_bandwidth == 4.8e12
+  assert measure.device_for(zj.gpu.H100, 8, "fp32").peak_flops == zj.gpu.H100.peak_flops_fp32
+
+
+def test_a_state_over_the_budget_is_tried_with_the_optimizer_state_offloaded(roomy):
+  mesh = roomy.best.options["mesh"]
+  opts = {"stage": 3, "axis_name": ("hosts", "data"), "hpz_axis": "data", "prefetch": 1}
+  params, opt = jax.eval_shape(init), optax.adamw(1e-3)
+  on_device = cands.lower_bound(params, opt, mesh, opts, FIXED)[0]
+  device, host = cands.lower_bound(params, opt, mesh, {**opts, "offload": "optimizer"}, FIXED)
+  plan = make_plan(max_compiles=1, hbm=(on_device + device) // 2, stage=3, hpz_axis="data")
+  assert [cands.describe(o) for o, _ in plan.pruned] == ["ZeRO-3 flat hpZ prefetch 1"]
+  first = next(c for c in plan.candidates if c.prefetch == 1)
+  assert first.options["offload"] == "optimizer" and not first.exact
+  assert first.host_bytes == host and first.bytes_per_device == first.memory.peak - host
+  assert "(est.)" in str(plan)

@@ -1,0 +1,39 @@
+"""zj.Plan's choice and table from its records (no compiling: the GPU tier tests the planning)."""
+
+import zero_jax as zj
+from zero_jax.gpu import plan as plan_lib
+from zero_jax.gpu import targets
+
+MEM = zj.CompiledMemory(1, 2, 0, 3, 0)
+
+
+def candidate(step_s, nbytes, hbm=1000, **opts):
+  return zj.Candidate({"stage": 3, "axis_name": "data", "mesh": None, **opts}, 1, nbytes, 0,
+                      hbm, step_s, step_s / 2, 10.0, 0.0, MEM)
+
+
+def make(*cands, hbm=1000):
+  return zj.Plan(tuple(cands), targets.H100, 1, 8, hbm, (), (), (),
+                 {"total": 1.0, "lower": 0.5, "compile": 0.5})
+
+
+def test_best_is_the_fastest_candidate_that_fits_not_the_fastest():
+  fast_big, slow_small = candidate(1e-3, 2000), candidate(2e-3, 900, gather_once=True)
+  plan = make(fast_big, slow_small)
+  assert plan.best is slow_small and not fast_big.fits
+  text = str(plan)
+  assert "PREDICTIONS" in text and "| ZeRO-3 flat gather_once prefetch 1 | 900 B | **best** |" in text
+
+
+def test_when_no_candidate_fits_the_table_names_the_closest_and_the_miss():
+  plan = make(candidate(1e-3, 3000), candidate(2e-3, 1500))
+  assert plan.best is None and plan.closest.bytes_per_device == 1500
+  assert "Nothing fits in 1000 B: the closest is ZeRO-3 flat prefetch 1 at 1.46 KiB, 500 B over" \
+      in str(plan)
+
+
+def test_the_default_budget_is_jaxs_preallocated_share(monkeypatch):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  assert plan_lib.default_hbm(targets.H100) == int(0.75 * targets.H100.memory_bytes)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+  assert plan_lib.default_hbm(targets.H100) == int(0.9 * targets.H100.memory_bytes)

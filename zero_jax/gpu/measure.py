@@ -1,0 +1,115 @@
+"""One candidate on a target: its step built and compiled for compile-only GPUs, then read.
+
+`build_step` makes the `make_sharded_train_step` step of a candidate's options;
+`estimate` predicts a lowered program's step time (to rank candidates before compiling them);
+`read` takes the GPU-compiled program's memory (XLA's ``memory_analysis()``) and, from its
+scheduled text, the step time `zero_jax.gpu.predict` predicts and the bytes each device sends
+within and across hosts. Times are predictions (the overlap model on the target's published
+figures), never measurements.
+
+Example (on the 8 CPU devices here; `zero_jax.compile_only_mesh` gives the GPU's program):
+  >>> import jax, jax.numpy as jnp, optax
+  >>> from zero_jax.gpu import measure, targets
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> step = measure.build_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), optax.sgd(0.1),
+  ...                           {"stage": 2}, mesh, {})
+  >>> params = {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32)}
+  >>> lowered = step.lower(step.abstract_state(params), jax.ShapeDtypeStruct((16, 64), jnp.float32))
+  >>> r = measure.read(lowered.compile(), measure.device_for(targets.H100, 8, "fp32"), None)
+  >>> r.memory.argument >= 64 * 32 * 4, r.step_s > r.compute_s > 0
+  (True, True)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+from zero_jax.gpu import predict
+from zero_jax.gpu.targets import Target
+from zero_jax.step.memory import CompiledMemory
+from zero_jax.step.train_step import make_sharded_train_step
+
+# Options that only cut compile time: LLVM's optimisation of the generated kernels, which runs
+# after XLA has assigned every buffer (the memory analysis is the same; tests/gpu check it).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# Bytes/s each way between a GPU and its host's pinned memory: PCIe Gen5 x16 (H100, H200),
+# Gen4 x16 (A100), about 80% of the link's 64 and 32 GB/s as measured copies reach.
+HOST_LINK = {"h100": 50e9, "h200": 50e9, "a100": 25e9}
+
+
+class Reading(NamedTuple):
+  """What one compiled program holds and is predicted to take.
+
+  Attributes:
+    memory: XLA's memory analysis of the program, per device.
+    compute_s: predicted matmul time of one step (the program's flops at the target's peak).
+    step_s: predicted step time (compute plus exposed communication).
+    intra_bytes: bytes each device sends per step to devices of its own host.
+    cross_bytes: bytes each device sends per step across hosts.
+  """
+  memory: CompiledMemory
+  compute_s: float
+  step_s: float
+  intra_bytes: float
+  cross_bytes: float
+
+
+def device_for(target: Target, per_host: int, precision: str) -> predict.Device:
+  """The overlap model's `zero_jax.gpu.predict.Device` for ``target``: bf16/fp16 tensor-core
+  peak for a half-precision policy, TF32's for ``"fp32"``."""
+  peak = target.peak_flops_fp32 if precision == "fp32" else target.peak_flops
+  return predict.Device(target.name, peak, target.hbm_bandwidth,
+                        intra=predict.Link(target.intra_bandwidth, target.intra_latency),
+                        cross=predict.Link(target.cross_bandwidth, target.cross_latency),
+                        devices_per_host=per_host)
+
+
+def build_step(loss_fn, optimizer, opts: dict, mesh, fixed: dict):
+  """The step of one candidate: ``fixed`` and ``opts`` (its ``prefetch``, if not None, bound
+  to ``loss_fn``'s keyword) on ``mesh``. Raises what `make_sharded_train_step` raises."""
+  pre = opts.get("prefetch")
+  fn = loss_fn if pre is None else functools.partial(loss_fn, prefetch=pre)
+  kw = {**fixed, **{k: v for k, v in opts.items() if k != "prefetch"}}
+  return make_sharded_train_step(fn, optimizer, mesh=mesh, **kw)
+
+
+def _step_time(program: predict.Loop, device: predict.Device, prefetch) -> tuple[float, float]:
+  p = predict.predict(program, device)
+  return p.compute, p.step(prefetch or 0)
+
+
+def estimate(lowered, device: predict.Device, prefetch) -> float:
+  """Predicted step time of a lowered (not compiled) program: to rank candidates."""
+  return _step_time(predict.analyze(lowered.as_text(dialect="hlo")), device, prefetch)[1]
+
+
+def sent_bytes(program: predict.Loop, device: predict.Device) -> tuple[float, float]:
+  """``(within hosts, across hosts)``: bytes one device sends in one run of ``program``."""
+  unit = device._replace(intra=predict.Link(1.0, 0.0), cross=predict.Link(1.0, 0.0))
+  totals = [0.0, 0.0]
+
+  def visit(loop: predict.Loop, runs: int) -> None:
+    for t in loop.transfers:
+      totals[predict.crosses_hosts(t, device)] += runs * loop.trips * predict.transfer_time(t, unit)
+    for inner in loop.loops:
+      visit(inner, runs * loop.trips)
+
+  visit(program, 1)
+  return totals[0], totals[1]
+
+
+def memory_of(compiled) -> CompiledMemory:
+  """XLA's per-device figures of a compiled program."""
+  s = compiled.memory_analysis()
+  return CompiledMemory(int(s.argument_size_in_bytes), int(s.output_size_in_bytes),
+                        int(s.alias_size_in_bytes), int(s.temp_size_in_bytes),
+                        int(s.generated_code_size_in_bytes))
+
+
+def read(compiled, device: predict.Device, prefetch) -> Reading:
+  """A compiled program's memory, its predicted step time and the bytes it sends."""
+  program = predict.analyze(compiled.as_text())
+  compute, step = _step_time(program, device, prefetch)
+  intra, cross = sent_bytes(program, device)
+  return Reading(memory_of(compiled), compute, step, intra, cross)
