@@ -244,15 +244,13 @@ class ShardedTrainStep:
   def lower(self, state: TrainState, batch, *, lowering_platforms=None) -> jax.stages.Lowered:
     """The lowered step, for ``.compile().memory_analysis()`` or ``.as_text()``.
 
-    ``lowering_platforms``, e.g. ``("cuda",)``, lowers for another backend than
-    the mesh's (to read, not to compile, e.g. the host transfers of ``offload``).
-    """
+    ``lowering_platforms``, e.g. ``("cuda",)``, lowers for another backend than the mesh's
+    (to read, not to compile, e.g. the host transfers of ``offload``)."""
     state = self._prepare(state, "lower")
     fn = self._compiled(state)
     return self._run(lambda s, b: fn.trace(s, b).lower(lowering_platforms=lowering_platforms),
                      state, batch)
 
-  # --------------------------------------------------------------- get_params
   def get_params(self, state: TrainState):
     """The full parameters: original shapes, tree and (master) dtypes, on the user's mesh
     (replicated over the data and replica axes, split over model axes as ``param_specs``)."""
@@ -296,7 +294,8 @@ def make_sharded_train_step(
     grad_accum_steps: int = 1,
     accumulate: str | None = None,
     trainable=None,
-    stacked=None, whole_leaf_update=None,
+    stacked=None,
+    whole_leaf_update=None,
     wrt=nnx.Param,
     comm_dtype=None,
     offload: str | None = None,
@@ -448,4 +447,4 @@ def make_sharded_train_step(
   return ShardedTrainStep(loss_fn, optimizer, spec,
                           loss_scale=parse_loss_scale(loss_scale, spec.policy),
                           leaf_options=LeafOptions(trainable, stacked, param_specs, wrt,
-                                                      whole_leaf_update))
+                                                   whole_leaf_update))
