@@ -18,10 +18,11 @@ def test_the_guides_plugin_blocks_run_and_find_every_window_overlapped(tmp_path)
   assert len(snippets.python_blocks(text, plugin=True)) > len(
       snippets.python_blocks(text, plugin=False)) >= 2
   script = tmp_path / "guide.py"
-  script.write_text(snippets.page_script(GUIDE))
+  (text_of_script,) = snippets.page_scripts(GUIDE)   # the page runs in sequence: one script
+  script.write_text(text_of_script)
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-  proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+  proc = subprocess.run([sys.executable, "-W", "error", str(script)], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "overlapped" in proc.stdout and "EXPOSED" not in proc.stdout, proc.stdout
