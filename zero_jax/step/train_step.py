@@ -218,18 +218,18 @@ class ShardedTrainStep:
 
   def _compiled(self, state: TrainState):
     """The jitted step for this state's layout, its outputs pinned to the state's shardings."""
-    key = (state.meta, self.spec.in_user_context())
+    traced = isinstance(state.step, jax.core.Tracer)  # inside the user's jit: theirs compiles
+    key = (state.meta, self.spec.in_user_context(), traced)
     fn = self._jits.get(key)
     if fn is None:
       specs = self._partition_specs(state.meta, jax.tree.structure(state.params), state.model_state,
                           state.rng, state.loss_scale)
-      rep = st.sharding(self.spec, P())
-      metrics = dict.fromkeys(_METRICS, rep)
+      metrics = dict.fromkeys(_METRICS, st.sharding(self.spec, P()))
       if self.spec.has_aux:
         metrics["aux"] = None  # as the step made it (per-example leaves split over the batch)
       fn = jax.jit(self._step_fn, donate_argnums=(0,) if self.spec.donate else (),
                    out_shardings=(st.state_shardings(self.spec, specs), metrics),
-                   compiler_options=context.COMPILER_OPTIONS)
+                   compiler_options=None if traced else context.COMPILER_OPTIONS)
       self._jits[key] = fn
     return fn
 
