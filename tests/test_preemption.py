@@ -367,6 +367,7 @@ def test_one_process_a_watched_signal_stops_at_the_next_check_and_a_storm_harms_
       checks.append(mngr.reached_preemption(state))
       if checks[-1]:
         written = sorted(os.listdir(tmp_path))  # the write is finished: committed
+        later = mngr.reached_preemption(state)  # and every later call says stop
         break
       state, _ = step(state, batch)
       if i == 2:
@@ -381,7 +382,9 @@ def test_one_process_a_watched_signal_stops_at_the_next_check_and_a_storm_harms_
   assert checks == [False] * 3 + [True] and "3" in written, written
   assert (mngr.preemption.step, mngr.preemption.saved) == (3, True)
   assert signal.getsignal(signal.SIGUSR1) is preemption._on_signal  # until the exit
-  assert mngr.reached_preemption(state)  # and every later call says stop
+  assert later
+  with pytest.raises(RuntimeError, match="is closed"):  # a closed manager is refused up front
+    mngr.reached_preemption(state)
   err = capfd.readouterr().err
   assert "zero_jax: SIGUSR1 received: a preemption notice" in err
   assert "zero_jax: SIGUSR1 again: the processes are already stopping" in err
