@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-gpu
-.venv-gpu/bin/pip install -q -e . pytest chex
+.venv-gpu/bin/pip install -q -e . pytest pytest-xdist chex
 JAX_VERSION="$(.venv-gpu/bin/python -c 'import importlib.metadata as m; print(m.version("jax"))')"
 .venv-gpu/bin/pip install -q "jax-cuda12-plugin==${JAX_VERSION}" "jax-cuda12-pjrt==${JAX_VERSION}"
-ZERO_JAX_GPU_TIER=1 .venv-gpu/bin/python -m pytest -q -p no:cacheprovider tests/gpu
+ZERO_JAX_GPU_TIER=1 .venv-gpu/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/gpu
