@@ -97,6 +97,22 @@ def printed_by_block(stdout: str) -> dict[int, str]:
   return {int(line): _tidy(out) for line, out in zip(pieces[1::2], pieces[2::2])}
 
 
+# gloo's connection lines, which processes write to one pipe at once: whole, or cut where
+# another process's write came between (the fragments then stand on lines of their own).
+_GLOO = re.compile(r"(?:\[Gloo\] )?(?:Rank )?(?:\d+ )?is connected to \d+ peer ranks\. Expected "
+                   r"number of connected peer ranks is : \d+|\[Gloo\] Rank (?:\d+ )?")
+
+
+def without_gloo(printed: str) -> list[str]:
+  """The lines of ``printed`` less gloo's connection lines and their fragments."""
+  out = []
+  for line in printed.splitlines(True):
+    kept = _GLOO.sub("", line)
+    if kept == line or kept.strip():
+      out.append(kept)
+  return out
+
+
 def _tidy(text: str) -> str:
   return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
 
@@ -190,7 +206,7 @@ def test_page_snippets_run(page, tmp_path):
         f"a python block of {page.relative_to(ROOT)} failed (the last '--- file:line' below "
         f"is the block):\n{proc.stderr[-6000:]}\n--- stdout:\n{proc.stdout[-2000:]}")
     printed = proc.stdout.replace(str(run.resolve()), "<cwd>").replace(str(run), "<cwd>")
-    stdout += "".join(l for l in printed.splitlines(True) if not l.startswith("[Gloo] "))
+    stdout += "".join(without_gloo(printed))
   stale = stale_outputs(page, printed_by_block(stdout),
                         update=os.environ.get("ZERO_JAX_UPDATE_OUTPUTS") == "1")
   assert not stale, ("\n".join(stale) + "\nRefresh with ZERO_JAX_UPDATE_OUTPUTS=1 python -m "
@@ -251,3 +267,10 @@ def test_every_option_of_the_step_is_in_the_options_table():
   missing = [o for o in options if f"`{o}`" not in table]
   assert not missing, (f"make_sharded_train_step options {missing} have no row in the 'All the "
                        "options' table of docs/getting_started.md (add one, linking its guide)")
+
+
+def test_gloo_connection_lines_and_their_fragments_are_left_out():
+  printed = ("[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer "
+             "ranks is : 7\nstep 0: loss 0.5\n[Gloo] Rank \n7 is connected to 7 peer ranks. "
+             "Expected number of connected peer ranks is : 7\ndone 3.0\n\n")
+  assert "".join(without_gloo(printed)) == "step 0: loss 0.5\ndone 3.0\n\n"
