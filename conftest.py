@@ -2,10 +2,35 @@
 
 Root-level so that both ``pytest`` (tests/) and ``pytest --doctest-modules zero_jax``
 get the same devices.
+
+Compiling is most of the suite's time (its programs are small), so two settings cut it,
+neither of which changes what a program computes:
+
+* LLVM's optimisation of XLA:CPU's generated kernels is turned down (``XLA_FLAGS``): XLA's own
+  HLO passes, fusion, scheduling and buffer assignment still run, and the programs a test
+  compares are compiled alike.
+* One compilation cache on disk is shared by the session's processes (the pytest-xdist
+  workers and every process a test starts inherit it), so a program that several tests
+  compile is compiled once. It lives in a temporary folder, removed at the end.
+
+Set ``ZERO_JAX_TEST_FULL_COMPILE=1`` to test with XLA's default compile instead.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
+if not os.environ.get("ZERO_JAX_TEST_FULL_COMPILE"):
+  _FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  if _FAST not in os.environ.get("XLA_FLAGS", ""):  # not again in the processes it starts
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST}".strip()
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process: it owns the cache
+    _cache = tempfile.mkdtemp(prefix="zero_jax_test_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 os.environ.setdefault("XLA_FLAGS", "")
 import jax  # noqa: E402
 

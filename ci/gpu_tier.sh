@@ -2,11 +2,19 @@
 # The GPU compile tier: zero_jax's steps compiled for compile-only H100/H200/A100s (tests/gpu).
 # No GPU is needed: JAX's CUDA plugin compiles for GPUs without one. Its own venv, .venv-gpu,
 # with the plugin pinned to the jax version pip resolves for zero_jax; ZERO_JAX_GPU_TIER=1
-# makes a missing plugin an error instead of a skip. A few minutes on a clean machine.
+# makes a missing plugin an error instead of a skip. About 3 minutes on 2 CPU cores.
+#
+# Usage: ci/gpu_tier.sh [install|test]: the venv's dependencies, or zero_jax (editable) and
+# the tests; both by default (.ci/run installs in the background while the suite runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv-gpu
-.venv-gpu/bin/pip install -q -e . pytest pytest-xdist chex
-JAX_VERSION="$(.venv-gpu/bin/python -c 'import importlib.metadata as m; print(m.version("jax"))')"
-.venv-gpu/bin/pip install -q "jax-cuda12-plugin==${JAX_VERSION}" "jax-cuda12-pjrt==${JAX_VERSION}"
-ZERO_JAX_GPU_TIER=1 .venv-gpu/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/gpu
+if [[ "${1:-all}" != test ]]; then
+  python3 -m venv .venv-gpu
+  .venv-gpu/bin/pip install -q pytest pytest-xdist chex -r <(python3 ci/requirements.py)
+  JAX_VERSION="$(.venv-gpu/bin/python -c 'import importlib.metadata as m; print(m.version("jax"))')"
+  .venv-gpu/bin/pip install -q "jax-cuda12-plugin==${JAX_VERSION}" "jax-cuda12-pjrt==${JAX_VERSION}"
+fi
+if [[ "${1:-all}" != install ]]; then
+  .venv-gpu/bin/pip install -q --no-deps -e .
+  ZERO_JAX_GPU_TIER=1 .venv-gpu/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/gpu
+fi

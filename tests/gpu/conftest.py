@@ -7,6 +7,7 @@ where it is missing they are skipped, and the tier's CI job fails on any skip
 
 import os
 
+import jax
 import pytest
 
 
@@ -16,6 +17,14 @@ def _plugin_present() -> bool:
     return True
   except ImportError:
     return False
+
+
+if _plugin_present():
+  # The root conftest.py shares a compilation cache among the suite's processes, but a program
+  # compiled for compile-only devices cannot be read back from it ("PjRtCompiler must be
+  # constructed with a Client"): off for this process and the ones its tests start.
+  os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  jax.config.update("jax_enable_compilation_cache", False)
 
 
 def pytest_collection_modifyitems(config, items):

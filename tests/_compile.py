@@ -1,0 +1,9 @@
+"""XLA's default compile, for tests that pin two different programs to the same bits.
+
+The root conftest.py turns LLVM's optimisation of XLA:CPU kernels down for speed. Two programs
+that compute the same values in a different order or fusion then round differently more often
+than the default compile lets them, so a test that asserts bit-for-bit equality of two
+*different* programs compiles both with ``FULL_COMPILE`` (what a user's ``jax.jit`` gets).
+"""
+
+FULL_COMPILE = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
