@@ -6,9 +6,11 @@ get the same devices.
 Compiling is most of the suite's time (its programs are small), so two settings cut it,
 neither of which changes what a program computes:
 
-* LLVM's optimisation of XLA:CPU's generated kernels is turned down (``XLA_FLAGS``): XLA's own
-  HLO passes, fusion, scheduling and buffer assignment still run, and the programs a test
-  compares are compiled alike.
+* XLA:CPU's kernels are generated the quicker way (``XLA_FLAGS``): LLVM's optimisation turned
+  down and the older elemental emitter instead of the MLIR fusion emitters (together half the
+  suite's compile time). XLA's own HLO passes, fusion, scheduling and buffer assignment still
+  run, and the programs a test compares are compiled alike (tests/_compile.py has the default
+  compile, for a test that pins two different programs to the same bits).
 * One compilation cache on disk is shared by the session's processes (the pytest-xdist
   workers and every process a test starts inherit it), so a program that several tests
   compile is compiled once. It lives in a temporary folder, removed at the end.
@@ -22,7 +24,8 @@ import shutil
 import tempfile
 
 if not os.environ.get("ZERO_JAX_TEST_FULL_COMPILE"):
-  _FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  _FAST = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+           "--xla_cpu_use_fusion_emitters=false")
   if _FAST not in os.environ.get("XLA_FLAGS", ""):  # not again in the processes it starts
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST}".strip()
   if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process: it owns the cache

@@ -39,7 +39,7 @@ LAUNCH = str(ROOT / "examples" / "launch_local.py")
 TRAIN_LM = str(ROOT / "examples" / "train_lm.py")
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 EXIT_BOUND_S = 60.0  # from the signal to every process's exit: inside SLURM's 120 s advice
-LM_FLAGS = ["--size", "tiny", "--seq-len", "32", "--batch-size", "16", "--steps", "400",
+LM_FLAGS = ["--size", "tiny", "--seq-len", "32", "--batch-size", "16", "--steps", "150",
             "--save-every", "100000", "--eval-batches", "0", "--sample-bytes", "0",
             "--platform", "cpu", "--no-progress", "--log-every", "1"]
 

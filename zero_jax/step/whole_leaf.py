@@ -314,7 +314,7 @@ def _check_separable(optimizer, treedef, paths, src_tree, full, trainable, moved
     else:
       other = [d for d in deps if d not in ("other", "shared")]
     if other:
-      bad = [d[1] if isinstance(d, tuple) else d for d in other if d != "other"]
+      bad = sorted(d[1] if isinstance(d, tuple) else d for d in other if d != "other")
       name = paths[leaf if leaf is not None and moved[leaf] else bad[0]]
       raise ValueError(
           f"whole_leaf_update: the optimizer computes the update or state of "
