@@ -18,3 +18,13 @@ def _deliver_pending_warnings():
   yield
   from zero_jax.step import monitor  # pylint: disable=g-import-not-at-top
   monitor.deliver()
+
+
+@pytest.fixture
+def full_compile(monkeypatch):
+  """The steps a test builds compile with XLA's default (tests/_compile.py), not the root
+  conftest.py's quicker kernels: for a test that pins two different programs to the same
+  bits, as users compile them."""
+  from _compile import FULL_COMPILE  # pylint: disable=g-import-not-at-top
+  from zero_jax.step import context  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(context, "COMPILER_OPTIONS", {**context.COMPILER_OPTIONS, **FULL_COMPILE})

@@ -83,7 +83,7 @@ def test_offloaded_run_equals_the_single_device_reference(mesh, per_leaf, opt, s
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_offloaded_equals_bf16_on_device_bit_for_bit(mesh, per_leaf, stage):
+def test_bf16_offloaded_equals_bf16_on_device_bit_for_bit(mesh, per_leaf, stage, full_compile):
   on = run(mesh, optax.adamw(1e-2), stage=stage, precision="bf16", offload="optimizer")
   off = run(mesh, optax.adamw(1e-2), stage=stage, precision="bf16")
   assert on[2] == off[2]

@@ -136,7 +136,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_prefetch_equals_no_prefetch_and_the_single_device_reference(case):
+def test_prefetch_equals_no_prefetch_and_the_single_device_reference(case, full_compile):
   layers, opt, kw, exact, tol = CASES[case]
   step1, state1, losses1 = run(1, layers=layers, opt=opt(), **kw)
   step0, state0, losses0 = run(0, layers=layers, opt=opt(), **kw)

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
+from _compile import QUICK_COMPILE, rerun_with_full_compile
 from zero_jax.step import init as init_lib
 from zero_jax.comm.layout import local_storage_shape
 from _feature_helpers import assert_tree_close, reference_run
@@ -93,6 +94,10 @@ def make_step(mesh, tx, config):
 def test_init_from_a_function_equals_the_eager_init_bitwise(mesh, name, request):
   if name.endswith("grouped"):
     request.getfixturevalue("one_leaf_per_jit")
+  if QUICK_COMPILE and name == "stage2_offload":
+    # The suite's quicker XLA:CPU kernels (tests/_compile.py) compute this init a few ulp
+    # apart fused (from_fn) and op by op (eager): bitwise is checked as users compile.
+    return rerun_with_full_compile(request)
   step = make_step(mesh, optax.adam(1e-2), CONFIGS[name])
   from_fn = step.init(init_fn)
   eager = step.init(init_fn())  # whole on one device, then placed
