@@ -3,14 +3,15 @@
 Root-level so that both ``pytest`` (tests/) and ``pytest --doctest-modules zero_jax``
 get the same devices.
 
-Compiling is most of the suite's time (its programs are small), so two settings cut it,
-neither of which changes what a program computes:
+Compiling is most of the suite's time (its programs are small), so two settings cut it. Neither
+changes the math a program does; the first changes how its kernels round, so that two
+different programs agree to the bit less often than under XLA's default compile:
 
 * XLA:CPU's kernels are generated the quicker way (``XLA_FLAGS``): LLVM's optimisation turned
   down and the older elemental emitter instead of the MLIR fusion emitters (together half the
   suite's compile time). XLA's own HLO passes, fusion, scheduling and buffer assignment still
-  run, and the programs a test compares are compiled alike (tests/_compile.py has the default
-  compile, for a test that pins two different programs to the same bits).
+  run. A test that pins two different programs to the same bits compiles them with XLA's
+  default (the ``full_compile`` fixture, or tests/_compile.py).
 * One compilation cache on disk is shared by the session's processes (the pytest-xdist
   workers and every process a test starts inherit it), so a program that several tests
   compile is compiled once. It lives in a temporary folder, removed at the end.
