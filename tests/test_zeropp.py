@@ -15,7 +15,6 @@ import optax
 import pytest
 
 import zero_jax as zj
-from _compile import FULL_COMPILE
 from _feature_helpers import assert_tree_close, reference_run, shapes_in
 from _small_mlp import init_params, loss_fn
 from test_meshes import batches, train as run
@@ -200,13 +199,10 @@ def _exact_options(kw):
   return {k: v for k, v in kw.items() if k not in ("quantize",)}
 
 
-def _sgd_grads(step, params, batch, lr=0.1, compiler_options=None):
+def _sgd_grads(step, params, batch, lr=0.1):
   """The gradient a step applied, read back from one SGD step: (p0 - p1) / lr."""
   state = step.init(params)
-  if compiler_options is None:
-    state, m = step(state, batch)
-  else:
-    state, m = step.lower(state, batch).compile(compiler_options=compiler_options)(state, batch)
+  state, m = step(state, batch)
   new = step.get_params(state)
   return {k: (np.asarray(params[k], np.float64) - np.asarray(new[k], np.float64)) / lr
           for k in params}, m
@@ -386,7 +382,7 @@ def test_quantized_step_with_accumulation_clipping_and_weighted_loss():
                                rtol=2e-2, atol=2e-3, err_msg=k)
 
 
-def test_stage3_gather_once_local_accumulation_quantizes_the_gradient_once():
+def test_stage3_gather_once_local_accumulation_quantizes_the_gradient_once(full_compile):
   """accumulate="local" with gather_once sums the micro-batches' gradients in float32 and
   reduce-scatters them once (it reduce-scattered, and so quantized, each micro-batch): the
   qgZ gradient is stage 2's local one, not its sharded one, and within the bound of the
@@ -396,10 +392,8 @@ def test_stage3_gather_once_local_accumulation_quantizes_the_gradient_once():
   make = lambda **kw: zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=_mesh((8,)),
                                                  grad_accum_steps=2, **kw)
   once = dict(stage=3, gather_once=True, accumulate="local")
-  # g_once and g_local are equal to the bit as users compile, not at every LLVM level
-  g_once, _ = _sgd_grads(make(quantize=q, **once), params, b, compiler_options=FULL_COMPILE)
-  g_local, _ = _sgd_grads(make(quantize=q, stage=2, accumulate="local"), params, b,
-                          compiler_options=FULL_COMPILE)
+  g_once, _ = _sgd_grads(make(quantize=q, **once), params, b)
+  g_local, _ = _sgd_grads(make(quantize=q, stage=2, accumulate="local"), params, b)
   g_sharded, _ = _sgd_grads(make(quantize=q, stage=2, accumulate="sharded"), params, b)
   g_exact, _ = _sgd_grads(make(**once), params, b)
   ref, _, _ = reference_run(loss_fn, optax.sgd(0.1), params, [b])
