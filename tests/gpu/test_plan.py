@@ -139,3 +139,87 @@ def test_a_state_over_the_budget_is_tried_with_the_optimizer_state_offloaded(roo
   assert first.options["offload"] == "optimizer" and not first.exact
   assert first.host_bytes == host and first.bytes_per_device == first.memory.peak - host
   assert "(est.)" in str(plan)
+
+
+# A child process plans one model of width d and prints the rise of its peak resident memory
+# (VmHWM, from when JAX and the compile-only devices are up) and the model's float32 bytes.
+_PLAN_CHILD = r"""
+import ctypes, gc, json, sys
+import jax, jax.numpy as jnp, optax
+import zero_jax as zj
+vocab, d = int(sys.argv[1]), int(sys.argv[2])
+
+def init():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"embed": 0.02 * jax.random.normal(k1, (vocab, d)),
+          "blocks": {"w": 0.02 * jax.random.normal(k2, (2, d, d))}}
+
+def loss_fn(params, batch):
+  x = params["embed"][batch[:, :-1]]
+  x, _ = zj.scan(lambda h, p: (jnp.tanh(h @ p["w"]), None), x, params["blocks"])
+  logits = (x @ params["embed"].T).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+def status(field):
+  line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+  return int(line.split()[1]) * 1024
+
+zj.compile_only_mesh((2,), ("data",), gpu="h100", per_host=2)
+gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0)
+open("/proc/self/clear_refs", "w").write("5")
+base = status("VmRSS")
+plan = zj.plan(loss_fn, optax.adamw(1e-3), init, jax.ShapeDtypeStruct((4, 9), jnp.int32),
+               gpu="h100", per_host=2, max_compiles=1, precision="bf16", quantize=None,
+               stage=3, gather_once=False, stacked=lambda path, _: "blocks" in str(path))
+assert plan.best is not None, plan
+params = 4 * (vocab * d + 2 * d * d)
+print(json.dumps({"rise": status("VmHWM") - base, "params": params}))
+"""
+
+
+def _planning_peak(vocab: int, d: int) -> dict:
+  import json, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  out = subprocess.run([sys.executable, "-c", _PLAN_CHILD, str(vocab), str(d)], check=True,
+                       capture_output=True, text=True, timeout=600).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def test_planning_memory_does_not_grow_with_the_model():
+  # The same program at two widths: 0.5 MiB of parameters, and 2.1 GiB. Planning never
+  # materialises the model, so the larger one may only cost what its bigger shapes cost the
+  # compiler, far under a tenth of its bytes (what holding its parameters alone would add).
+  small, big = _planning_peak(1024, 128), _planning_peak(131072, 4096)
+  assert big["params"] > 2 * 2**30 and small["params"] < 2**20
+  assert big["rise"] - small["rise"] < big["params"] / 10, (small, big)
+
+
+_REPLAN_CHILD = r"""
+import os, sys
+import jax, jax.numpy as jnp, optax
+import zero_jax as zj
+init = lambda: {"w": jnp.ones((64, 64))}
+loss_fn = lambda p, b: jnp.mean(jnp.tanh(b @ p["w"]) ** 2)
+batch = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+for _ in range(2):  # the second plan compiles the same programs again
+  zj.plan(loss_fn, optax.sgd(0.1), init, batch, gpu="h100", per_host=2, max_compiles=1, stage=3)
+cache = sys.argv[1]
+before = len(os.listdir(cache))
+jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).block_until_ready()
+print("user's cache grew:", len(os.listdir(cache)) > before)
+"""
+
+
+def test_a_users_persistent_cache_neither_breaks_a_replan_nor_is_left_off(tmp_path):
+  # Compile-only programs written to JAX's persistent cache cannot be read back: a re-plan
+  # reading them raised (with JAX_RAISE_PERSISTENT_CACHE_ERRORS) or warned. After the plan, the
+  # user's own CPU program still goes to their cache.
+  import os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "true",
+         "JAX_COMPILATION_CACHE_DIR": str(tmp_path),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+         "JAX_RAISE_PERSISTENT_CACHE_ERRORS": "true"}
+  out = subprocess.run([sys.executable, "-W", "error", "-c", _REPLAN_CHILD, str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "user's cache grew: True" in out.stdout, out.stdout
