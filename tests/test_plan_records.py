@@ -1,5 +1,12 @@
 """zj.Plan's choice and table from its records (no compiling: the GPU tier tests the planning)."""
 
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
 import zero_jax as zj
 from zero_jax.gpu import plan as plan_lib
 from zero_jax.gpu import targets
@@ -37,3 +44,28 @@ def test_the_default_budget_is_jaxs_preallocated_share(monkeypatch):
   assert plan_lib.default_hbm(targets.H100) == int(0.75 * targets.H100.memory_bytes)
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
   assert plan_lib.default_hbm(targets.H100) == int(0.9 * targets.H100.memory_bytes)
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"hosts": 0}, "hosts=0: must be an int >= 1"),
+    ({"per_host": 2.0}, "per_host=2.0: must be an int >= 1"),
+    ({"max_compiles": 0}, "max_compiles=0 must be an int >= 1"),
+    ({"workers": True}, "workers=True must be an int >= 1"),
+])
+def test_a_cluster_or_budget_of_compiles_below_one_is_refused_before_anything_runs(kw, says):
+  # Before: max_compiles=0 returned an empty plan, and hosts=0 failed suggesting a (0, 8) mesh.
+  with pytest.raises(ValueError, match=re.escape(says)):
+    zj.plan(lambda p, b: 0.0, optax.sgd(0.1), {"w": jax.ShapeDtypeStruct((8,), jnp.float32)},
+            jax.ShapeDtypeStruct((8, 8), jnp.float32), **kw)
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"prec": "bf16"}, "zj.plan got prec=, which make_sharded_train_step does not take (did "
+                       "you mean precision=?)"),
+    ({"prefetch": 1}, "bind it: zj.plan(functools.partial(loss_fn, prefetch=1)"),
+])
+def test_an_option_the_step_does_not_take_is_named_with_the_nearest(kw, says):
+  # Before: a TypeError from make_sharded_train_step at the first candidate, with no hint.
+  with pytest.raises(TypeError, match=re.escape(says)):
+    zj.plan(lambda p, b: 0.0, optax.sgd(0.1), {"w": jax.ShapeDtypeStruct((8,), jnp.float32)},
+            jax.ShapeDtypeStruct((8, 8), jnp.float32), **kw)

@@ -105,6 +105,12 @@ def test_when_nothing_fits_the_plan_names_the_closest_and_by_how_much():
     plan.make_step()
 
 
+def test_options_every_candidate_refuses_are_an_error_not_an_empty_plan():
+  # Before: stage=5 returned a plan with no candidates, best None and no reason.
+  with pytest.raises(ValueError, match=r"refused every candidate(.|\n)*stage=5: choose 1"):
+    make_plan(stage=5)
+
+
 def test_the_search_space_honours_fixed_options_and_the_prefetch_keyword():
   space = cands.search_space({"stage": 3, "quantize": None}, hosts=2, per_host=8,
                              takes_prefetch=True)

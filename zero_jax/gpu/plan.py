@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import difflib
+import inspect
 import os
 import time
 from typing import Any
@@ -29,9 +31,10 @@ from flax import nnx
 
 from zero_jax.gpu import candidates as cands
 from zero_jax.gpu import measure
-from zero_jax.gpu.targets import Target, compile_only_mesh, get_target
+from zero_jax.gpu.targets import Target, check_cluster, compile_only_mesh, get_target
 from zero_jax.step import init as init_lib
 from zero_jax.step.memory import CompiledMemory, format_bytes
+from zero_jax.step.train_step import make_sharded_train_step
 
 # JAX preallocates this fraction of a GPU's memory for its allocator unless
 # XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: the default budget of a plan.
@@ -238,6 +241,30 @@ class _Search:
                      r.intra_bytes, r.cross_bytes, r.memory, exact=not offload)
 
 
+def _check_fixed(fixed: dict) -> None:
+  """Raises TypeError naming a ``fixed`` option `make_sharded_train_step` does not take."""
+  known = [k for k in inspect.signature(make_sharded_train_step).parameters
+           if k not in ("loss_fn", "optimizer", "mesh")]
+  if "prefetch" in fixed:
+    raise TypeError("zj.plan got prefetch=, a keyword of your loss (zj.scan's), not of "
+                    "make_sharded_train_step: the plan searches 0 and 1 when loss_fn takes it. "
+                    "To fix it, bind it: zj.plan(functools.partial(loss_fn, prefetch=1), ...).")
+  for k in fixed:
+    if k not in known:
+      near = difflib.get_close_matches(k, known, n=1)
+      raise TypeError(f"zj.plan got {k}=, which make_sharded_train_step does not take"
+                      + (f" (did you mean {near[0]}=?)" if near else "")
+                      + f". Its options: {', '.join(known)}.")
+
+
+def _all_refused(refused: list) -> str:
+  """The error when `make_sharded_train_step` refused every candidate: its distinct reasons."""
+  reasons = list(dict.fromkeys(r for _, r in refused))
+  return ("zj.plan: make_sharded_train_step refused every candidate, so nothing was compiled. "
+          "Its reasons (fix the options passed to zj.plan):\n" +
+          "\n".join(f"  - {r}" for r in reasons))
+
+
 def _compile(s: _Search, ready: list, workers: int) -> list:
   """The candidates of ``ready`` (``(time, options, lowered, host bytes)``), compiled in
   ``workers`` threads."""
@@ -302,6 +329,12 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
     raise TypeError("zj.plan builds its own compile-only mesh (hosts x per_host, axes "
                     "('hosts', 'data')); pass hosts= and per_host=, not mesh=.")
   target = get_target(gpu)
+  check_cluster(hosts, per_host)
+  for name, v in (("max_compiles", max_compiles), ("workers", workers)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"zj.plan: {name}={v!r} must be an int >= 1 (defaults: max_compiles=4, "
+                       f"workers=2).")
+  _check_fixed(fixed)
   shape, names = cands.mesh_shape(hosts, per_host)
   mesh = compile_only_mesh(shape, names, gpu=target, hosts=hosts, per_host=per_host)
   s = _Search(loss_fn, optimizer, init, batch, fixed, mesh, target,
@@ -321,6 +354,8 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
                     lowered, got[1]))
       ready.sort(key=lambda r: r[0])  # only the fastest so far keep their lowered program
       ready[max_compiles:] = [(t, o, None, h) for t, o, _, h in ready[max_compiles:]]
+  if not ready and not s.pruned:
+    raise ValueError(_all_refused(s.refused))
   rows = max(1, jax.tree.leaves(s.batch)[0].shape[0] // (hosts * per_host))
   with measure.without_persistent_cache():
     done = _compile(s, ready[:max_compiles], workers)

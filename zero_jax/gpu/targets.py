@@ -125,6 +125,14 @@ def target_config(t: Target) -> str:
       ""])
 
 
+def check_cluster(hosts, per_host) -> None:
+  """Raises ValueError unless ``hosts`` and ``per_host`` are ints >= 1."""
+  for name, v in (("hosts", hosts), ("per_host", per_host)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name}={v!r}: must be an int >= 1 (hosts=2, per_host=8: two hosts of "
+                       f"8 GPUs each).")
+
+
 def _plugin_error(e: Exception) -> RuntimeError:
   return RuntimeError(
       f"compiling for a GPU without one needs JAX's CUDA plugin of jax's own version: "
@@ -142,8 +150,7 @@ def compile_only_devices(gpu: str | Target = "h100", *, hosts: int = 1,
   They compile programs (``step.lower(...).compile()``) but hold no arrays.
   """
   t = get_target(gpu)
-  if not (isinstance(hosts, int) and hosts >= 1 and isinstance(per_host, int) and per_host >= 1):
-    raise ValueError(f"hosts={hosts!r}, per_host={per_host!r}: both must be ints >= 1.")
+  check_cluster(hosts, per_host)
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   try:
     from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
@@ -182,6 +189,7 @@ def compile_only_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], *,
   """
   import jax  # pylint: disable=import-outside-toplevel
   shape, names = tuple(axis_shapes), tuple(axis_names)
+  check_cluster(hosts, per_host)
   if len(shape) != len(names):
     raise ValueError(f"axis_shapes={shape} and axis_names={names} differ in length.")
   if math.prod(shape) != hosts * per_host:
