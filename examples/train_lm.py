@@ -35,6 +35,7 @@ and the command that resumes it, on any number of processes and devices.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -140,10 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--plan", action="store_true",
                  help="print zj.plan's table for this model on --hosts x --per-host --gpu "
                       "GPUs (compiled for them here, no GPU needed: JAX's CUDA plugin is) "
-                      "and exit")
+                      "and exit; --stage, --quantize, --prefetch and --hpz, when given, are "
+                      "fixed, the rest searched")
   p.add_argument("--gpu", default="h100", choices=("h100", "h200", "a100"),
                  help="with --plan: the GPU to plan for")
   p.add_argument("--per-host", type=int, default=8, help="with --plan: GPUs per host")
+  p.add_argument("--max-compiles", type=int, default=4,
+                 help="with --plan: how many candidates to compile (the fastest predicted)")
   return p
 
 
@@ -223,6 +227,17 @@ def lr_schedule(lr: float, steps: int):
   """Warmup over a tenth of ``steps``, cosine decay to lr/10 at ``steps``, then lr/10."""
   return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps=max(1, steps // 10),
                                             decay_steps=steps, end_value=lr / 10)
+
+
+def make_optimizer(lr: float, steps: int):
+  """AdamW on `lr_schedule`."""
+  return optax.adamw(lr_schedule(lr, steps), b2=0.99, weight_decay=0.01)
+
+
+def quantize_option(flag: str):
+  """``--quantize``'s `zj.Quantize` (None for ``none``)."""
+  return None if flag == "none" else zj.Quantize(weights=flag in ("weights", "both"),
+                                                 grads=flag in ("grads", "both"))
 
 
 def resume_with_recorded_flags(args, ckpt_dir: str, recorded: dict) -> None:
@@ -532,18 +547,30 @@ def write_metrics(args, result: dict) -> None:
 
 # ----------------------------------------------------------------------- main
 def plan_main(args) -> dict:
-  """``--plan``: which stage and options fit and run fastest on the GPUs named, by compiling."""
-  d_model, layers, heads = SIZES[args.size]
+  """``--plan``: which stage and options fit and run fastest on the GPUs named, by compiling.
 
-  def loss_fn(params, batch, *, prefetch=0):  # the planner tries zj.scan's prefetch 0 and 1
+  The flags written on the command line (``--stage``, ``--quantize``, ``--prefetch``,
+  ``--hpz``) are fixed; the planner searches the others."""
+  d_model, layers, heads = SIZES[args.size]
+  fixed = {"precision": args.precision, "max_grad_norm": 1.0, "stacked": in_blocks}
+  if "stage" in args.given:
+    fixed["stage"] = args.stage
+  if "quantize" in args.given:
+    fixed["quantize"] = quantize_option(args.quantize)
+  if "hpz" in args.given:
+    fixed["hpz_axis"] = "data"
+
+  def searched(params, batch, *, prefetch=0):  # the planner tries zj.scan's prefetch 0 and 1
     return make_loss_fn(ByteLM(d_model, layers, heads, args.seq_len, prefetch))(params, batch)
 
+  loss_fn = (functools.partial(searched, prefetch=args.prefetch) if "prefetch" in args.given
+             else searched)
   init = lambda: ByteLM(d_model, layers, heads, args.seq_len).init(
       jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
   batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32)}
-  plan = zj.plan(loss_fn, optax.adamw(args.lr), init, batch, gpu=args.gpu, hosts=args.hosts,
-                 per_host=args.per_host, precision=args.precision, max_grad_norm=1.0,
-                 stacked=in_blocks)
+  plan = zj.plan(loss_fn, make_optimizer(args.lr, args.steps), init, batch, gpu=args.gpu,
+                 hosts=args.hosts, per_host=args.per_host, max_compiles=args.max_compiles,
+                 **fixed)
   print(plan)
   return {"plan": str(plan), "best": plan.best.name if plan.best else None}
 
@@ -579,14 +606,12 @@ def main(argv=None) -> dict:
 
   # A resumed run keeps the schedule its run started with (another --steps only trains
   # longer, at the schedule's final lr beyond its end).
-  optimizer = optax.adamw(lr_schedule(args.lr, schedule_steps(args, ckpt_dir)), b2=0.99,
-                          weight_decay=0.01)
+  optimizer = make_optimizer(args.lr, schedule_steps(args, ckpt_dir))
   loss_fn = make_loss_fn(model)
-  quantize = None if args.quantize == "none" else zj.Quantize(
-      weights=args.quantize in ("weights", "both"), grads=args.quantize in ("grads", "both"))
   step = zj.make_sharded_train_step(loss_fn, optimizer, mesh=mesh, stage=args.stage,
                                     axis_name=("replica", "data"),
-                                    hpz_axis="data" if args.hpz else None, quantize=quantize,
+                                    hpz_axis="data" if args.hpz else None,
+                                    quantize=quantize_option(args.quantize),
                                     precision=args.precision, max_grad_norm=1.0,
                                     stacked=in_blocks)
 

@@ -229,3 +229,20 @@ def test_a_users_persistent_cache_neither_breaks_a_replan_nor_is_left_off(tmp_pa
                        env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "user's cache grew: True" in out.stdout, out.stdout
+
+
+def test_the_lm_examples_plan_flag_prints_the_plan_of_its_model():
+  # The front door of the README: `python examples/train_lm.py --plan --gpu h100 --hosts 2`,
+  # run as a user runs it (here on the tiny size, 2 hosts x 2 GPUs, one compile). The flags
+  # given (--stage, --quantize) are fixed, the rest searched.
+  import pathlib, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_lm.py"
+  out = subprocess.run([sys.executable, str(script), "--plan", "--gpu", "h200", "--hosts", "2",
+                        "--per-host", "2", "--size", "tiny", "--precision", "bf16",
+                        "--max-compiles", "1", "--stage", "3", "--quantize", "none"],
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "Plan for 2 x 2 NVIDIA H200 141GB HBM3e" in out.stdout and "**best**" in out.stdout
+  assert "1 compiled" in out.stdout and "PREDICTIONS" in out.stdout
+  rows = [l for l in out.stdout.splitlines() if l.startswith("| ZeRO-")]
+  assert len(rows) == 1 and rows[0].startswith("| ZeRO-3 ") and "qwZ" not in rows[0], rows
