@@ -59,7 +59,7 @@ def gpu_schedule_exposed(model: str, name: str, args) -> float | None:
   loops = overlap.predict_scheduled(path.read_text(), overlap.H100_SXM,
                                     compute_efficiency=args.compute_efficiency,
                                     link_efficiency=args.link_efficiency)
-  return sum(l.exposed for l in loops)
+  return sum(l.step_exposed for l in loops)
 
 
 def configs() -> dict:

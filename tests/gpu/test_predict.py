@@ -3,6 +3,7 @@
 import pytest
 
 from zero_jax import gpu
+from zero_jax.comm import hlo
 from zero_jax.gpu import predict
 
 from test_schedule import LIMIT, lowered  # pylint: disable=import-error
@@ -29,3 +30,27 @@ def test_the_default_compile_hides_what_a_limit_of_one_leaves_exposed(name):
   bwd = lambda p: max(loops(p), key=lambda l: len(l.windows))
   assert any(w.compute == 0 and w.exposed == w.comm > 0 for w in bwd(xla_default).windows)
   assert sum(l.exposed for l in ours) < sum(l.exposed for l in xla_default)
+
+
+def test_a_layer_loop_inside_the_micro_batch_loop_counts_once_per_micro_batch():
+  # Before: a nested loop's figure counted its own trips only, so with 4 micro-batches the
+  # layer loops' exposed time per step was a quarter of what the program does.
+  import jax, jax.numpy as jnp, optax  # pylint: disable=import-outside-toplevel,multiple-imports
+  import zero_jax as zj  # pylint: disable=import-outside-toplevel
+  from test_schedule import LAYERS, WIDTH, loss_fn  # pylint: disable=import-error
+  mesh = zj.compile_only_mesh((8,), ("data",))
+  step = zj.make_sharded_train_step(loss_fn, optax.adam(1e-3), mesh=mesh, stage=3,
+                                    stacked=True, precision="bf16", grad_accum_steps=4)
+  params = {"layers": {k: jax.ShapeDtypeStruct((LAYERS, WIDTH, WIDTH), jnp.float32)
+                       for k in ("up", "down")}}
+  text = step.lower(step.abstract_state(params), jax.ShapeDtypeStruct(
+      (4 * 16 * 8, WIDTH), jnp.float32)).compile().as_text()
+  loops = predict.predict_scheduled(text, predict.H100_SXM)[1:]  # [0]: outside the loops
+  comps = hlo._computations(text)  # pylint: disable=protected-access
+  micro = [l for l in loops if any(" while(" in line for line in comps[l.name])]
+  layer = [l for l in loops if l not in micro and l.windows]
+  assert len(micro) == 1 and micro[0].runs == 1
+  # XLA peels the first micro-batch out of the loop: its layer loops run once, the others
+  # once per iteration of the micro-batch loop; a forward and a backward per micro-batch.
+  assert sum(l.runs for l in layer) == 2 * 4, [(l.name, l.trips, l.runs) for l in loops]
+  assert all(l.step_exposed == l.runs * l.exposed for l in layer)

@@ -367,15 +367,46 @@ class WindowTime(NamedTuple):
 
 class ScheduledLoop(NamedTuple):
   """A loop (or, with ``trips`` 1 and name ``"ENTRY"``, the code outside the loops) and the
-  `WindowTime` of each of its async collectives, per iteration."""
+  `WindowTime` of each of its async collectives, per iteration. ``runs``: how many times the
+  loop runs per step (the product of the trip counts of the loops around it; 1 at the top)."""
   name: str
   trips: int
   windows: tuple
+  runs: int = 1
 
   @property
   def exposed(self) -> float:
     """Seconds of communication one run of the loop leaves exposed (all its iterations)."""
     return self.trips * sum(w.exposed for w in self.windows)
+
+  @property
+  def step_exposed(self) -> float:
+    """Seconds of communication the loop leaves exposed per step (all its runs)."""
+    return self.runs * self.exposed
+
+
+def _runs(comps: dict, entry: str, trips: dict) -> dict:
+  """``{loop body: runs per step}``, walking from ``entry``: a ``while`` nested in a loop's
+  body (or in what the body calls) runs once per iteration of it."""
+  runs: dict = {}
+
+  def visit(name: str, times: int, path: frozenset) -> None:
+    for line in comps.get(name, ()):
+      body = re.search(r"\bbody=%?([\w.\-]+)", line)
+      if body and body.group(1) not in path:
+        runs[body.group(1)] = runs.get(body.group(1), 0) + times
+        visit(body.group(1), times * trips.get(body.group(1), 1), path | {body.group(1)})
+        continue
+      callees = [m.group(1) for m in hlo._CALLED.finditer(line)]  # pylint: disable=protected-access
+      branches = hlo._BRANCHES.search(line)  # pylint: disable=protected-access
+      if branches:
+        callees += [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+      for c in callees:
+        if c not in path:
+          visit(c, times, path | {c})
+
+  visit(entry, 1, frozenset([entry]))
+  return runs
 
 
 def predict_scheduled(hlo_text: str, device: Device, *, compute_efficiency: float = 1.0,
@@ -387,8 +418,9 @@ def predict_scheduled(hlo_text: str, device: Device, *, compute_efficiency: floa
   ``device``'s links (`transfer_time`, bytes from the HLO) and hides behind the matmuls
   scheduled between its start and its done (`compute_time`, flops counted from the operands'
   shapes). Windows are taken one at a time: a matmul inside two windows hides both. A loop's
-  figure counts its own trip count (a loop nested in another, e.g. under gradient
-  accumulation, is not multiplied by the outer one's). A prediction, not a measurement.
+  ``exposed`` counts its own trip count, its ``step_exposed`` also the runs of the loops around
+  it (a layer loop inside the micro-batch loop of gradient accumulation runs once per
+  micro-batch). A prediction, not a measurement.
 
   Returns:
     The program's code outside loops (``"ENTRY"``) and its loops, as `ScheduledLoop`s.
@@ -403,6 +435,10 @@ def predict_scheduled(hlo_text: str, device: Device, *, compute_efficiency: floa
 
   out = [ScheduledLoop("ENTRY", 1, timed(schedule.windows(comps, entry.group(1)) if entry
                                          else ()))]
-  for loop in schedule.loops(hlo_text):
-    out.append(ScheduledLoop(loop.body, loop.trip_count or 1, timed(loop.windows)))
+  loops = schedule.loops(hlo_text)
+  runs = _runs(comps, entry.group(1), {l.body: l.trip_count or 1 for l in loops}) if entry \
+      else {}
+  for loop in loops:
+    out.append(ScheduledLoop(loop.body, loop.trip_count or 1, timed(loop.windows),
+                             runs.get(loop.body, 1)))
   return tuple(out)
