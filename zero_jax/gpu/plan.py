@@ -304,7 +304,10 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   ``prefetch`` keyword, then micro-batches and offload where nothing fits. The memory
   formulas drop candidates whose state alone exceeds ``hbm``; the rest are lowered and ranked
   by predicted time, and the ``max_compiles`` fastest compiled (then fallbacks, as many again,
-  while none fits). Times are predictions; bytes are the compiled programs'.
+  while none fits). Times are predictions; bytes are the compiled programs'. The host memory
+  it takes is XLA's compiler's (about 350 MiB per compile in flight for GPT-2 small), not the
+  model's: JAX's persistent compilation cache is off while it compiles (compile-only programs
+  cannot be read back from it), and back on when it returns.
 
   Args:
     loss_fn: as for `make_sharded_train_step` (optionally with a ``prefetch`` keyword).
