@@ -2,7 +2,8 @@
 # The GPU compile tier: zero_jax's steps compiled for compile-only H100/H200/A100s (tests/gpu).
 # No GPU is needed: JAX's CUDA plugin compiles for GPUs without one. Its own venv, .venv-gpu,
 # with the plugin pinned to the jax version pip resolves for zero_jax; ZERO_JAX_GPU_TIER=1
-# makes a missing plugin an error instead of a skip. About 3 minutes on 2 CPU cores.
+# makes a missing plugin an error instead of a skip; the examples extra (tqdm) for the LM
+# example's --plan. About 3 minutes on 2 CPU cores.
 #
 # Usage: ci/gpu_tier.sh [install|test]: the venv's dependencies, or zero_jax (editable) and
 # the tests; both by default (.ci/run installs in the background while the suite runs).
@@ -10,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-all}" != test ]]; then
   python3 -m venv .venv-gpu
-  .venv-gpu/bin/pip install -q pytest pytest-xdist chex -r <(python3 ci/requirements.py)
+  .venv-gpu/bin/pip install -q pytest pytest-xdist chex -r <(python3 ci/requirements.py examples)
   JAX_VERSION="$(.venv-gpu/bin/python -c 'import importlib.metadata as m; print(m.version("jax"))')"
   .venv-gpu/bin/pip install -q "jax-cuda12-plugin==${JAX_VERSION}" "jax-cuda12-pjrt==${JAX_VERSION}"
 fi

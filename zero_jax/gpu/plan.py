@@ -274,22 +274,25 @@ def _compile(s: _Search, ready: list, workers: int) -> list:
     return [f.result() for f in jobs]
 
 
-def _fall_back(s: _Search, done: list, tried: list, rounds: int, rows: int, fixed: dict,
+def _fall_back(s: _Search, done: list, made_from: list, rounds: int, rows: int, fixed: dict,
                prefetchable: bool) -> None:
-  """While no candidate of ``done`` fits, compiles the nearest one's next fallback (prefetch
-  0, micro-batches, offload) and appends it to ``done``; at most ``rounds`` of them."""
+  """While no candidate of ``done`` (made from the options ``made_from``, in order) fits,
+  compiles the nearest one's next fallback (prefetch 0, micro-batches, offload) and appends it
+  to both; at most ``rounds`` of them."""
+  tried = list(made_from)
   for _ in range(rounds):
     if not done or any(c.fits for c in done):
       return
-    nearest = min(zip(done, tried), key=lambda ct: ct[0].bytes_per_device)[1]
+    nearest = min(zip(done, made_from), key=lambda ct: ct[0].bytes_per_device)[1]
     nexts = [o for o in cands.fallbacks(nearest, rows, fixed, prefetchable) if o not in tried]
     if not nexts:
       return
     tried.append(nexts[0])
-    got = s.prepare(nexts[0])
+    got = s.prepare(nexts[0])  # None: refused or pruned, and the next round tries the next
     if got is not None:
       done.append(s.candidate(nexts[0], s.lower(got[0]), got[1],
                               bool(nexts[0].get("offload"))))
+      made_from.append(nexts[0])
 
 
 def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: int = 1,
