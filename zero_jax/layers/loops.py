@@ -1,0 +1,257 @@
+"""The forward and backward loops of `zero_jax.scan` over sharded stacked layers.
+
+The forward loop gathers layer i+1 while layer i computes (``prefetch=1`` at stage 3) and
+keeps each layer's residuals (`zero_jax.layers.residuals`); the backward loop re-gathers
+layer i-1 and reduces layer i+1's gradient while layer i's pullback runs. With hpZ or
+replica axes the hop across hosts comes one iteration later still
+(`zero_jax.layers.stacked.scatter_outer`), so that neither hop waits for the other. With
+``prefetch=0`` each layer is gathered, and its gradient reduced, in its own iteration.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zero_jax.comm.axes import varying_axes
+from zero_jax.layers.residuals import Linear, is_float, match_vma, split, zeros
+from zero_jax.layers.stacked import (gather_many, has_outer_hop, scatter_inner, scatter_many,
+                                     scatter_outer)
+
+
+def at(x, i):
+  """Layer ``i`` (an int or a traced index) of a stacked array."""
+  return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def put(buf, x, i):
+  return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
+
+
+def barrier(tree):
+  """``jax.lax.optimization_barrier`` over the leaves of ``tree`` that vary over the most
+  axes (the barrier would make the others as varying; they are not collectives' results)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  most = frozenset().union(*map(varying_axes, leaves))
+  idx = [i for i, x in enumerate(leaves) if varying_axes(x) == most]
+  for i, x in zip(idx, jax.lax.optimization_barrier([leaves[i] for i in idx])):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _after(sps: list, x) -> list:
+  """The `ShardedParam`s ``sps``, their split blocks computed from a value of ``x`` (a
+  cotangent) so that their gathers cannot start before ``x`` exists, and unchanged.
+
+  XLA:GPU keeps the ordering barriers until it has scheduled; XLA:CPU drops them first,
+  and would otherwise issue the backward pass's first gathers at the start of the step
+  and keep them through the forward pass. A sign bit is never above 1, but XLA cannot
+  tell (the select fuses into the gather's packing).
+  """
+  xs = [v for v in jax.tree.leaves(x) if is_float(v) and v.size]
+  if not xs:
+    return sps
+  bits = jax.lax.bitcast_convert_type(xs[0].reshape(-1)[0].astype(jnp.float32), jnp.uint32)
+  never = jax.lax.shift_right_logical(bits, jnp.uint32(31)) > 1
+  # Only blocks that vary over every axis ``never`` varies over: the select must not make a
+  # block vary over more (a frozen block is the same on every replica).
+  held = lambda p: varying_axes(never) <= varying_axes(p.block)
+  return [p.with_block(jnp.where(never, jnp.zeros((), p.block.dtype), p.block))
+          if p.layout.dim is not None and is_float(p.block) and held(p) else p for p in sps]
+
+
+class Stack:
+  """The stack's `ShardedParam`s as flat stacked leaves (blocks, and at stage 2 the values).
+
+  With ``ahead`` (stage 3, ``prefetch=1``) a layer's values are gathered one iteration
+  ahead and carried; otherwise they are gathered (at stage 2: taken) where they are used.
+  """
+
+  def __init__(self, sps: list, prefetch: int):
+    self.leaves, self.treedef = jax.tree.flatten(sps)
+    self.prefetch = prefetch
+    self.ahead = prefetch == 1 and all(x.full is None for x in sps)
+    # the flat index of each one's differentiated child (`ShardedParam.differentiated`)
+    starts = np.cumsum([0] + [len(jax.tree.leaves(x)) for x in sps])[:-1]
+    self.diff_pos = [int(s) + x.differentiated for s, x in zip(starts, sps)]
+
+  def at(self, leaves, i) -> list:
+    """Layer ``i``'s `ShardedParam`s."""
+    return jax.tree.unflatten(self.treedef, [at(x, i) for x in leaves])
+
+  def fetch(self, leaves, i, after=None):
+    """What a loop carries for layer ``i``: its gathered values (``ahead``), or None;
+    gathered only once ``after`` exists (see `_after`)."""
+    return gather_many(_after(self.at(leaves, i), after)) if self.ahead else None
+
+  def use(self, leaves, i, w) -> list:
+    """Layer ``i``'s values for the layer: the carried ``w``, or gathered here."""
+    return w if self.ahead else gather_many(self.at(leaves, i))
+
+
+class Loop(NamedTuple):
+  """What the forward and backward loops run, fixed once traced.
+
+  Attributes:
+    conv: the closure-converted layer, ``conv(carry, w, x, *consts) -> (carry, ys, new)``.
+    stack: the stack's sharded leaves (`Stack`).
+    length: the number of layers.
+    out_s: ``conv``'s output shapes (carry, ys, new states).
+  """
+  conv: Callable
+  stack: Stack
+  length: int
+  out_s: Any
+
+
+def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
+  """Layer i+1 gathered while layer i computes; with ``lin``, each layer's residuals kept
+  for the backward pass. Returns ``((carry, ys, new states), saved residuals)``."""
+  conv, stack, length, (c_s, y_s, new_s) = loop
+  bufs = ([zeros(s, (length,)) for s in y_s], [zeros(s, (length,)) for s in new_s],
+          [zeros(s, (length,)) for s in lin.saved] if lin is not None else [])
+
+  def compute(i, c, w, bufs):
+    ys, news, saved = bufs
+    args = [list(c), stack.use(sp, i, w), [at(x, i) for x in xs], list(ks)]
+    if lin is None:
+      c, y, new = conv(*args[:3], *ks)
+    else:
+      outs, res = lin.forward(args)
+      c, y, new = split(outs, [len(c_s), len(y_s), len(new_s)])
+      saved = [put(b, r, i) for b, r in zip(saved, res)]
+    return c, ([put(b, v, i) for b, v in zip(ys, y)],
+               [put(b, v, i) for b, v in zip(news, new)], saved)
+
+  def step(i, st):
+    c, w, bufs = st
+    w_next = stack.fetch(sp, i + 1)  # issued before layer i's compute
+    c, bufs = compute(i, c, w, bufs)
+    w_next, c = barrier((w_next, c))
+    return c, w_next, bufs
+
+  if not stack.ahead:  # each layer gathered in its own iteration
+    c, bufs = jax.lax.fori_loop(0, length, lambda i, st: compute(i, st[0], None, st[1]),
+                                (c, bufs))
+    return (c, *bufs[:2]), bufs[2]
+  w = stack.fetch(sp, 0)
+  if length > 1:
+    c, w, bufs = jax.lax.fori_loop(0, length - 1, step, (c, w, bufs))
+  c, (ys, news, saved) = compute(length - 1, c, w, bufs)
+  return (c, ys, news), saved
+
+
+def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
+  """The cotangents of ``run``'s inputs (init, sharded leaves, per-layer arrays,
+  closed-over values) given its outputs' ``cts``; None where nothing flows."""
+  stack = loop.stack
+  layer_sps, pos = stack.at(sp, 0), stack.diff_pos
+  diff = split(list(lin.diff), list(lin.sizes))
+  red = [j for j, m in enumerate(diff[1]) if m]
+  c_s = loop.out_s[0]
+  no_carry = [zeros(s) for s in c_s]
+
+  def back(i, dc, w):  # layer i's pullback from its residuals
+    args = [no_carry, stack.use(sp, i, w), [at(x, i) for x in xs], list(ks)]
+    ct = lambda bufs: [None if b is None else at(b, i) for b in bufs]
+    return lin.backward(args, [at(b, i) for b in saved], list(dc) + ct(cts[1]) + ct(cts[2]))
+
+  def reduce(i, g, hop=scatter_many):  # gather's transpose for layer i's gradient
+    layer = stack.at(sp, i)
+    return hop([layer[j] for j in red], [g[j] for j in red])
+
+  loops = _Backward(back, reduce, stack, sp, loop.length, xs)
+  if stack.prefetch:
+    dc, dk, dxb, dbl = loops.delayed(list(cts[0]), cts[:2], has_outer_hop(
+        [layer_sps[j] for j in red]))
+  else:
+    dc, dk, dxb, dbl = loops.now(list(cts[0]))
+  d_sp: list = [None] * len(sp)
+  for j, b in zip(red, dbl):
+    d_sp[pos[j]] = match_vma(b, sp[pos[j]])
+  return [[match_vma(d, s) for d, s in zip(dc, c_s)], d_sp,
+          [match_vma(d, x) for d, x in zip(dxb, xs)], [match_vma(d, k) for d, k in zip(dk, ks)]]
+
+
+def _add(a, b):
+  return [None if x is None else x + y for x, y in zip(a, b)]
+
+
+def _put_all(bufs, vals, i):
+  return [None if b is None else put(b, v, i) for b, v in zip(bufs, vals)]
+
+
+class _Backward(NamedTuple):
+  """The backward loop's two schedules over ``back(i, dc, w)`` and ``reduce(i, g)``."""
+  back: Callable
+  reduce: Callable
+  stack: Stack
+  sp: list
+  length: int
+  xs: list
+
+  def _first(self, top, dc, w):
+    """Layer ``top``'s pullback, and the buffers the loop fills."""
+    dc, g, dx, dk = self.back(top, dc, w)
+    dxb = _put_all([None if d is None else zeros(d, (self.length,)) for d in dx], dx, top)
+    dbl = [zeros(s, (self.length,)) for s in jax.eval_shape(lambda g: self.reduce(top, g), g)]
+    return dc, g, dk, dxb, dbl
+
+  def now(self, dc):
+    """``prefetch=0``: layer i gathered, and its gradient reduced, in iteration i."""
+    top = self.length - 1
+
+    def step(k, st):
+      i = top - k
+      dc, dk, dxb, dbl = st
+      dc, g, dx, dk_i = self.back(i, dc, None)
+      return dc, _add(dk, dk_i), _put_all(dxb, dx, i), _put_all(dbl, self.reduce(i, g), i)
+
+    dc_s, g, dx, dk = jax.eval_shape(self.back, top, dc, None)
+    fill = lambda ss, lead=(): [None if s is None else zeros(s, lead) for s in ss]
+    dbl = jax.eval_shape(lambda: self.reduce(top, fill(g)))
+    dc = [None if d is None else zeros(d) if c is None else match_vma(c, d)
+          for c, d in zip(dc, dc_s)]
+    st = (dc, fill(dk), fill(dx, (self.length,)), fill(dbl, (self.length,)))
+    return jax.lax.fori_loop(0, self.length, step, st)
+
+  def delayed(self, dc, after, two: bool):
+    """``prefetch=1``: layer i-1 re-gathered and layer i+1's gradient reduced while layer
+    i's pullback runs; with a hop across hosts (``two``) layer i+1's gradient is reduced
+    within the host while layer i+2's crosses, both spanning layer i's pullback."""
+    stack, sp, reduce, top = self.stack, self.sp, self.reduce, self.length - 1
+    w = stack.fetch(sp, top, after=after)  # the backward pass's gathers wait for a cotangent
+    w_prev = stack.fetch(sp, top - 1, after=after) if self.length > 1 else None
+    dc, g, dk, dxb, dbl = self._first(top, dc, w)
+    if self.length == 1:
+      return dc, dk, dxb, _put_all(dbl, reduce(0, g), 0)
+    w_prev, dc = barrier((w_prev, dc))
+
+    def step(k, st):
+      i = top - 1 - k
+      dc, w, pending, half, dk, dxb, dbl = st
+      w_prev = stack.fetch(sp, i - 1, after=dc)  # layer i-1, before layer i's pullback
+      if two:  # layer i+1 within the host, layer i+2 across hosts
+        h = reduce(i + 1, pending, scatter_inner)
+        r = None if half is None else reduce(i + 2, half, scatter_outer)
+      else:  # layer i+1's gradient, one iteration late
+        h, r = None, reduce(i + 1, pending)
+      dc, g, dx, dk_i = self.back(i, dc, w)
+      w_prev, r, h, dc = barrier((w_prev, r, h, dc))
+      dbl = dbl if r is None else _put_all(dbl, r, i + 1 + two)
+      return dc, w_prev, g, h, _add(dk, dk_i), _put_all(dxb, dx, i), dbl
+
+    st, first = (dc, w_prev, g, None, dk, dxb, dbl), int(two)
+    if self.length > 2 and two:  # the first iteration has no layer i+2 yet
+      st = step(0, st)
+    if self.length - 2 > first:
+      st = jax.lax.fori_loop(first, self.length - 2, step, st)
+    dc, w, pending, half, dk, dxb, dbl = st
+    if half is not None:
+      dbl = _put_all(dbl, reduce(2, half, scatter_outer), 2)
+    dbl = _put_all(dbl, reduce(1, pending), 1)
+    dc, g, dx, dk_0 = self.back(0, dc, w)
+    return dc, _add(dk, dk_0), _put_all(dxb, dx, 0), _put_all(dbl, reduce(0, g), 0)
