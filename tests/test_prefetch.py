@@ -172,10 +172,11 @@ class NnxBlock(nnx.Module):
 
 class NnxDeep(nnx.Module):
   """``nnx.vmap``-built blocks (their Dropout RNG counters are model state), looped over
-  with ``zj.scan`` (``prefetch`` 0 or 1) or, as before ``zj.scan``, with ``nnx.scan``."""
+  with ``zj.scan`` (``prefetch`` 0 or 1) or, as before ``zj.scan``, with ``nnx.scan`` over
+  ``nnx.remat``; each layer under ``policy``."""
 
-  def __init__(self, loop, rngs):
-    self.loop = loop
+  def __init__(self, loop, rngs, policy=None):
+    self.loop, self.policy = loop, policy
     self.embed = nnx.Linear(5, W, rngs=rngs)
 
     @nnx.split_rngs(splits=LAYERS)
@@ -189,12 +190,13 @@ class NnxDeep(nnx.Module):
     h = self.embed(x)
     if self.loop == "nnx.scan":
       @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-      @nnx.remat
+      @nnx.remat(policy=self.policy)
       def layer(h, block):
         return zj.gather(block)(h)
       h = layer(h, self.blocks)
     else:
-      h, _ = zj.scan(lambda h, block: (block(h), None), h, self.blocks, prefetch=self.loop)
+      h, _ = zj.scan(lambda h, block: (block(h), None), h, self.blocks, prefetch=self.loop,
+                     policy=self.policy)
     return self.head(h)
 
 
@@ -202,12 +204,14 @@ def nnx_loss(model, batch):
   return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def test_nnx_stack_with_dropout_equals_nnx_scan_and_keeps_its_rng_counters(mesh):
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable],
+                         ids=["keep", "dots_saveable"])
+def test_nnx_stack_with_dropout_equals_nnx_scan_and_keeps_its_rng_counters(mesh, policy):
   got = {}
   for loop in (1, "nnx.scan"):
     step = zj.make_sharded_train_step(nnx_loss, optax.adam(1e-2), mesh=mesh, stage=3,
                                       stacked=nnx.PathContains("blocks"))
-    model = NnxDeep(loop, nnx.Rngs(0))
+    model = NnxDeep(loop, nnx.Rngs(0), policy)
     model.train()
     state = step.init(model)
     for b in make_batches():

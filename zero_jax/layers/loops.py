@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.comm.axes import varying_axes
+from zero_jax.layers import residuals
 from zero_jax.layers.residuals import Linear, is_float, match_vma, split, zeros
 from zero_jax.layers.stacked import (gather_many, has_outer_hop, scatter_inner, scatter_many,
                                      scatter_outer)
@@ -112,7 +113,7 @@ def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
   for the backward pass. Returns ``((carry, ys, new states), saved residuals)``."""
   conv, stack, length, (c_s, y_s, new_s) = loop
   bufs = ([zeros(s, (length,)) for s in y_s], [zeros(s, (length,)) for s in new_s],
-          [zeros(s, (length,)) for s in lin.saved] if lin is not None else [])
+          residuals.buffers(lin, length) if lin is not None else [])
 
   def compute(i, c, w, bufs):
     ys, news, saved = bufs

@@ -87,6 +87,8 @@ class Linear(NamedTuple):
     source: per residual leaf: ``("input", k)`` (flat input k), ``("free", None)``
       (recomputed from the inputs other than the carry) or ``("saved", k)`` (buffer k).
     saved: the saved residuals' shapes (one layer's).
+    host: which saved residuals a policy offloads to host memory
+      (``save_and_offload_only_these_names``): their buffers are in host memory too.
     outs: the flat outputs' shapes.
     treedef: the pullback's tree structure.
   """
@@ -96,6 +98,7 @@ class Linear(NamedTuple):
   policy: Any
   source: tuple = ()
   saved: tuple = ()
+  host: tuple = ()
   outs: tuple = ()
   treedef: Any = None
 
@@ -153,7 +156,8 @@ def plan(fn: Callable, args: list[list], diff: list[list], policy) -> Linear:
   n_outs = len(closed.out_avals) - len(found["input"])
   uses_carry = _depends(closed.jaxpr, [k < n_carry for k in range(len(flat))])[n_outs:]
   shapes = jax.eval_shape(residuals, *flat)
-  source, saved = [], []
+  spaces = [a.memory_space for a in closed.out_avals[n_outs:]]
+  source, saved, host = [], [], []
   for j, (k, carry) in enumerate(zip(found["input"], uses_carry)):
     if k is not None:
       source.append(("input", k))
@@ -162,8 +166,16 @@ def plan(fn: Callable, args: list[list], diff: list[list], policy) -> Linear:
     else:
       source.append(("saved", len(saved)))
       saved.append(shapes[1][j])
-  return lin._replace(source=tuple(source), saved=tuple(saved), outs=tuple(shapes[0]),
+      host.append(spaces[j] == jax.memory.Space.Host)
+  return lin._replace(source=tuple(source), saved=tuple(saved), host=tuple(host),
+                      outs=tuple(shapes[0]),
                       treedef=found["treedef"])
+
+
+def buffers(lin: Linear, length: int) -> list:
+  """Zeroed buffers for ``length`` layers' saved residuals (in host memory where offloaded)."""
+  bufs = [zeros(s, (length,)) for s in lin.saved]
+  return [jax.device_put(b, jax.memory.Space.Host) if h else b for b, h in zip(bufs, lin.host)]
 
 
 def _depends(jaxpr, marked: list[bool]) -> list[bool]:
