@@ -59,6 +59,9 @@ class GPTConfig(NamedTuple):
 LM_EXAMPLE = GPTConfig("LM example (large)", train_lm.VOCAB, *train_lm.SIZES["large"], 512)
 GPT2_SMALL = GPTConfig("GPT-2 small", 50257, 768, 12, 12, 1024)
 GPT_1B = GPTConfig("1B", 50257, 2048, 20, 16, 2048)
+# Llama-3-8B's width, depth, heads and vocabulary in the LM example's block (GELU MLP of 4d
+# instead of SwiGLU of 3.5d, no GQA: 6.4e9 in the blocks against 7.0e9), context 2048.
+LLAMA3_8B = GPTConfig("8B (Llama-3 shapes)", 128256, 4096, 32, 32, 2048)
 
 
 def in_blocks(path, _) -> bool:
@@ -88,15 +91,22 @@ def has_prefetch() -> bool:
   return hasattr(zj, "scan")
 
 
-def scan_blocks(cfg: GPTConfig, blocks, x, prefetch: int):
-  """The blocks over ``x``: ``zj.scan(..., prefetch=)`` if there is one, else today's schedule."""
+def block_fn(cfg: GPTConfig):
+  """``body(h, layer_params) -> (h, None)``: one block, as a scan body."""
   block = _block(cfg)
 
   def body(h, p):
     return block.apply({"params": p}, h, None)[0], None
+  return body
 
+
+def scan_blocks(cfg: GPTConfig, blocks, x, prefetch: int, policy=None):
+  """The blocks over ``x``: ``zj.scan(..., prefetch=, policy=)`` if there is one, else
+  today's schedule (``policy`` must then be None)."""
+  body = block_fn(cfg)
   if has_prefetch():
-    h, _ = zj.scan(body, x, blocks, prefetch=prefetch)
+    kw = {} if policy is None else {"policy": policy}  # (a zero_jax from before policy=)
+    h, _ = zj.scan(body, x, blocks, prefetch=prefetch, **kw)
   else:
     if prefetch:
       raise ValueError(f"prefetch={prefetch} needs zero_jax.scan, which this zero_jax lacks")
@@ -104,16 +114,22 @@ def scan_blocks(cfg: GPTConfig, blocks, x, prefetch: int):
   return h
 
 
-def make_gpt_loss(cfg: GPTConfig, prefetch: int):
-  """``loss_fn(params, batch)``: next-token cross entropy, mean over the tokens."""
+def gpt_loss_with(cfg: GPTConfig, blocks_fn, constrain=lambda x: x):
+  """``loss_fn(params, batch)``: next-token cross entropy, mean over the tokens, with the
+  blocks run by ``blocks_fn(blocks, x)`` and the activations passed through ``constrain``."""
   def loss_fn(params, batch):
     tokens = batch["tokens"]
-    x = params["embed"][tokens[:, :-1]] + params["pos"][:tokens.shape[1] - 1]
-    x = scan_blocks(cfg, params["blocks"], x, prefetch)
+    x = constrain(params["embed"][tokens[:, :-1]] + params["pos"][:tokens.shape[1] - 1])
+    x = constrain(blocks_fn(params["blocks"], x))
     x = nn.LayerNorm().apply({"params": params["ln_f"]}, x)
-    logits = (x @ params["embed"].T).astype(jnp.float32)
+    logits = constrain((x @ params["embed"].T).astype(jnp.float32))
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   return loss_fn
+
+
+def make_gpt_loss(cfg: GPTConfig, prefetch: int, policy=None):
+  """``loss_fn(params, batch)`` of ``cfg``, its blocks under ``zj.scan(prefetch=, policy=)``."""
+  return gpt_loss_with(cfg, lambda blocks, x: scan_blocks(cfg, blocks, x, prefetch, policy))
 
 
 def gpt_batch(cfg: GPTConfig, rows: int, seed: int) -> dict:

@@ -170,7 +170,11 @@ class _Acc(NamedTuple):
 def _walk(comps: dict, name: str, acc: _Acc, n_devices: int | None) -> None:
   """Adds what computation ``name`` does (and what it calls) to ``acc``; loops nest."""
   shapes: dict = {}
-  for ins in filter(None, map(hlo.parse_instruction, comps.get(name, []))):
+  instrs = list(filter(None, map(hlo.parse_instruction, comps.get(name, []))))
+  # An async collective's ``*-start`` holds its operands and results (XLA:GPU); its
+  # ``*-done`` holds the results alone: that is what is counted.
+  results = {i.operands[0]: i.shape_text for i in instrs if i.op.endswith("-done") and i.operands}
+  for ins in instrs:
     arrays = hlo.shapes_in(ins.shape_text)
     if len(arrays) == 1 and not ins.shape_text.startswith("("):
       shapes[ins.name] = (arrays[0], _nbytes(ins.shape_text))
@@ -183,7 +187,8 @@ def _walk(comps: dict, name: str, acc: _Acc, n_devices: int | None) -> None:
       groups = replica_groups(ins.line) or ([tuple(range(n_devices))] if n_devices else None)
       if groups is None:
         raise ValueError(f"{ins.name}: an {ins.op} over all devices; pass n_devices=")
-      acc.transfers.append(Transfer(base, float(_nbytes(ins.shape_text)), tuple(groups)))
+      result = results.get(ins.name, ins.shape_text)
+      acc.transfers.append(Transfer(base, float(_nbytes(result)), tuple(groups)))
     elif ins.op == "while" and body:
       inner = _Acc([], [], [])
       _walk(comps, body.group(1), inner, n_devices)

@@ -1,0 +1,247 @@
+"""zero_jax beside the JAX peer, GSPMD FSDP/HSDP, on the program XLA:GPU compiles (no GPU).
+
+Writes the ``peer`` section of BENCHMARKS.md. For GPT-2 small, the 1B model and Llama-3-8B's
+shapes (``_lm``: the LM example's block, bf16 compute on fp32 weights, AdamW, 8192 tokens per
+GPU) it compiles, for compile-only H100s and A100s in one host of 8 and two hosts of 8:
+
+- **zero_jax** stage 3 with ``zj.scan(prefetch=1, policy=...)``: flat over every GPU, hybrid
+  (``replica_axis`` across hosts) and hpZ (gathered within the host), with the step's own
+  compile options and nothing set by the user;
+- **GSPMD** (`_gspmd`, as MaxText writes it): FSDP over every GPU, and HSDP (split within the
+  host, replicated across), each with XLA's default flags and with NVIDIA's pipelining flags;
+
+each at the same remat policy: none (keep what the backward pass needs), ``dots_saveable``
+and ``nothing_saveable`` (full recompute). Per program: XLA's peak memory per device
+(arguments + outputs - aliased + temporaries), the bytes each GPU sends within and across
+hosts, how many of the layer loops' collectives have a matmul in their window, matmul flops
+and GEMM calls counted from the HLO, and a predicted step time from one model for both
+(`zero_jax.gpu.predict`: every matmul at its roofline, plus the communication that XLA:GPU's
+own schedule leaves outside matmul windows). Step times are predictions, not measurements.
+
+Results are kept in a JSON file as they come (``--results``), so an interrupted run resumes.
+
+Usage: ``python benchmarks/bench_peer.py [--quick] [--models small,1b,8b] [--gpus h100,a100]
+[--hosts 1,2] [--no-write]``. Needs JAX's CUDA plugin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+import _gspmd  # noqa: E402
+import _lm  # noqa: E402
+import zero_jax as zj  # noqa: E402
+from zero_jax.gpu import measure, predict, schedule, targets  # noqa: E402
+
+TOKENS_PER_DEVICE = 8192
+MODELS = {"small": _lm.GPT2_SMALL, "1b": _lm.GPT_1B, "8b": _lm.LLAMA3_8B}
+CP = jax.checkpoint_policies
+POLICIES = {"none": None, "dots": CP.dots_saveable, "full": CP.nothing_saveable}
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def zero_jax_configs(hosts: int) -> dict:
+  if hosts == 1:
+    return {"ZeRO-3": {"stage": 3}}
+  both = ("hosts", "data")
+  return {"ZeRO-3 flat": {"stage": 3, "axis_name": both},
+          "ZeRO-3 hybrid": {"stage": 3, "replica_axis": "hosts"},
+          "ZeRO-3 hpZ": {"stage": 3, "axis_name": both, "hpz_axis": "data"}}
+
+
+def gspmd_configs(hosts: int) -> dict:
+  """``{name: (fsdp axes, batch axes)}``."""
+  if hosts == 1:
+    return {"GSPMD FSDP": (("data",), ("data",))}
+  both = ("hosts", "data")
+  return {"GSPMD FSDP flat": (both, both), "GSPMD HSDP": (("data",), both)}
+
+
+def mesh_args(hosts: int) -> tuple:
+  return ((8,), ("data",)) if hosts == 1 else ((hosts, 8), ("hosts", "data"))
+
+
+def lower_zero_jax(cfg, gpu: str, hosts: int, options: dict, policy):
+  shape, names = mesh_args(hosts)
+  mesh = zj.compile_only_mesh(shape, names, gpu=gpu, hosts=hosts)
+  params = jax.eval_shape(lambda k: _lm.init_gpt(cfg, k), jax.random.key(0))
+  step = zj.make_sharded_train_step(_lm.make_gpt_loss(cfg, prefetch=1, policy=policy),
+                                    optax.adamw(1e-4), mesh=mesh, precision="bf16",
+                                    stacked=_lm.in_blocks, **options)
+  rows = hosts * 8 * TOKENS_PER_DEVICE // cfg.seq_len
+  return step.lower(step.abstract_state(params), _lm.gpt_batch_shape(cfg, rows))
+
+
+def lower_gspmd(cfg, gpu: str, hosts: int, axes: tuple, policy):
+  shape, names = mesh_args(hosts)
+  mesh = _gspmd.compile_only_auto_mesh(shape, names, gpu=gpu, hosts=hosts)
+  rows = hosts * 8 * TOKENS_PER_DEVICE // cfg.seq_len
+  return _gspmd.lower_step(cfg, mesh, fsdp=axes[0], batch_axes=axes[1], policy=policy,
+                           rows=rows)
+
+
+def gemm_calls(program: predict.Loop, runs: int = 1) -> int:
+  """Matmuls one step runs (a loop's once per iteration)."""
+  return runs * (len(program.dots) + sum(gemm_calls(l, l.trips) for l in program.loops))
+
+
+def read(compiled, gpu: str) -> dict:
+  """One compiled program's figures (see the module docstring)."""
+  text = compiled.as_text()
+  m = compiled.memory_analysis()
+  device = measure.device_for(targets.get_target(gpu), 8, "bf16")
+  program = predict.analyze(text)
+  intra, cross = measure.sent_bytes(program, device)
+  layer_loops = [l for l in schedule.loops(text) if l.windows and l.dots]
+  windows = [w for l in layer_loops for w in l.windows]
+  compute = predict.predict(program, device).compute
+  exposed = sum(l.step_exposed for l in predict.predict_scheduled(text, device))
+  return {
+      "peak": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+              + m.temp_size_in_bytes,
+      "temp": m.temp_size_in_bytes, "intra": intra, "cross": cross,
+      "overlapped": sum(w.overlapped for w in windows), "in_loop": len(windows),
+      "tflops": program.total_flops() / 1e12, "gemms": gemm_calls(program),
+      "compute_s": compute, "exposed_s": exposed, "step_s": compute + exposed}
+
+
+def rows_for(models, gpus, hosts_list) -> list:
+  """Every (model, gpu, hosts, system, config, flags, policy) row to compile."""
+  out = []
+  for m in models:
+    for gpu in gpus:
+      for hosts in hosts_list:
+        for pol in POLICIES:
+          for name in zero_jax_configs(hosts):
+            out.append((m, gpu, hosts, "zero_jax", name, "step's own", pol))
+          for name in gspmd_configs(hosts):
+            for flags in ("XLA default", "NVIDIA flags"):
+              out.append((m, gpu, hosts, "GSPMD", name, flags, pol))
+  return out
+
+
+def compile_row(row) -> dict:
+  m, gpu, hosts, system, name, flags, pol = row
+  cfg = MODELS[m]
+  if system == "zero_jax":
+    lowered = lower_zero_jax(cfg, gpu, hosts, zero_jax_configs(hosts)[name], POLICIES[pol])
+    options = dict(measure.FAST_COMPILE)
+  else:
+    lowered = lower_gspmd(cfg, gpu, hosts, gspmd_configs(hosts)[name], POLICIES[pol])
+    options = {**measure.FAST_COMPILE,
+               **(_gspmd.nvidia_flags(cfg) if flags == "NVIDIA flags" else {})}
+  return read(lowered.compile(compiler_options=options), gpu)
+
+
+def measure_all(rows, results_path: pathlib.Path) -> dict:
+  done = json.loads(results_path.read_text()) if results_path.exists() else {}
+  for row in rows:
+    key = "|".join(map(str, row))
+    if key in done:
+      continue
+    t0 = time.perf_counter()
+    done[key] = {**compile_row(row), "seconds": time.perf_counter() - t0}
+    results_path.write_text(json.dumps(done, indent=1))
+    r = done[key]
+    print(f"{key:70s} peak {r['peak'] / GiB:6.1f} GiB  sent {r['intra'] / MiB:7.0f}+"
+          f"{r['cross'] / MiB:5.0f} MiB  overlap {r['overlapped']}/{r['in_loop']}  "
+          f"step {r['step_s'] * 1e3:7.1f} ms  ({r['seconds']:.0f} s)", flush=True)
+  return {tuple(k.split("|")): v for k, v in done.items()}
+
+
+def render(out: dict, seconds: float) -> str:
+  """The section: the full table, then the verdict per (model, GPU, hosts)."""
+  lines = [
+      "## peer: zero_jax beside GSPMD FSDP on the compiled GPU program (PREDICTIONS for time)",
+      "",
+      f"`python benchmarks/bench_peer.py` ({seconds / 60:.0f} min of compiles on this CPU). "
+      f"Every step is compiled by XLA:GPU for compile-only GPUs (`zj.compile_only_mesh`, no GPU "
+      f"present), bf16 compute on fp32 weights, AdamW, {TOKENS_PER_DEVICE} tokens per GPU. "
+      f"GSPMD is FSDP written as MaxText writes it (`benchmarks/_gspmd.py`: parameter and "
+      f"AdamW shardings on the model width, activations constrained to the batch split, "
+      f"`lax.scan` over `jax.checkpoint(policy=...)`); HSDP splits within the host and "
+      f"replicates across. *peak*: XLA's arguments + outputs - aliased + temporaries per GPU. "
+      f"*sent*: MiB each GPU sends per step within its host + across hosts (ring algorithm). "
+      f"*overlap*: the layer loops' collectives with a matmul in their window. *step*: "
+      f"**predicted** (every matmul at its roofline on the card's published peak, plus the "
+      f"communication XLA:GPU's own schedule leaves outside matmul windows), not measured.",
+      "",
+      "| model | GPU | hosts | system | configuration | flags | remat | peak GiB | sent MiB "
+      "(intra+cross) | overlap | TFLOP | GEMMs | step ms |",
+      "| --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  for (m, gpu, hosts, system, name, flags, pol), r in out.items():
+    lines.append(
+        f"| {MODELS[m].name} | {gpu.upper()} | {hosts} | {system} | {name} | {flags} | {pol} | "
+        f"{r['peak'] / GiB:.1f} | {r['intra'] / MiB:,.0f}+{r['cross'] / MiB:,.0f} | "
+        f"{r['overlapped']}/{r['in_loop']} | {r['tflops']:.1f} | {r['gemms']} | "
+        f"{r['step_s'] * 1e3:.1f} |")
+  lines += ["", *verdicts(out)]
+  return "\n".join(lines)
+
+
+def best(out: dict, key: tuple, system: str, memory: int, flags=None):
+  """The fastest (predicted) row of ``system`` that fits ``memory``, or None."""
+  rows = [(k, r) for k, r in out.items() if k[:3] == key and k[3] == system
+          and r["peak"] <= memory and (flags is None or k[5] in flags)]
+  return min(rows, key=lambda kr: kr[1]["step_s"], default=None)
+
+
+def verdicts(out: dict) -> list:
+  """Per (model, GPU, hosts): each side's best that fits the card, and the ratio."""
+  lines = ["| model | GPU | hosts | zero_jax best (no flag) | step ms | GSPMD best, XLA default "
+           "| step ms | GSPMD best, NVIDIA flags | step ms | ratio to the best GSPMD | comm "
+           "share of GSPMD's step |", "| --- | --- | ---: | --- | ---: | --- | ---: | --- | ---: "
+           "| ---: | ---: |"]
+  for key in dict.fromkeys(k[:3] for k in out):
+    memory = targets.get_target(key[1]).memory_bytes
+    z = best(out, key, "zero_jax", memory)
+    g0 = best(out, key, "GSPMD", memory, ("XLA default",))
+    g1 = best(out, key, "GSPMD", memory, ("NVIDIA flags",))
+    g = min((x for x in (g0, g1) if x), key=lambda kr: kr[1]["step_s"], default=None)
+    cell = lambda x: ("none fits", "-") if x is None else (
+        f"{x[0][4]}, {x[0][6]}", f"{x[1]['step_s'] * 1e3:.1f}")
+    ratio = "-" if z is None or g is None else f"{z[1]['step_s'] / g[1]['step_s']:.2f}"
+    share = "-" if g is None else f"{g[1]['exposed_s'] / g[1]['step_s']:.0%}"
+    lines.append(f"| {MODELS[key[0]].name} | {key[1].upper()} | {key[2]} | {' | '.join(cell(z))}"
+                 f" | {' | '.join(cell(g0))} | {' | '.join(cell(g1))} | {ratio} | {share} |")
+  return lines
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="GPT-2 small on one host of 8 H100s")
+  p.add_argument("--models", default="small,1b,8b", help="of small, 1b, 8b")
+  p.add_argument("--gpus", default="h100,a100", help="of h100, h200, a100")
+  p.add_argument("--hosts", default="1,2", help="hosts of 8 GPUs")
+  p.add_argument("--results", type=pathlib.Path,
+                 default=pathlib.Path(tempfile.gettempdir()) / "zero_jax_peer.json",
+                 help="where each compiled row's figures are kept (resumes from it)")
+  p.add_argument("--no-write", action="store_true", help="print only")
+  args = p.parse_args()
+  if args.quick:
+    args.models, args.gpus, args.hosts = "small", "h100", "1"
+  rows = rows_for(args.models.split(","), args.gpus.split(","),
+                  [int(h) for h in args.hosts.split(",")])
+  t0 = time.perf_counter()
+  out = measure_all(rows, args.results)
+  out = {k: v for k, v in out.items() if k in {tuple(map(str, r)) for r in rows}}
+  text = render(out, time.perf_counter() - t0)
+  print(text)
+  if not args.no_write:
+    from _report import write_section  # pylint: disable=g-import-not-at-top
+    write_section("peer", text)
+
+
+if __name__ == "__main__":
+  main()
