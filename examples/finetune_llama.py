@@ -16,7 +16,9 @@ never whole on a device or on the host:
   feeding its own rows of every batch (``--precision bf16``: bf16 parameters, float32
   master copy);
 * ``zj.export_safetensors`` writes the result from the shards, in the layout and dtype it
-  came in (``config.json`` copied along), ready for ``transformers``' ``from_pretrained``.
+  came in (one file, or as many as the checkpoint had: ``--max-shard-size``;
+  ``config.json`` and ``generation_config.json`` copied along), ready for ``transformers``'
+  ``from_pretrained``.
 
 Without ``--checkpoint`` a tiny random checkpoint in the Hugging Face layout is written
 first (nothing is downloaded). A real one is a directory with ``config.json`` and
@@ -47,11 +49,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/llama
 from llama.config import ConfigError, LlamaConfig  # noqa: E402
-from llama.hf_files import file_dtypes, hf_name, hf_shapes, write_tiny_checkpoint  # noqa: E402,F401
+from llama.hf_files import checkpoint_tensors, hf_name, hf_shapes, write_tiny_checkpoint  # noqa: E402
 from llama.model import build_model  # noqa: E402
 
 READABLE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # lossless into float32
 ATOL = {"fp32": 1e-4, "bf16": 1e-1}
+COPIED = ("config.json", "generation_config.json")  # copied beside the export when present
 
 
 def text_batches(batch_size: int, seq_len: int, vocab: int, seed: int = 0):
@@ -74,20 +77,30 @@ def loss_fn(model, tokens):
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--checkpoint", help="a Hugging Face Llama or Qwen2 directory (default: a "
-                                      "tiny random one, written first)")
+  p.add_argument("--checkpoint", help="a Hugging Face Llama or Qwen2 directory: config.json "
+                                      "and model.safetensors, or shards and their index "
+                                      "(default: a tiny random one, written first)")
   p.add_argument("--out", help="where to export (default: a temporary directory; the tiny "
                                "checkpoint is written beside it). Required with several "
                                "processes: a directory they share")
-  p.add_argument("--steps", type=int, default=20)
-  p.add_argument("--batch-size", type=int, default=16, help="global batch size")
-  p.add_argument("--seq-len", type=int, default=64)
-  p.add_argument("--lr", type=float, default=1e-3)
+  p.add_argument("--steps", type=int, default=20,
+                 help="fine-tuning steps; 0 loads and exports only (default: %(default)s)")
+  p.add_argument("--batch-size", type=int, default=16,
+                 help="global batch size, in sequences (default: %(default)s)")
+  p.add_argument("--seq-len", type=int, default=64,
+                 help="tokens per sequence (default: %(default)s)")
+  p.add_argument("--lr", type=float, default=1e-3,
+                 help="learning rate of AdamW (default: %(default)s)")
   p.add_argument("--precision", choices=sorted(ATOL), default="fp32",
-                 help="bf16: bf16 parameters and a float32 master copy")
+                 help="fp32, or bf16: bf16 parameters and a float32 master copy "
+                      "(default: %(default)s)")
   p.add_argument("--export-dtype", choices=["checkpoint", "float32", "bfloat16", "float16"],
-                 default="checkpoint", help="dtype of the exported tensors (default: the "
-                                            "checkpoint's own)")
+                 default="checkpoint", help="dtype of the exported tensors; checkpoint: the "
+                                            "checkpoint's own (default: %(default)s)")
+  p.add_argument("--max-shard-size", default="checkpoint",
+                 help="split the export into files of at most this size, as transformers' "
+                      "max_shard_size (5GB, 500MB, 2GiB, or bytes); checkpoint: as the "
+                      "checkpoint is split, one file for one file (default: %(default)s)")
   p.add_argument("--tokens", help="token ids [batch, seq] (.npy) for --logits-out")
   p.add_argument("--logits-out", help="write the loaded model's float32 logits for --tokens "
                                       "here (.npy), then exit")
@@ -95,13 +108,46 @@ def parse_args(argv=None):
                  help="compare the loaded model's logits for TOKENS with REF (.npy files), "
                       "then exit; status 1 beyond --atol")
   p.add_argument("--atol", type=float, help="largest absolute logit difference --check-logits "
-                                            "accepts (default 1e-4 at fp32, 0.1 at bf16)")
+                                            "accepts (default: 1e-4 at fp32, 0.1 at bf16)")
   p.add_argument("--devices", type=int, default=8,
-                 help="fake CPU devices to use when the machine has only one device")
+                 help="fake CPU devices to use when the machine has only one device "
+                      "(default: %(default)s)")
   args = p.parse_args(argv)
   if args.logits_out and not args.tokens or args.tokens and not args.logits_out:
     p.error("--tokens and --logits-out go together")
+  if args.max_shard_size != "checkpoint" and parse_size(args.max_shard_size) is None:
+    p.error(f"--max-shard-size {args.max_shard_size}: give a size such as 5GB, 500MB or "
+            f"2GiB, a number of bytes, or checkpoint")
   return args
+
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int | None:
+  """Bytes of a size as transformers writes it (``5GB``: 5 * 10**9; ``2GiB``: 2 * 2**30), or
+  None when ``text`` is not one."""
+  text = text.strip().upper()
+  number = text.rstrip("KMGTIB")
+  try:
+    value = float(number) * SIZE_UNITS[text[len(number):].strip()]
+  except (KeyError, ValueError):
+    return None
+  return int(value) if value >= 1 else None
+
+
+def max_shard_bytes(choice: str, tensors: dict, dtype) -> int:
+  """The export's ``max_shard_bytes``: ``choice``'s size, or for ``checkpoint`` the largest of
+  the checkpoint's files (its tensors in the export's dtype): as many files as it has (one
+  for one), give or take the order the tensors are written in."""
+  size = parse_size(choice)
+  if size is not None:
+    return size
+  per_file: dict = {}
+  for _, shape, path in tensors.values():
+    per_file[path] = per_file.get(path, 0) + int(np.prod(shape)) * np.dtype(dtype).itemsize
+  return max(per_file.values()) if len(per_file) > 1 else sum(per_file.values()) + 1
 
 
 def export_dtype(choice: str, codes: set[str]):
@@ -200,6 +246,25 @@ def checkpoint_dir(args, jax) -> tuple[str, str]:
   return checkpoint, args.out or os.path.join(work, "finetuned")
 
 
+def read_checkpoint(checkpoint: str) -> tuple[LlamaConfig, dict, bool]:
+  """``(config, its tensors, strict)`` of a checkpoint directory; exits with one message
+  naming the file for a config.json or a .safetensors file it cannot read. ``strict`` is
+  False only for a tied checkpoint that also stores ``lm_head.weight``: transformers ignores
+  that tensor (the head is the embedding), and so does this example."""
+  try:
+    cfg = LlamaConfig.from_json(os.path.join(checkpoint, "config.json"))
+    tensors = checkpoint_tensors(checkpoint)
+  except (ConfigError, OSError, ValueError) as e:
+    raise SystemExit(str(e)) from None
+  if cfg.tie_word_embeddings and "lm_head.weight" in tensors and \
+      set(tensors) - set(hf_shapes(cfg)) == {"lm_head.weight"}:
+    import zero_jax as zj
+    zj.print_main(f"{checkpoint}: lm_head.weight is not read: tie_word_embeddings makes the "
+                  f"head the embedding (transformers ignores it too); the export leaves it out.")
+    return cfg, tensors, False
+  return cfg, tensors, True
+
+
 def main(argv=None) -> dict:
   args = parse_args(argv)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -211,11 +276,8 @@ def main(argv=None) -> dict:
   import zero_jax as zj
 
   checkpoint, out = checkpoint_dir(args, jax)
-  try:
-    cfg = LlamaConfig.from_json(os.path.join(checkpoint, "config.json"))
-  except ConfigError as e:
-    raise SystemExit(str(e)) from None
-  codes = file_dtypes(checkpoint)
+  cfg, tensors, strict = read_checkpoint(checkpoint)
+  codes = {tensors[name][0] for name in hf_shapes(cfg) if name in tensors}
   if not codes <= set(READABLE):
     raise SystemExit(f"{checkpoint}: tensors of dtype {sorted(codes - set(READABLE))}; this "
                      f"example reads {sorted(READABLE)} (converted to float32 losslessly).")
@@ -227,8 +289,11 @@ def main(argv=None) -> dict:
   # The same function step.init would take, traced (nothing allocated): each device reads
   # its block of each tensor; the state keeps those blocks (donate=True: no second copy).
   make_model = lambda: build_model(cfg, nnx.Rngs(0), dtype=step.spec.policy.param_dtype)
-  model = zj.load_safetensors(checkpoint, make_model, step=step, rename=hf_name,
-                              cast=codes != {"F32"})
+  try:
+    model = zj.load_safetensors(checkpoint, make_model, step=step, rename=hf_name,
+                                cast=codes != {"F32"}, strict=strict)
+  except (KeyError, ValueError, TypeError) as e:  # each names the file and the tensor
+    raise SystemExit(e.args[0] if e.args else str(e)) from None
   if args.logits_out or args.check_logits:
     return {**logits_check(args, step, model, cfg), "config": cfg, "step": step}
   state = step.init(model, donate=True)
@@ -241,10 +306,14 @@ def main(argv=None) -> dict:
     if i % 5 == 0 or i == args.steps - 1:
       zj.print_main(f"step {i:4d}  loss {losses[-1]:.4f}")
 
-  files = zj.export_safetensors(step, state, out, rename=hf_name, dtype=dtype, force=True)
+  files = zj.export_safetensors(step, state, out, rename=hf_name, dtype=dtype, force=True,
+                                max_shard_bytes=max_shard_bytes(args.max_shard_size, tensors,
+                                                                dtype))
+  copied = [f for f in COPIED if os.path.exists(os.path.join(checkpoint, f))]
   if jax.process_index() == 0:
-    shutil.copy(os.path.join(checkpoint, "config.json"), out)
-  zj.print_main(f"wrote {', '.join(files)} ({dtype}) and config.json to {out}")
+    for f in copied:
+      shutil.copy(os.path.join(checkpoint, f), out)
+  zj.print_main(f"wrote {', '.join(files + copied)} ({dtype}) to {out}")
   return {"losses": losses, "checkpoint": checkpoint, "out": out, "files": files,
           "step": step, "state": state, "config": cfg}
 

@@ -23,13 +23,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import zero_jax as zj  # noqa: E402  (imports jax but does not start a backend)
-from zero_jax.processes import distributed as zd  # noqa: E402
+WORKER = "--worker"  # the demo's own processes are started with it
 
 
 def demo(steps: int = 30, global_batch: int = 64):
   """What every process of the demo runs: a small MLP regression, ZeRO-2."""
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
   zj.initialize_distributed()  # first, before any other JAX call
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -68,24 +67,43 @@ def demo(steps: int = 30, global_batch: int = 64):
   zj.print_main(f"done: |w1| = {float(np.linalg.norm(np.asarray(final['w1']))):.4f}")
 
 
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("-n", "--num-processes", type=int, default=2,
+                 help="processes to start, each one JAX process of the job "
+                      "(default: %(default)s)")
+  p.add_argument("-d", "--devices-per-process", type=int, default=4,
+                 help="fake CPU devices of each process (default: %(default)s)")
+  p.add_argument("--peer-timeout", type=float, default=None,
+                 help="seconds without a peer's heartbeat before the others stop "
+                      "(default: zj.initialize_distributed's, 60)")
+  p.add_argument("script", nargs="?",
+                 help="the Python script every process runs (default: the demo above)")
+  p.add_argument("args", nargs=argparse.REMAINDER,
+                 help="the script's own arguments, passed on as given")
+  return p
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("-n", "--num-processes", type=int, default=2)
-  parser.add_argument("-d", "--devices-per-process", type=int, default=4)
-  parser.add_argument("--peer-timeout", type=float, default=None,
-                      help="seconds without a peer's heartbeat before the others stop")
-  parser.add_argument("script", nargs="?", help="the script every process runs (default: demo)")
-  parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
-  opts = parser.parse_args(argv)
+  opts = build_parser().parse_args(argv)
+  import zero_jax as zj  # after the flags: --help answers without importing JAX
   command = [sys.executable, opts.script, *opts.args] if opts.script else [
-      sys.executable, os.path.abspath(__file__), "--worker"]
+      sys.executable, os.path.abspath(__file__), WORKER]
   return zj.launch_local(command, num_processes=opts.num_processes,
                          devices_per_process=opts.devices_per_process,
                          peer_timeout_seconds=opts.peer_timeout)
 
 
+def is_worker() -> bool:
+  """Whether this process is one the demo started (not a user's ``--worker`` flag)."""
+  if sys.argv[1:] != [WORKER]:
+    return False
+  from zero_jax.processes import distributed as zd  # pylint: disable=g-import-not-at-top
+  return os.environ.get(zd.ENV_PROCESS_ID) is not None
+
+
 if __name__ == "__main__":
-  if sys.argv[1:] == ["--worker"] and os.environ.get(zd.ENV_PROCESS_ID) is not None:
+  if is_worker():
     demo()
   else:
     sys.exit(main())

@@ -46,20 +46,6 @@ import sys
 import sysconfig
 import time
 
-import jax
-
-try:
-  import zero_jax as zj
-except ImportError:  # running from a checkout without `pip install -e .`
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-  import zero_jax as zj
-
-import flax.linen as nn
-import jax.numpy as jnp
-import numpy as np
-import optax
-from tqdm.auto import tqdm
-
 EOF = 256          # token that separates files
 VOCAB = 257        # 256 bytes + EOF: an uneven size, like GPT-2's 50257
 
@@ -166,6 +152,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error("--batch-size and --steps must be positive and --seq-len at least 2")
   args.given = given_flags(argv)
   return args
+
+
+if __name__ == "__main__":
+  parse_args()  # --help and a mistyped flag answer here, before JAX is imported (seconds)
+
+import jax  # noqa: E402  (after the flags are read: see above)
+
+try:
+  import zero_jax as zj
+except ImportError:  # running from a checkout without `pip install -e .`
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+  import zero_jax as zj
+
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 
 
 def setup_devices(args) -> list:

@@ -13,12 +13,18 @@ import sys
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--batch-size", type=int, default=256, help="global batch size")
-  p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
-  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--steps", type=int, default=300,
+                 help="training steps (default: %(default)s)")
+  p.add_argument("--batch-size", type=int, default=256,
+                 help="global batch size, split over the devices (default: %(default)s)")
+  p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3),
+                 help="ZeRO stage: 1 splits the optimizer state, 2 also the gradients, 3 also "
+                      "the parameters (default: %(default)s)")
+  p.add_argument("--lr", type=float, default=3e-3,
+                 help="learning rate of AdamW (default: %(default)s)")
   p.add_argument("--devices", type=int, default=8,
-                 help="fake CPU devices to use when the machine has only one device")
+                 help="fake CPU devices to use when the machine has only one device "
+                      "(default: %(default)s)")
   return p.parse_args(argv)
 
 

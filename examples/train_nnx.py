@@ -29,14 +29,23 @@ import tempfile
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--steps", type=int, default=150)
-  p.add_argument("--batch-size", type=int, default=128, help="global batch size")
-  p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
+  p.add_argument("--steps", type=int, default=150,
+                 help="training steps (default: %(default)s)")
+  p.add_argument("--batch-size", type=int, default=128,
+                 help="global batch size, split over the devices (default: %(default)s)")
+  p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3),
+                 help="ZeRO stage: 1 splits the optimizer state, 2 also the gradients, 3 also "
+                      "the parameters (default: %(default)s)")
   p.add_argument("--precision", default="fp32",
-                 choices=("fp32", "bf16", "fp16", "fp16_memory_efficient"))
-  p.add_argument("--lr", type=float, default=3e-3)
+                 choices=("fp32", "bf16", "fp16", "fp16_memory_efficient"),
+                 help="precision policy of the step: bf16 and fp16 compute in half precision "
+                      "with a float32 master copy; fp16_memory_efficient keeps none "
+                      "(default: %(default)s)")
+  p.add_argument("--lr", type=float, default=3e-3,
+                 help="learning rate of AdamW (default: %(default)s)")
   p.add_argument("--devices", type=int, default=8,
-                 help="fake CPU devices to use when the machine has only one device")
+                 help="fake CPU devices to use when the machine has only one device "
+                      "(default: %(default)s)")
   return p.parse_args(argv)
 
 

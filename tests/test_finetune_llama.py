@@ -11,7 +11,9 @@ optax on one device.
 
 import dataclasses
 import json
+import os
 import pathlib
+import re
 import shutil
 import struct
 import subprocess
@@ -175,8 +177,9 @@ def test_an_export_after_a_step_has_the_originals_names_shapes_and_dtypes(varian
   strip = lambda h: {k: (e["dtype"], e["shape"]) for k, e in h.items() if k != "__metadata__"}
   assert strip(after) == strip(before)
   assert after["__metadata__"] == before["__metadata__"] == {"format": "pt"}
-  assert json.loads((out / "config.json").read_text()) == \
-      json.loads((DATA / variant / "config.json").read_text())
+  for copied in ("config.json", "generation_config.json"):
+    assert json.loads((out / copied).read_text()) == \
+        json.loads((DATA / variant / copied).read_text())
   old, new = (load_file(d / "model.safetensors") for d in (DATA / variant, out))
   assert not all(np.array_equal(old[k], new[k]) for k in old)  # trained
   assert result["files"] == ["model.safetensors"]
@@ -273,6 +276,149 @@ def test_qwen2_reads_as_llama_with_qkv_biases_and_refuses_sliding_windows():
   assert "model.layers.0.self_attn.o_proj.bias" not in hf_shapes(cfg)
   with pytest.raises(C.ConfigError, match="use_sliding_window=True"):
     C.from_hf({**raw, "use_sliding_window": True})
+
+
+def _damage(directory: pathlib.Path, case: str) -> pathlib.Path:
+  """The file of ``directory`` (a copy of a checkpoint) that ``case`` damages, damaged."""
+  model, config = directory / "model.safetensors", directory / "config.json"
+  src = model.read_bytes()
+  n = int.from_bytes(src[:8], "little")
+  raw = json.loads(config.read_text())
+  damaged = {
+      "four_bytes": (model, src[:4]),
+      "header_cut": (model, src[:8 + n // 2]),
+      "length_past_the_end": (model, (2 * len(src)).to_bytes(8, "little") + src[8:]),
+      "length_2_to_the_40": (model, (2**40).to_bytes(8, "little") + src[8:]),
+      "not_utf8": (model, src[:8] + b"\xff" + src[9:]),
+      "dtype_label": (model, src[:8 + n].replace(b'"F32"', b'"F16"', 1) + src[8 + n:]),
+      "config_missing": (config, None),
+      "config_not_json": (config, b"{not json"),
+      "config_model_type": (config, json.dumps({**raw, "model_type": "gemma"}).encode()),
+      "config_no_eps": (config, json.dumps({k: v for k, v in raw.items()
+                                            if k != "rms_norm_eps"}).encode()),
+  }
+  path, data = damaged[case]
+  if data is None:
+    path.unlink()
+  else:
+    path.write_bytes(data)
+  return path
+
+
+DAMAGE = {"four_bytes": "fewer than the 8-byte header length",
+          "header_cut": "header length says \\d+ bytes, and the file has \\d+ after it",
+          "length_past_the_end": "header length says \\d+ bytes, and the file has",
+          "length_2_to_the_40": "header length says 1099511627776 bytes",
+          "not_utf8": "its header is not JSON \\('utf-8' codec",
+          "dtype_label": "tensor '[^']+' has data_offsets \\[\\d+, \\d+\\], which do not hold",
+          "config_missing": "does not exist: a Hugging Face checkpoint directory holds",
+          "config_not_json": "is not JSON \\(Expecting property name",
+          "config_model_type": "model_type 'gemma' is not one this example implements",
+          "config_no_eps": "has no 'rms_norm_eps'; a llama config needs it"}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_a_damaged_checkpoint_stops_the_example_with_one_message_naming_the_file(case,
+                                                                               tmp_path):
+  """Each damaged file (a 4-byte file, a header cut short, a header length past the end or of
+  2**40, a header that is not UTF-8, a dtype label that does not fit the bytes, config.json
+  missing, not JSON or refused) stops the example with one message naming that file, and
+  names it once (no "config.json: config.json:")."""
+  shutil.copytree(DATA / "llama2", tmp_path / "c")
+  path = _damage(tmp_path / "c", case)
+  with pytest.raises(SystemExit) as info:
+    EX.main(["--checkpoint", str(tmp_path / "c"), "--steps", "0", "--out", str(tmp_path / "o")])
+  message = str(info.value.code)
+  assert re.match(rf"{re.escape(str(path))}:? .*{DAMAGE[case]}", message), message
+  assert "\n" not in message and message.count(str(path)) == 1
+  assert "config.json: config.json" not in message
+  assert not (tmp_path / "o").exists()
+
+
+def test_a_damaged_file_prints_its_message_without_a_traceback(tmp_path):
+  shutil.copytree(DATA / "llama2", tmp_path / "c")
+  path = _damage(tmp_path / "c", "length_2_to_the_40")
+  proc = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_llama.py"),
+                         "--checkpoint", str(tmp_path / "c"), "--steps", "0"],
+                        capture_output=True, text=True, check=False)
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.startswith(f"{path} is not a complete safetensors file: its header length "
+                                f"says 1099511627776 bytes"), proc.stderr
+
+
+def test_a_tied_checkpoint_that_also_stores_lm_head_loads_as_transformers_loads_it(tmp_path,
+                                                                                   capsys):
+  """transformers ignores the lm_head.weight a tied checkpoint stores (the head is the
+  embedding): so does the example, saying so; the logits are transformers', and the export
+  is the tied file transformers wrote."""
+  from safetensors.numpy import save_file
+  shutil.copytree(DATA / "tied", tmp_path / "c")
+  weights = load_file(DATA / "tied" / "model.safetensors")
+  assert "lm_head.weight" not in weights
+  save_file({**weights, "lm_head.weight": np.ones_like(weights["model.embed_tokens.weight"])},
+            str(tmp_path / "c" / "model.safetensors"), metadata={"format": "pt"})
+  result = check(tmp_path / "c", ref=DATA / "tied" / "logits.npy")
+  assert result["max_abs_diff"] < 1e-4
+  assert "lm_head.weight is not read: tie_word_embeddings" in capsys.readouterr().out
+  EX.main(["--checkpoint", str(tmp_path / "c"), "--steps", "0", "--out", str(tmp_path / "o")])
+  assert (tmp_path / "o" / "model.safetensors").read_bytes() == \
+      (DATA / "tied" / "model.safetensors").read_bytes()
+  # Another unexpected tensor beside it is still refused, by name.
+  save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"],
+             "model.extra": np.ones(3, np.float32)}, str(tmp_path / "c" / "model.safetensors"))
+  with pytest.raises(SystemExit, match=r"holds 2 tensor\(s\) that no leaf of `like` reads: "
+                                       r"'lm_head.weight', 'model.extra'"):
+    EX.main(["--checkpoint", str(tmp_path / "c"), "--steps", "0"])
+
+
+def _shard(src: pathlib.Path, dst: pathlib.Path, n: int) -> dict:
+  """A copy of the checkpoint ``src`` with its tensors in ``n`` files and an index, as
+  transformers writes a large model; returns the tensors."""
+  from safetensors.numpy import save_file
+  shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
+  weights = load_file(src / "model.safetensors")
+  names = sorted(weights)
+  files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+  weight_map = {k: files[i * n // len(names)] for i, k in enumerate(names)}
+  for f in files:
+    save_file({k: weights[k] for k in names if weight_map[k] == f}, str(dst / f),
+              metadata={"format": "pt"})
+  (dst / "model.safetensors.index.json").write_text(json.dumps(
+      {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+       "weight_map": weight_map}))
+  return weights
+
+
+def test_a_sharded_checkpoint_is_exported_sharded_unless_told_otherwise(tmp_path):
+  """A checkpoint in 3 files and an index comes out in as many files of at most its largest
+  file's size, with an index, holding the same tensors (0 steps: the same bytes);
+  --max-shard-size 1GB writes one file; --max-shard-size 4KB more files (none bigger than
+  4KB but for a tensor larger than that, alone in its file: 96 x 32 float32)."""
+  weights = _shard(DATA / "llama2", tmp_path / "c", 3)
+  data_bytes = lambda path: sum(v.nbytes for v in load_file(path).values())
+  biggest = max(data_bytes(tmp_path / "c" / f) for f in os.listdir(tmp_path / "c")
+                if f.endswith(".safetensors"))
+  for flags, files in (([], 3), (["--max-shard-size", "1GB"], 1),
+                       (["--max-shard-size", "4KB"], None)):
+    out = tmp_path / f"o{len(flags)}{files}"
+    result = EX.main(["--checkpoint", str(tmp_path / "c"), "--steps", "0", "--out", str(out),
+                      *flags])
+    written = [f for f in result["files"] if f.endswith(".safetensors")]
+    if files == 1:
+      assert result["files"] == ["model.safetensors"]
+    else:
+      assert result["files"][-1] == "model.safetensors.index.json"
+      assert len(written) == files if files else len(written) > 3
+      assert all(data_bytes(out / f) <= (biggest if files else 12288) for f in written)
+    got = {}
+    for f in written:
+      got.update(load_file(out / f))
+    assert sorted(got) == sorted(weights)
+    for k, v in weights.items():
+      assert got[k].tobytes() == v.tobytes(), k
+  with pytest.raises(SystemExit):
+    EX.parse_args(["--max-shard-size", "lots"])
+  assert EX.parse_size("5GB") == 5 * 10**9 and EX.parse_size("2GiB") == 2 << 30
 
 
 def test_an_unreadable_config_stops_the_example_with_its_message(tmp_path):

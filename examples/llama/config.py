@@ -62,14 +62,25 @@ class LlamaConfig:
 
   @classmethod
   def from_json(cls, path) -> "LlamaConfig":
-    with open(path) as f:
-      raw = json.load(f)
+    """The config of the ``config.json`` at ``path``; `ConfigError`, one message naming
+    the file, when it is missing, not JSON, or a config this model cannot reproduce."""
+    try:
+      with open(path, "rb") as f:
+        raw = json.load(f)
+    except FileNotFoundError:
+      raise ConfigError(f"{path} does not exist: a Hugging Face checkpoint directory holds "
+                        f"its config.json beside its .safetensors files.") from None
+    except OSError as e:
+      raise ConfigError(f"{path} cannot be read: {e.strerror or e}.") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+      raise ConfigError(f"{path} is not JSON ({e}); download the checkpoint's config.json "
+                        f"again.") from None
     if not isinstance(raw, dict):
-      raise ConfigError(f"{path}: config.json must hold a JSON object, got {type(raw).__name__}.")
+      raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}.")
     try:
       return from_hf(raw)
     except ConfigError as e:
-      raise ConfigError(f"{path}: {e}") from None
+      raise ConfigError(_naming(str(e), str(path))) from None
 
   def to_hf(self) -> dict:
     """A transformers 5.x ``config.json`` of this model."""
@@ -81,6 +92,15 @@ class LlamaConfig:
     if self.model_type == "qwen2":
       del out["attention_bias"], out["mlp_bias"]
     return out
+
+
+def _naming(message: str, path: str) -> str:
+  """``message`` about "config.json" about the file at ``path`` instead, said once."""
+  if message.startswith("config.json: "):
+    return f"{path}: {message.removeprefix('config.json: ')}"
+  if message.startswith("config.json "):
+    return f"{path} {message.removeprefix('config.json ')}"
+  return f"{path}: {message}"
 
 
 def _get(raw: dict, key: str, kind, default=None):

@@ -1,12 +1,10 @@
-"""Hugging Face's side of the model: tensor names and shapes, the dtypes of a checkpoint's
+"""Hugging Face's side of the model: tensor names and shapes, the tensors of a checkpoint's
 files, and a tiny random checkpoint in the same layout (what a download would give)."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import struct
 
 import numpy as np
 
@@ -47,18 +45,17 @@ def hf_shapes(cfg: LlamaConfig) -> dict:
   return out
 
 
-def file_dtypes(directory: str) -> set[str]:
-  """The safetensors dtype names (``"F32"``, ``"BF16"``, ...) of the tensors in a
-  checkpoint directory, from the files' headers."""
-  codes = set()
-  for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
-    with open(path, "rb") as f:
-      (n,) = struct.unpack("<Q", f.read(8))
-      header = json.loads(f.read(n))
-    codes |= {e["dtype"] for k, e in header.items() if k != "__metadata__"}
-  if not codes:
-    raise FileNotFoundError(f"{directory} holds no .safetensors file.")
-  return codes
+def checkpoint_tensors(directory: str) -> dict:
+  """``{name: (safetensors dtype name, shape, file)}`` of a checkpoint directory's tensors,
+  from its files' headers: the files ``zj.load_safetensors`` reads (``model.safetensors``,
+  else the index's), each header read and checked by zero_jax's own parser (a damaged or
+  truncated file is a ``ValueError`` naming it)."""
+  from zero_jax.checkpoint import safetensors_format as fmt
+  out = {}
+  for path in fmt.find_files(directory).files:
+    for name, e in fmt.header_of(path).items():
+      out[name] = (e.code, e.shape, path)
+  return out
 
 
 def write_tiny_checkpoint(directory, cfg: LlamaConfig, seed: int = 0) -> dict:

@@ -8,7 +8,7 @@ Orbax or plain files), `writer` (the directory's lock, temporary names, failed w
 (restored ``inject_hyperparams`` values), `export` (full parameters as a plain Orbax
 checkpoint) and the safetensors files of Hugging Face: `safetensors_format` (names,
 headers, index), `blocks` (which part of a leaf each device writes), `safetensors_write`,
-`safetensors_mapped` (the files of a load, each mapped once) and `safetensors_read`. It
+`safetensors_files` (the files of a load, each opened once) and `safetensors_read`. It
 sits above the step and imports it; nothing of the step imports it.
 """
 

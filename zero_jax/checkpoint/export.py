@@ -12,7 +12,7 @@ from etils import epath
 
 from zero_jax.checkpoint.store import CONCURRENT_GB as _CONCURRENT_GB
 from zero_jax.checkpoint.writer import abs_path
-from zero_jax.step.state import TrainState, is_padded_storage
+from zero_jax.step.state import TrainState, is_padded_storage, padded_host_copies
 
 
 def _export_registry():
@@ -25,8 +25,9 @@ def _export_registry():
 
 
 def _check_export(path: epath.Path, params, force: bool) -> None:
-  """Refuses a `TrainState`, a stage-3 state's padded storage (``state.params``), an
-  existing ``path`` (unless ``force``) and leaves Orbax cannot write."""
+  """Refuses a `TrainState`, a stage-3 state's padded storage (``state.params``, or its host
+  copy from ``jax.device_get``), an existing ``path`` (unless ``force``) and leaves Orbax
+  cannot write."""
   if isinstance(params, TrainState):
     raise TypeError("export_params takes the parameters, not a TrainState: pass "
                     "step.get_params(state), or write safetensors from the shards with "
@@ -36,15 +37,20 @@ def _check_export(path: epath.Path, params, force: bool) -> None:
     raise FileExistsError(errno.EEXIST, f"export_params writes a new directory, and {path} "
                                         f"exists (a {kind}). Export into a new path, or pass "
                                         f"force=True to replace it.")
+  copies = padded_host_copies()
   for keypath, x in jax.tree_util.tree_flatten_with_path(params)[0]:
     where, layout = f"params{jax.tree_util.keystr(keypath)}", is_padded_storage(x)
+    copy = layout is None and isinstance(x, np.ndarray) and id(x) in copies
+    if copy:
+      layout = copies[id(x)]
     if layout is not None:
+      what = ("a host copy (jax.device_get(state.params)) of a stage-3 state's padded, split "
+              "storage" if copy else "a stage-3 state's padded, split storage (state.params)")
       raise ValueError(
-          f"{where} has shape {tuple(x.shape)}: it is a stage-3 state's padded, split "
-          f"storage (state.params), not the parameter of shape {tuple(layout.shape)}; "
-          f"exported as it is it would be silently wrong. Pass step.get_params(state), or "
-          f"write safetensors from the shards with zj.export_safetensors(step, state, "
-          f"directory).")
+          f"{where} has shape {tuple(x.shape)}: it is {what}, not the parameter of shape "
+          f"{tuple(layout.shape)}; exported as it is it would be silently wrong. Pass "
+          f"step.get_params(state), or write safetensors from the shards with "
+          f"zj.export_safetensors(step, state, directory).")
     if not np.prod(np.shape(x)):
       raise ValueError(f"{where} has shape {np.shape(x)}, no elements, and an Orbax "
                        f"checkpoint holds no zero-size array. Leave it out of the exported "
@@ -85,8 +91,8 @@ def export_params(directory, params, *, force: bool = False) -> None:
     TypeError: ``params`` is a `TrainState`.
     FileExistsError: ``directory`` exists and ``force`` is False.
     ValueError: a leaf is a stage-3 state's padded storage (``state.params``'s own
-      arrays; a copy of them, e.g. ``jax.device_get(state.params)``, is not recognised),
-      or has no elements.
+      arrays, or the host copies ``jax.device_get(state.params)`` returns for them while
+      the state lives; a copy made otherwise is not recognised), or has no elements.
   """
   path = epath.Path(abs_path(directory))
   _check_export(path, params, force)

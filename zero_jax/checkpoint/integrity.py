@@ -236,6 +236,13 @@ def nothing_to_restore(directory: epath.Path) -> FileNotFoundError:
     return FileNotFoundError(f"no complete checkpoint in {directory} (the directory does not "
                              f"exist): nothing to restore. Check the path, or start from "
                              f"step.init(params).")
+  if (directory / "_METADATA").is_file() and not (directory / RECORD).exists():
+    return FileNotFoundError(
+        f"{directory} holds an export of parameters (zj.export_params: a plain Orbax PyTree "
+        f"checkpoint, its _METADATA at the top), not a CheckpointManager checkpoint: an "
+        f"export has the parameters only, no optimizer state. Read it with params = "
+        f"orbax.checkpoint.StandardCheckpointer().restore({os.fspath(directory)!r}), then "
+        f"start from step.init(params).")
   exported = sorted(p.name for p in directory.iterdir()
                     if p.name.endswith((".safetensors", ".safetensors.index.json")))
   if not exported:

@@ -7,7 +7,7 @@ header depends on names, shapes and dtypes alone, so every tensor's byte range i
 before any data is written. Several files come with ``model.safetensors.index.json``
 (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``), as Hugging Face
 writes them. Reading and writing data is `zero_jax.checkpoint.safetensors_read` (with
-``safetensors_mapped``) / ``safetensors_write``'s job.
+``safetensors_files``) / ``safetensors_write``'s job.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import math
 import os
 import struct
+import warnings
 from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
@@ -190,42 +191,131 @@ def _bad(path: str, why: str) -> ValueError:
                     f"again (a truncated copy or an interrupted download?).")
 
 
-def parse_header(path: str, head: bytes, size: int) -> dict[str, Entry]:
+def _invalid(path: str, why: str) -> ValueError:
+  return ValueError(f"{path} is not a valid safetensors file: {why}; the safetensors library "
+                    f"refuses it too. Download or export it again.")
+
+
+def check_length(path: str, n: int, size: int, max_header_bytes: int) -> None:
+  """Raises naming ``path`` when its header length ``n`` passes the file's ``size`` or the
+  cap ``max_header_bytes``."""
+  if 8 + n > size:
+    raise _bad(path, f"its header length says {n} bytes, and the file has {size - 8} after it")
+  if n > max_header_bytes:
+    mib = f" ({n / 2**20:.1f} MiB)" if n >= 2**20 else ""
+    library = (", which the safetensors library refuses too: its cap is 100 MiB"
+               if n > MAX_HEADER else "")
+    raise ValueError(f"{path} has a header of {n} bytes{mib}, more than the cap of "
+                     f"{max_header_bytes} bytes{library}. If the file is what you expect, "
+                     f"raise the cap: zj.load_safetensors(..., max_header_bytes={n}).")
+
+
+def _no_repeats(pairs: list) -> dict:
+  """``json.loads``' ``object_pairs_hook``: an object naming a key twice is refused (json
+  would keep the last)."""
+  out = {}
+  for k, v in pairs:
+    if k in out:
+      raise _Repeated(k)
+    out[k] = v
+  return out
+
+
+class _Repeated(Exception):
+  pass
+
+
+def _entry(path: str, name: str, e, start: int) -> Entry:
+  """One header entry, its fields checked (``start``: where the data begins in the file)."""
+  try:
+    code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+    ints = [*shape, *offsets]
+    if not isinstance(code, str) or len(offsets) != 2 or any(
+        isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ints):
+      raise TypeError(code)
+  except (KeyError, TypeError, ValueError):
+    raise _invalid(path, f"the header entry of tensor {name!r} ({e!r}) is not a dtype name, "
+                         f"a shape and data_offsets (non-negative integers)") from None
+  begin, end = offsets
+  dtype = DTYPES.get(code)  # another dtype (C64, F4, ...) is refused only if a leaf reads it
+  if end < begin or dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
+    raise _invalid(path, f"tensor {name!r} has data_offsets [{begin}, {end}], which do not "
+                         f"hold {list(shape)} x {code}")
+  return Entry(path, dtype, tuple(shape), start + begin, start + end, code)
+
+
+def _check_coverage(path: str, out: dict[str, Entry], start: int, size: int) -> None:
+  """The tensors' bytes follow one another from the start of the data to the file's end,
+  as the safetensors library requires: no overlap, no gap, nothing past the end."""
+  expected, previous = start, None
+  for name, e in sorted(out.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+    if e.end > size:
+      raise _bad(path, f"tensor {name!r} ends at byte {e.end - start} of the data, and the "
+                       f"file holds {size - start} bytes of data after its header")
+    if e.begin < expected:
+      raise _invalid(path, f"the bytes of tensor {name!r} (data_offsets [{e.begin - start}, "
+                           f"{e.end - start}]) overlap those of tensor {previous!r}, which end "
+                           f"at {expected - start}: an invalid offset")
+    if e.begin > expected:
+      after = f"after tensor {previous!r}" if previous else "at the start of the data"
+      raise _invalid(path, f"bytes [{expected - start}, {e.begin - start}) of the data, "
+                           f"{after} and before tensor {name!r}, belong to no tensor: an "
+                           f"invalid offset")
+    expected, previous = e.end, name
+  if expected < size:
+    raise _invalid(path, f"its last {size - expected} bytes belong to no tensor (the "
+                         f"tensors end at byte {expected - start} of {size - start} bytes of "
+                         f"data): the header does not cover the file")
+
+
+def parse_header(path: str, head: bytes, size: int, *,
+                 max_header_bytes: int = MAX_HEADER) -> dict[str, Entry]:
   """The tensors of a safetensors file from its first bytes (``head``: at least the 8-byte
-  length and the header) and its size in bytes, every offset checked against the size."""
+  length and the header) and its size in bytes, checked as the safetensors library checks
+  them: every offset within the file, the tensors' bytes covering the data exactly (no
+  overlap, no gap), no name twice, the header at most ``max_header_bytes``."""
   if size < 8 or len(head) < 8:
     raise _bad(path, f"it has {size} bytes, fewer than the 8-byte header length")
   n = struct.unpack("<Q", head[:8])[0]
-  if n > MAX_HEADER or 8 + n > size:
-    raise _bad(path, f"its header length says {n} bytes, and the file has {size - 8} after it")
+  check_length(path, n, size, max_header_bytes)
+  if len(head) < 8 + n:
+    raise _bad(path, f"its header length says {n} bytes, and {len(head) - 8} could be read")
   try:
-    raw = json.loads(head[8:8 + n])
-  except ValueError as e:
+    raw = json.loads(head[8:8 + n], object_pairs_hook=_no_repeats)
+  except _Repeated as e:
+    raise _invalid(path, f"its header names {e.args[0]!r} twice") from None
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
     raise _bad(path, f"its header is not JSON ({e})") from None
   if not isinstance(raw, dict):
     raise _bad(path, "its header is not a JSON object")
-  data = size - 8 - n
-  out = {}
-  for name, e in raw.items():
-    if name == "__metadata__":
-      continue
-    try:
-      code, shape = e["dtype"], tuple(int(d) for d in e["shape"])
-      begin, end = (int(o) for o in e["data_offsets"])
-      if not isinstance(code, str):
-        raise TypeError(code)
-    except (KeyError, TypeError, ValueError):
-      raise _bad(path, f"the header entry of tensor {name!r} ({e!r}) is not a dtype name, "
-                       f"a shape and data_offsets") from None
-    dtype = DTYPES.get(code)  # another dtype (C64, F4, ...) is refused only if a leaf reads it
-    if end > data:
-      raise _bad(path, f"tensor {name!r} ends at byte {end} of the data, and the file holds "
-                       f"{data} bytes of data after its header")
-    if begin < 0 or dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
-      raise _bad(path, f"tensor {name!r} has data_offsets [{begin}, {end}], which do not hold "
-                       f"{list(shape)} x {code}")
-    out[name] = Entry(path, dtype, shape, 8 + n + begin, 8 + n + end, code)
+  out = {name: _entry(path, name, e, 8 + n) for name, e in raw.items() if name != "__metadata__"}
+  _check_coverage(path, out, 8 + n, size)
   return out
+
+
+def read_header(file, path: str, *, max_header_bytes: int = MAX_HEADER) -> dict[str, Entry]:
+  """The tensors of the safetensors file open as ``file`` (binary), found at ``path``:
+  its header read (never more than its length, checked against the file's size and
+  ``max_header_bytes`` first) and parsed by `parse_header`."""
+  size = os.fstat(file.fileno()).st_size
+  file.seek(0)
+  head = file.read(8)
+  if len(head) == 8 and size >= 8:
+    n = struct.unpack("<Q", head)[0]
+    check_length(path, n, size, max_header_bytes)
+    parts = [head]
+    while n and (part := file.read(n)):  # an unbuffered file may return less than asked
+      parts.append(part)
+      n -= len(part)
+    head = b"".join(parts)
+  return parse_header(path, head, size, max_header_bytes=max_header_bytes)
+
+
+def header_of(path, *, max_header_bytes: int = MAX_HEADER) -> dict[str, Entry]:
+  """`read_header` of the file at ``path``."""
+  path = os.fspath(path)
+  with open(path, "rb") as f:
+    return read_header(f, path, max_header_bytes=max_header_bytes)
 
 
 class Found(NamedTuple):
@@ -243,20 +333,31 @@ class Found(NamedTuple):
 
 def find_files(path) -> Found:
   """The safetensors files of ``path``: a file, an index, or a directory holding
-  ``model.safetensors.index.json`` or ``model.safetensors``."""
+  ``model.safetensors`` or ``model.safetensors.index.json``. A directory holding both gives
+  ``model.safetensors``, as transformers' ``from_pretrained`` takes it, with a warning
+  naming both (one of them is almost surely stale)."""
   path = os.fspath(path)
   if os.path.isdir(path):
-    for name in (INDEX, SINGLE):
-      if os.path.exists(os.path.join(path, name)):
-        return find_files(os.path.join(path, name))
+    single, index = (os.path.join(path, name) for name in (SINGLE, INDEX))
+    if os.path.exists(single) and os.path.exists(index):
+      warnings.warn(f"{path} holds both {SINGLE} and {INDEX}: reading {SINGLE}, as "
+                    f"transformers' from_pretrained does; the index and the files it lists "
+                    f"are left unread. Remove whichever is stale.", stacklevel=4)
+    for name in (single, index):
+      if os.path.exists(name):
+        return find_files(name)
     raise FileNotFoundError(f"{path} holds neither {INDEX} nor {SINGLE}; pass the directory "
                             f"of a safetensors export or the path of one .safetensors file.")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} does not exist.")
   if not path.endswith(".json"):
     return Found([path])
-  with open(path) as f:
-    index = json.load(f)
+  try:
+    with open(path, "rb") as f:
+      index = json.load(f)
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise ValueError(f"{path} is not a safetensors index: it is not JSON ({e}). Download or "
+                     f"export the model again.") from None
   weight_map = index.get("weight_map") if isinstance(index, dict) else None
   if not isinstance(weight_map, dict) or not weight_map:
     raise ValueError(f"{path} has no weight_map; it is not a safetensors index.")

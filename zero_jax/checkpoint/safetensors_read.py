@@ -2,8 +2,8 @@
 
 Names, shapes and dtypes are checked against ``like`` from the files' headers alone
 (`zero_jax.checkpoint.safetensors_format`), before any data is read; then each leaf
-becomes a global array split the way the step splits it, each device's block copied from
-the file, mapped once for the whole load (`zero_jax.checkpoint.safetensors_mapped`).
+becomes a global array split the way the step splits it, each device's block read from
+the file, opened once for the whole load (`zero_jax.checkpoint.safetensors_files`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from zero_jax.layers import nnx as nnx_lib
 from zero_jax.step import state as st
 from zero_jax.checkpoint import progress as progress_lib
 from zero_jax.checkpoint import safetensors_format as fmt
-from zero_jax.checkpoint import safetensors_mapped as mapped
+from zero_jax.checkpoint import safetensors_files as files_lib
 from zero_jax.step.train_step import ShardedTrainStep
 
 
@@ -62,10 +62,6 @@ def _check(path, tensors: list[fmt.Tensor], entries: dict[str, fmt.Entry], cast:
                       f"in `like` is {t.dtype.name}: cast=True converts between floating "
                       f"dtypes (or between integer ones), not from one kind to the other. "
                       f"Give `like` the file's kind of dtype.")
-    if e.dtype.name.startswith("float8") and math.prod(e.shape):
-      raise TypeError(f"tensor {t.name!r} in {e.file} is {e.dtype.name}, which the safetensors "
-                      f"library's numpy reader cannot read (for {t.leaf}); export in bfloat16 "
-                      f"or float32 (export_safetensors(dtype=...)).")
   unused = sorted(set(entries) - {t.name for t in tensors})
   if unused and strict:
     raise ValueError(f"{path} holds {len(unused)} tensor(s) that no leaf of `like` reads: "
@@ -77,12 +73,12 @@ def _kind(dtype) -> str:
   return "float" if jnp.issubdtype(dtype, jnp.inexact) else "other"
 
 
-def _reader(files: mapped.MappedFiles, t: fmt.Tensor, shape, boxes) -> Callable:
+def _reader(files: files_lib.OpenFiles, t: fmt.Tensor, shape, boxes) -> Callable:
   """The callback of ``jax.make_array_from_callback``: one device's block. The distinct
   blocks of this process's devices (``boxes``) are read from the file together, each once
   (jax copies a block into each device that holds it)."""
   wanted = [b for b in boxes if math.prod(y - x for x, y in b)]
-  got = dict(zip(wanted, files.read(t.name, wanted, t.transpose, t.dtype))) if wanted else {}
+  got = dict(zip(wanted, files.read(t, wanted))) if wanted else {}
 
   def read(index) -> np.ndarray:
     b = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
@@ -106,15 +102,18 @@ def _abstract_rest(rest) -> list[str]:
 
 def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | None = None,
                      cast: bool = False, strict: bool = True,
-                     progress: bool | None = None) -> Any:
+                     progress: bool | None = None,
+                     max_header_bytes: int = fmt.MAX_HEADER) -> Any:
   """Reads safetensors files into parameters split the way ``step`` splits them.
 
-  Each device reads only its own block of each tensor from the memory-mapped file:
-  no process holds a whole leaf (a leaf no dimension of which divides over the data
-  axes comes replicated; such leaves are small: biases, odd shapes). Each file is
-  opened, its header parsed and its bytes mapped once per load, and the pages a block
-  was copied from leave the resident set as it is placed. Names, shapes and dtypes are
-  checked against ``like`` from the headers before any data is read. Pass
+  Each device reads only its own block of each tensor from the file, with positioned
+  reads into the block's buffer: no process holds a whole leaf (a leaf no dimension of
+  which divides over the data axes comes replicated; such leaves are small: biases, odd
+  shapes), and the file is never mapped (one that shrinks during the load is an error
+  naming it, not a crash). Each file is opened and its header parsed once per load, and
+  checked as the safetensors library checks it (offsets within the file, no overlap, no
+  gap, no name twice). Names, shapes and dtypes are checked against ``like`` from the
+  headers before any data is read. Pass
   the result to ``step.init(..., donate=True)``: the state then keeps the loaded blocks
   themselves, without a second copy of the model.
 
@@ -149,11 +148,14 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     rename: as for `export_safetensors`: a leaf's default name -> the tensor's
       name, or ``(name, transpose)``.
     cast: convert a tensor whose dtype differs from its leaf's in ``like`` (else
-      that is an error).
+      that is an error): between floating dtypes, or between integer ones when
+      every value fits (a value that does not is an error naming the leaf).
     strict: a tensor of the files that no leaf reads is an error; False leaves
       it unread.
     progress: a progress bar of the bytes read (``tqdm``, on process 0): True, False,
       or None for one when this process reads 1 GiB or more and ``tqdm`` is installed.
+    max_header_bytes: the largest JSON header read (the safetensors library's cap,
+      100 MiB, by default); a file with a larger one is refused, naming this option.
 
   Returns:
     ``like``'s tree of ``jax.Array``s (for a module, or a function returning
@@ -162,14 +164,21 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
   Raises:
     KeyError: a tensor a leaf needs is missing.
     ValueError: a shape differs, an unexpected tensor (``strict``), a file is
-      truncated or its header points past its end, or an index's ``weight_map``
-      places a tensor in another file than the one holding it.
-    TypeError: a dtype differs and ``cast`` is False.
+      truncated (also while it is read), its header points past its end, its
+      tensors' bytes overlap or leave gaps, it names a tensor twice, an index's
+      ``weight_map`` places a tensor in another file than the one holding it, or
+      an integer value does not fit the leaf's dtype (``cast``).
+    TypeError: a dtype differs and ``cast`` is False, or a leaf of ``like`` is
+      big-endian.
   """
   if not isinstance(step, ShardedTrainStep):
     raise TypeError(f"load_safetensors(path, like, step=...): step must be a ShardedTrainStep, "
                     f"got {type(step).__name__}.")
   progress_lib.check(progress, "load_safetensors")
+  if isinstance(max_header_bytes, bool) or not isinstance(max_header_bytes, int) or \
+      max_header_bytes < 1:
+    raise ValueError(f"max_header_bytes must be a positive int (bytes), got "
+                     f"{max_header_bytes!r}.")
   source = init_lib.resolve(like, None, step.wrt)  # what step.init makes of it, traced
   module, params = source.module, source.params
   abstract = _abstract_rest(source.model_state) if source.make is None else []
@@ -178,7 +187,7 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
                      f"values ({', '.join(abstract[:4])}); the files hold parameters only. "
                      f"Pass the function that makes the module (lambda: Model(nnx.Rngs(0))): "
                      f"those variables are then made by it, under jit.")
-  with mapped.open_files(path) as files:
+  with files_lib.open_files(path, max_header_bytes=max_header_bytes) as files:
     return _load(path, files, _tensors(params, rename), step, source,
                  cast=cast, strict=strict, progress=progress)
 
@@ -194,6 +203,12 @@ def _tensors(params, rename) -> list[fmt.Tensor]:
                       f"an array or a jax.ShapeDtypeStruct (its shape and dtype are what the "
                       f"file's tensor must have).")
     shape = tuple(np.shape(x))
+    if not np.dtype(x.dtype).isnative:
+      order = "big" if np.dtype(x.dtype).byteorder == ">" else "little"
+      raise TypeError(f"`like` holds {leaf} of dtype {np.dtype(x.dtype).str}: a {order}-endian "
+                      f"{np.dtype(x.dtype).name}, not this machine's byte order. JAX arrays are "
+                      f"in the machine's byte order (safetensors files are little-endian): "
+                      f"give `like` native-order dtypes, x.astype(x.dtype.newbyteorder('=')).")
     name, transpose = fmt.apply_rename(rename, fmt.default_name(p, variable=variable), leaf,
                                        len(shape))
     tensors.append(fmt.Tensor(name, shape[::-1] if transpose else shape, np.dtype(x.dtype),
@@ -202,9 +217,9 @@ def _tensors(params, rename) -> list[fmt.Tensor]:
   return tensors
 
 
-def _load(path, files: mapped.MappedFiles, tensors, step, source, *, cast, strict,
+def _load(path, files: files_lib.OpenFiles, tensors, step, source, *, cast, strict,
           progress) -> Any:
-  """`load_safetensors` once the files are mapped and ``like`` read."""
+  """`load_safetensors` once the files are open and ``like`` read."""
   module, params = source.module, source.params
   _check(path, tensors, files.entries, cast, strict)
   flat, treedef = jax.tree_util.tree_flatten(params)

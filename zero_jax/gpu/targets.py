@@ -7,9 +7,9 @@ turns a target into a `jax.sharding.Mesh` of compile-only devices (JAX's "device
 a step lowered and compiled on it is the program XLA:GPU would run on that cluster (scheduled
 HLO with its async collectives, `memory_analysis()`), built on a machine with no GPU.
 
-It needs JAX's CUDA plugin next to jax (``pip install "jax[cuda12]"``, or the two wheels
-``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` of jax's version: no GPU and no nvidia-* wheels
-needed); `compile_only_mesh` says so when the plugin is missing.
+It needs JAX's CUDA plugin next to jax: the two wheels ``jax-cuda12-plugin`` and
+``jax-cuda12-pjrt`` of jax's version (about 480 MB; no GPU, and none of the multi-GB nvidia-*
+wheels ``jax[cuda12]`` brings); `compile_only_mesh` says so when the plugin is missing.
 
 Example (needs the CUDA plugin; no GPU):
   >>> import zero_jax as zj
@@ -134,11 +134,13 @@ def check_cluster(hosts, per_host) -> None:
 
 
 def _plugin_error(e: Exception) -> RuntimeError:
+  import jax  # pylint: disable=import-outside-toplevel
   return RuntimeError(
-      f"compiling for a GPU without one needs JAX's CUDA plugin of jax's own version: "
-      f"pip install \"jax[cuda12]\" (or the wheels jax-cuda12-plugin and jax-cuda12-pjrt "
-      f"== jax.__version__; no GPU and no nvidia-* wheels are needed), and JAX_PLATFORMS "
-      f"unset or including cpu. It failed with: {type(e).__name__}: {e}")
+      f"compiling for a GPU without one needs JAX's CUDA plugin of jax's own version, two "
+      f"wheels: pip install \"jax-cuda12-plugin=={jax.__version__}\" "
+      f"\"jax-cuda12-pjrt=={jax.__version__}\" (about 480 MB; no GPU, and none of the "
+      f"multi-GB nvidia-* wheels of jax[cuda12], are needed), and JAX_PLATFORMS unset or "
+      f"including cpu. It failed with: {type(e).__name__}: {e}")
 
 
 @functools.lru_cache(maxsize=None)

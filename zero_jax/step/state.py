@@ -162,6 +162,18 @@ def is_padded_storage(x) -> lay.Layout | None:
   return entry[1] if entry is not None and entry[0]() is x else None
 
 
+def padded_host_copies() -> dict[int, lay.Layout]:
+  """``{id(host copy): Layout}`` of the live padded storage's host copies: the numpy array
+  ``jax.device_get`` (or ``np.asarray``) returned for it, which jax keeps with the array
+  (its private ``_npy_value``; where a jax version has none, nothing is recognised)."""
+  out = {}
+  for ref, layout in list(_PADDED.values()):
+    host = getattr(ref(), "_npy_value", None)
+    if isinstance(host, np.ndarray):
+      out[id(host)] = layout
+  return out
+
+
 # ------------------------------------------------------------------- the meta
 def masked_optimizer(optimizer, treedef, trainable) -> optax.GradientTransformation:
   """``optimizer``, wrapped in ``optax.masked`` when some leaves are frozen (made once per

@@ -1,0 +1,213 @@
+"""The files of one load, each opened and its header parsed once, read with positioned reads.
+
+`load_safetensors` reads many blocks (a block per device of a tensor per leaf) from few
+files. `open_files` opens each file once for the whole load and parses its header
+(`safetensors_format.read_header`); the index's ``weight_map``, when there is one, is
+checked against the headers. A block is read with positioned reads (``os.preadv``) into
+its own buffer: straight into it when it lies in the file as long runs of bytes in the
+leaf's dtype (a block of whole rows), else through one bounded buffer a chunk of the
+tensor's rows at a time (a transposed or converted leaf, a column block). Nothing is
+mapped: a file that shrinks while it is read gives a short read, an error naming it (a
+memory map would kill the process with SIGBUS), and the resident set holds the blocks read,
+never the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Iterator
+
+import numpy as np
+
+from zero_jax.checkpoint import blocks
+from zero_jax.checkpoint import safetensors_format as fmt
+
+ALIGN = 64  # bytes: a cache line, and the alignment jax's CPU client takes without a copy
+CHUNK_BYTES = 2 << 20  # of a tensor's rows read into the staging buffer at a time
+DIRECT_RUN_BYTES = 64 << 10  # runs at least this long are read straight into the block
+
+
+def _read_into(file, buffer: memoryview, offset: int, path: str, name: str) -> None:
+  """Fills ``buffer`` from byte ``offset`` of ``file``; a short read (the file shrank) is
+  an error naming the file and the tensor."""
+  done = 0
+  while done < len(buffer):
+    if hasattr(os, "preadv"):
+      n = os.preadv(file.fileno(), [buffer[done:]], offset + done)
+    else:  # pragma: no cover (Windows)
+      file.seek(offset + done)
+      n = file.readinto(buffer[done:])
+    if not n:
+      raise ValueError(
+          f"{path} ended at byte {offset + done} while tensor {name!r} was read from it (its "
+          f"bytes [{offset}, {offset + len(buffer)}) are past the end): the file was "
+          f"truncated or replaced during the load. Load it again once nothing writes it, or "
+          f"download or export it again.")
+    done += n
+
+
+class OpenFiles:
+  """The open files of one load and their tensors (`open_files` makes it).
+
+  Attributes:
+    entries: ``{tensor name: fmt.Entry}`` over every file.
+  """
+
+  def __init__(self, files: dict, entries: dict[str, fmt.Entry]):
+    self._files = files
+    self.entries = entries
+    self._staging = np.empty(0, np.uint8)
+
+  def read(self, t: fmt.Tensor, boxes: list[blocks.Box]) -> list[np.ndarray]:
+    """The blocks ``boxes`` (non-empty) of the leaf ``t`` reads (the file holds it
+    transposed when ``t.transpose``), in ``t.dtype``.
+
+    A block lying in the file as long runs of the leaf's bytes (`DIRECT_RUN_BYTES`, or one
+    run) is read straight into its buffer; the others go through the tensor once, a chunk
+    of `CHUNK_BYTES` along its first dimension at a time, each chunk read once and its part
+    of every such block copied (transposed, converted) from it.
+
+    Raises:
+      ValueError: the file ends before the tensor's bytes (it shrank during the load), or
+        converting an integer tensor would change a value (``t.dtype`` cannot hold it).
+    """
+    e = self.entries[t.name]
+    outs = _blocks([tuple(b - a for a, b in box) for box in boxes], t.dtype)
+    staged = []
+    for out, box in zip(outs, boxes):
+      fbox = blocks.transpose_box(box, t.transpose)
+      if t.transpose or e.dtype != t.dtype or not self._direct(e, t, out, fbox):
+        staged.append((out, fbox))
+    if staged:
+      self._staged(e, t, staged)
+    return outs
+
+  def _direct(self, e: fmt.Entry, t: fmt.Tensor, out: np.ndarray, fbox) -> bool:
+    """Reads ``fbox`` of ``e`` into ``out`` run by run when its runs are long; False when
+    they are not (nothing read)."""
+    offsets, length = blocks.runs(e.shape, fbox)
+    n = length * e.dtype.itemsize
+    if len(offsets) > 1 and n < DIRECT_RUN_BYTES:
+      return False
+    raw = memoryview(out.reshape(-1).view(np.uint8))
+    for j, o in enumerate(offsets):
+      _read_into(self._files[e.file], raw[j * n:(j + 1) * n], e.begin + o * e.dtype.itemsize,
+                 e.file, t.name)
+    return True
+
+  def _staged(self, e: fmt.Entry, t: fmt.Tensor, staged: list) -> None:
+    """Goes through the rows the blocks of ``staged`` (``(out, box in the file)``) cover, a
+    chunk at a time, copying each block's part of each chunk."""
+    if not e.shape:  # a scalar
+      for out, _ in staged:
+        out[...] = self._chunk(e, t, 0, 1)[0]
+      return
+    row = math.prod(e.shape[1:]) * e.dtype.itemsize
+    step = max(1, CHUNK_BYTES // max(row, 1))
+    first, last = min(f[0][0] for _, f in staged), max(f[0][1] for _, f in staged)
+    for r in range(first, last, step):
+      stop = min(r + step, last)
+      chunk = self._chunk(e, t, r, stop)
+      for out, f in staged:
+        a, b = max(r, f[0][0]) - f[0][0], min(stop, f[0][1]) - f[0][0]
+        if a < b:
+          rows = (slice(f[0][0] + a - r, f[0][0] + b - r),) + tuple(slice(*d) for d in f[1:])
+          _copy(out[:, a:b] if t.transpose else out[a:b], chunk[rows], t, e)
+
+  def _chunk(self, e: fmt.Entry, t: fmt.Tensor, r: int, stop: int) -> np.ndarray:
+    """Rows ``[r, stop)`` of ``e`` (one element for a scalar), read into the staging
+    buffer (grown to the largest chunk read, reused)."""
+    row = math.prod(e.shape[1:]) * e.dtype.itemsize
+    n = (stop - r) * row
+    if self._staging.size < n:
+      self._staging = np.empty(n, np.uint8)
+    raw = self._staging[:n]
+    _read_into(self._files[e.file], memoryview(raw), e.begin + r * row, e.file, t.name)
+    return raw.view(e.dtype).reshape((stop - r,) + e.shape[1:])
+
+
+def _blocks(shapes: list[tuple[int, ...]], dtype) -> list[np.ndarray]:
+  """Empty arrays of ``shapes`` in one buffer, each starting 16 bytes past a multiple of
+  `ALIGN` bytes, on purpose.
+
+  jax's CPU client takes a host array aligned to 64 bytes as the device's buffer itself,
+  and XLA never donates a buffer it does not own: ``step.init(loaded, donate=True)``
+  would then copy the whole model. An array off that alignment is copied into a buffer
+  jax owns (the blocks here are freed right after), which ``step.init`` can take.
+  """
+  sizes = [math.prod(s) * np.dtype(dtype).itemsize for s in shapes]
+  raw = np.empty(sum(-(-n // ALIGN) * ALIGN for n in sizes) + ALIGN, np.uint8)
+  start, out = (16 - raw.ctypes.data) % ALIGN, []
+  for shape, n in zip(shapes, sizes):
+    out.append(raw[start:start + n].view(dtype).reshape(shape))
+    start += -(-n // ALIGN) * ALIGN
+  return out
+
+
+def _copy(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry) -> None:
+  """``out[...] = part`` (``part.T`` when ``t.transpose``), converting the dtype; an integer
+  conversion that would change a value is refused. A transposed copy goes a few rows of
+  ``part`` at a time, each row of ``out`` then written a cache line at a time (twice as fast
+  as numpy's copy of the whole transposed view)."""
+  if not t.transpose:
+    np.copyto(out, part, casting="unsafe")
+  else:
+    rows = max(1, ALIGN // out.dtype.itemsize)
+    for r in range(0, part.shape[0], rows):
+      np.copyto(out[:, r:r + rows], part[r:r + rows].T, casting="unsafe")
+  if _narrows(part.dtype, out.dtype):
+    back = (out.T if t.transpose else out).astype(part.dtype)
+    if not np.array_equal(back, part):
+      bad = part[back != part].flat[0].item()
+      raise ValueError(f"tensor {t.name!r} in {e.file} is {part.dtype.name} and holds "
+                       f"{bad!r}, which {out.dtype.name} (the leaf {t.leaf} in `like`) cannot "
+                       f"hold: cast=True converts integers only when every value fits. Give "
+                       f"`like` the file's dtype, {part.dtype.name}, for this leaf.")
+
+
+def _narrows(src: np.dtype, dst: np.dtype) -> bool:
+  """An integer (or bool) conversion that some values do not survive."""
+  exact = lambda d: np.issubdtype(d, np.integer) or d == np.bool_
+  return exact(src) and exact(dst) and not np.can_cast(src, dst, "safe")
+
+
+@contextlib.contextmanager
+def open_files(path, *, max_header_bytes: int = fmt.MAX_HEADER) -> Iterator[OpenFiles]:
+  """The safetensors files of ``path`` (`safetensors_format.find_files`), each opened and
+  its header parsed once, closed when the block ends.
+
+  Raises:
+    ValueError: a file is truncated, its header points past its end, its tensors' bytes
+      overlap or leave gaps, it names a tensor twice, its header passes
+      ``max_header_bytes``, a tensor is in two files, or the index's ``weight_map``
+      disagrees with the headers.
+
+  Example:
+    >>> import os, tempfile, numpy as np
+    >>> from safetensors.numpy import save_file
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> save_file({"w": np.arange(12, dtype=np.float32).reshape(3, 4)}, path)
+    >>> with open_files(path) as files:   # rows 1-2, columns 0-1
+    ...   (block,) = files.read(fmt.Tensor("w", (3, 4), np.dtype(np.float32)),
+    ...                         [((1, 3), (0, 2))])
+    >>> block
+    array([[4., 5.],
+           [8., 9.]], dtype=float32)
+  """
+  found = fmt.find_files(path)
+  with contextlib.ExitStack() as stack:
+    files, entries = {}, {}
+    for f in found.files:
+      files[f] = stack.enter_context(open(f, "rb", buffering=0))
+      for name, e in fmt.read_header(files[f], f, max_header_bytes=max_header_bytes).items():
+        if name in entries:
+          raise ValueError(f"tensor {name!r} is in both {entries[name].file} and {f}.")
+        entries[name] = e
+    if found.weight_map is not None:
+      held: dict[str, dict] = {f: {} for f in found.files}
+      for name, e in entries.items():
+        held[e.file][name] = e
+      fmt.check_index(found.index, found.weight_map, held)
+    yield OpenFiles(files, entries)
