@@ -18,32 +18,8 @@ from optax.contrib import MuonDimensionNumbers
 import zero_jax as zj
 from zero_jax.comm import hlo
 from zero_jax.step import whole_leaf
-
-STEPS = 3
-
-
-def make_params():
-  r = np.random.default_rng(0)
-  f = lambda *s: (r.normal(size=s) * 0.4).astype(np.float32)
-  # Three matrices on 8 devices; 9 and 20 rows are not multiples of 8.
-  return {"w1": f(12, 20), "b1": f(20), "w2": f(20, 9), "w3": f(9, 3)}
-
-
-def loss_fn(p, b):
-  h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
-  h = jnp.tanh(h @ p["w2"])
-  return jnp.mean((h @ p["w3"] - b["y"]) ** 2)
-
-
-def make_batches(n=STEPS):
-  r = np.random.default_rng(1)
-  return [{"x": r.normal(size=(16, 12)).astype(np.float32),
-           "y": r.normal(size=(16, 3)).astype(np.float32)} for _ in range(n)]
-
-
-def is_matrix(path, x):
-  del path
-  return np.ndim(x) == 2
+from _whole_leaf_model import (assert_rel_close, is_matrix, loss_fn, make_batches, make_params,
+                               muon)
 
 
 def reference(opt, params, batches, loss=loss_fn, frozen=()):
@@ -70,15 +46,6 @@ def train(opt, mesh, batches, params=None, loss=loss_fn, **kw):
   return step, state, step.get_params(state)
 
 
-def assert_rel_close(got, want, rtol=1e-6):
-  for k in want:
-    a, b = np.asarray(got[k], np.float32), np.asarray(want[k], np.float32)
-    err = np.max(np.abs(a - b)) / np.max(np.abs(b))
-    assert err < rtol, (k, err)
-
-
-# Two Newton-Schulz iterations instead of five: the same program, a quicker compile.
-muon = lambda **kw: optax.contrib.muon(1e-2, ns_steps=2, **kw)
 OPTIMIZERS = {
     "muon": muon,
     "muon_weight_decay": lambda: muon(weight_decay=0.1),
@@ -253,20 +220,3 @@ def test_peak_memory_grows_by_at_most_the_largest_groups_share(mesh):
   whole = zj.compiled_memory(make(whole_leaf_update=True), params, batch).peak
   group = 2 * 64 * 32 * 4  # the largest (only) group: two whole matrices per device
   assert whole <= split + group
-
-
-def test_checkpoint_restores_the_home_state_and_training_continues_exactly(mesh, tmp_path):
-  batches = make_batches(4)
-  step = zj.make_sharded_train_step(loss_fn, muon(), mesh=mesh, whole_leaf_update=is_matrix,
-                                    donate=False)
-  state = step.init(make_params())
-  for b in batches[:2]:
-    state, _ = step(state, b)
-  with zj.CheckpointManager(str(tmp_path)) as mngr:
-    mngr.save(state)
-    mngr.wait_until_finished()
-    restored = mngr.restore(step, make_params())
-  for b in batches[2:]:
-    state, _ = step(state, b)
-    restored, _ = step(restored, b)
-  assert_rel_close(step.get_params(restored), step.get_params(state), rtol=1e-12)
