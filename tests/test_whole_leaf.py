@@ -5,7 +5,9 @@ Adam) within 1e-6 relative at every stage, with hybrid sharding, gradient accumu
 frozen leaves, uneven shapes, fewer matrices than devices and stacked leaves; in bf16 and
 fp16 it must equal the same step without ``whole_leaf_update`` (whose agreement with the
 single-device policy is pinned in test_precision). The compiled step moves each matrix
-with all-to-alls and sends at most 1.25x AdamW's bytes.
+with all-to-alls and sends the muon guide's bytes: at most 1.25x AdamW's on four 512 x 512
+matrices and on GPT-2 small's shapes, 1 + s / (2k) per all-to-all in general (k matrices of
+a shape, s slots per device), a third all-to-all where the parameter moves home too.
 """
 
 import jax
@@ -154,6 +156,33 @@ def test_muon_sends_at_most_125x_adamw_bytes_on_a_512_mlp(mesh):
   assert _sent(whole, params, batch) <= 1.25 * adamw
   # Today's split update partitions every Newton-Schulz matmul: several times the bytes.
   assert _sent(make(optax.contrib.muon(1e-3)), params, batch) > 5 * adamw
+
+
+@pytest.mark.parametrize("k,stage,precision,decay", [
+    (4, 3, "fp32", 0.1), (4, 2, "bf16", 0.1), (4, 2, "fp32", 0.1), (8, 3, "fp32", 0.1),
+    (1, 2, "fp32", 0.0)])
+def test_bytes_over_adamw_are_one_plus_half_an_all_to_all_per_slot_per_matrix(
+    mesh, k, stage, precision, decay):
+  """The muon guide's figures: each all-to-all adds s / (2k) of a group's bytes (k matrices,
+  s slots per device); the parameter takes a third one home only where the update reads it
+  and no device holds it whole (weight decay at stage 3, or with a master copy)."""
+  params = {f"w{i}": jax.ShapeDtypeStruct((512, 512), jnp.float32) for i in range(k)}
+  batch = {"x": jax.ShapeDtypeStruct((64, 512), jnp.float32)}
+
+  def loss(p, b):
+    h = b["x"]
+    for key in sorted(p):
+      h = jnp.tanh(h @ p[key])
+    return jnp.mean(h ** 2)
+  make = lambda opt, **kw: zj.make_sharded_train_step(loss, opt, mesh=mesh, stage=stage,
+                                                      precision=precision, **kw)
+  adamw = _sent(make(optax.adamw(1e-3, weight_decay=decay)), params, batch)
+  whole = make(optax.contrib.muon(1e-3, ns_steps=1, weight_decay=decay), whole_leaf_update=True)
+  text = whole.lower(whole.abstract_state(params), batch).compile().as_text()
+  moves = 3 if decay and (stage == 3 or precision != "fp32") else 2
+  assert [c.op for c in hlo.collectives(text)].count("all-to-all") == moves
+  s = -(-k // 8)
+  assert _sent(whole, params, batch) == pytest.approx((1 + moves / 2 * s / k) * adamw, rel=1e-4)
 
 
 GPT2 = {"layers": 12, "width": 768, "vocab": 50257, "positions": 1024}
