@@ -138,15 +138,21 @@ def _sent(step, params, batch) -> float:
   return sum(hlo.sent_bytes(c) for c in hlo.collectives(text))
 
 
-def test_muon_sends_at_most_125x_adamw_bytes_on_a_512_mlp(mesh):
-  params = {f"w{i}": jax.ShapeDtypeStruct((512, 512), jnp.float32) for i in range(4)}
+def mlp_512(k: int):
+  """Abstract params, batch and loss of an MLP of ``k`` 512 x 512 matrices."""
+  params = {f"w{i}": jax.ShapeDtypeStruct((512, 512), jnp.float32) for i in range(k)}
   batch = {"x": jax.ShapeDtypeStruct((64, 512), jnp.float32)}
 
   def loss(p, b):
     h = b["x"]
-    for k in sorted(p):
-      h = jnp.tanh(h @ p[k])
+    for key in sorted(p):
+      h = jnp.tanh(h @ p[key])
     return jnp.mean(h ** 2)
+  return params, batch, loss
+
+
+def test_muon_sends_at_most_125x_adamw_bytes_on_a_512_mlp(mesh):
+  params, batch, loss = mlp_512(4)
   make = lambda opt, **kw: zj.make_sharded_train_step(loss, opt, mesh=mesh, **kw)
   adamw = _sent(make(optax.adamw(1e-3)), params, batch)
   whole = make(optax.contrib.muon(1e-3), whole_leaf_update=True)
@@ -166,14 +172,7 @@ def test_bytes_over_adamw_are_one_plus_half_an_all_to_all_per_slot_per_matrix(
   """The muon guide's figures: each all-to-all adds s / (2k) of a group's bytes (k matrices,
   s slots per device); the parameter takes a third one home only where the update reads it
   and no device holds it whole (weight decay at stage 3, or with a master copy)."""
-  params = {f"w{i}": jax.ShapeDtypeStruct((512, 512), jnp.float32) for i in range(k)}
-  batch = {"x": jax.ShapeDtypeStruct((64, 512), jnp.float32)}
-
-  def loss(p, b):
-    h = b["x"]
-    for key in sorted(p):
-      h = jnp.tanh(h @ p[key])
-    return jnp.mean(h ** 2)
+  params, batch, loss = mlp_512(k)
   make = lambda opt, **kw: zj.make_sharded_train_step(loss, opt, mesh=mesh, stage=stage,
                                                       precision=precision, **kw)
   adamw = _sent(make(optax.adamw(1e-3, weight_decay=decay)), params, batch)
