@@ -122,8 +122,21 @@ def test_checkpoint_holds_the_state_of_the_step_without_the_option(mesh, tmp_pat
     {"stacked": {"layers": True, "head": False}},
     {"trainable": {"layers": True, "head": False}, "stage": 3},
     {"axis_name": ("replica", "data")},
-], ids=["bf16-stage3", "stacked", "frozen", "two-data-axes"])
+    {"context": "its own"}, {"context": "another"},
+], ids=["bf16-stage3", "stacked", "frozen", "two-data-axes", "inside-its-jax.set_mesh",
+        "inside-another-mesh's-jax.set_mesh"])
 def test_plain_form_moves_home_again_bit_for_bit(kw):
+  context = kw.pop("context", None)
+  mesh = jax.make_mesh((2, 4), ("replica", "data")) if "axis_name" in kw else \
+      jax.make_mesh((8,), ("data",))  # Explicit axes
+  if context is None:
+    _round_trip(mesh, kw)
+  else:  # states on the user's mesh, as code there expects; or the step's own, elsewhere
+    with jax.set_mesh(mesh if context == "its own" else mesh_of(4)):
+      _round_trip(mesh, kw)
+
+
+def _round_trip(mesh, kw):
   r = np.random.default_rng(2)
   params = {"layers": (r.normal(size=(5, 12, 12)) * 0.3).astype(np.float32),
             "head": (r.normal(size=(12, 3)) * 0.3).astype(np.float32)}
@@ -134,7 +147,6 @@ def test_plain_form_moves_home_again_bit_for_bit(kw):
         if "stacked" in kw else (jnp.tanh(b["x"] @ w.sum(0)), None)
     return jnp.mean((h @ p["head"] - b["y"]) ** 2)
   dims = {"layers": MuonDimensionNumbers(1, 2), "head": MuonDimensionNumbers(0, 1)}
-  mesh = jax.make_mesh((2, 4), ("replica", "data")) if "axis_name" in kw else mesh_of(8)
   step = zj.make_sharded_train_step(loss, muon(muon_weight_dimension_numbers=dims), mesh=mesh,
                                     whole_leaf_update=True, **kw)
   state = step.init(params)

@@ -138,7 +138,7 @@ def abstract_plain(target: TrainState) -> TrainState:
   if not has_plain(meta):
     return target
   leaves = jax.tree.leaves(target.opt_state)
-  moved = _plain_structs(meta, target.step.sharding.mesh, leaves[0])
+  moved = _plain_structs(meta, _mesh(target), leaves[0])
   opt = jax.tree.unflatten(meta.whole.plain.treedef,
                            _assemble(meta, leaves[:_n_split(meta)], moved))
   return target.replace(opt_state=opt, meta=plain_meta(meta))
@@ -155,7 +155,8 @@ def to_plain(state: TrainState) -> TrainState:
   moved = []
   if _moves(meta):
     fn = _converter(meta, _mesh(state), True, shardings)
-    moved = fn(tuple(leaves[j] for _, j in _moves_split(meta)), tuple(leaves[n_split:]))
+    with jax.set_mesh(_mesh(state)):  # the state's mesh, whatever the caller's context
+      moved = fn(tuple(leaves[j] for _, j in _moves_split(meta)), tuple(leaves[n_split:]))
   opt = jax.tree.unflatten(meta.whole.plain.treedef,
                            _assemble(meta, leaves[:n_split], moved))
   return state.replace(opt_state=opt, meta=plain_meta(meta))
@@ -175,8 +176,9 @@ def from_plain(state: TrainState, target: TrainState) -> TrainState:
   leaves = jax.tree.leaves(state.opt_state)
   small, home = (), ()
   if _moves(meta):
-    fn = _converter(meta, target.step.sharding.mesh, False, shardings)
-    with warnings.catch_warnings():  # a donated leaf no output can reuse is just freed
+    fn = _converter(meta, _mesh(target), False, shardings)
+    with jax.set_mesh(_mesh(target)), warnings.catch_warnings():
+      # a donated leaf that no output can reuse is just freed
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
       small, home = fn(tuple(leaves[p] for p, _ in _moves(meta)))
   split = [leaves[p] for p, s in enumerate(view.sources) if s[0] == "split"]
