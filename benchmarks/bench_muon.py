@@ -16,6 +16,9 @@ interquartile ranges of the per-round times and of the per-round ratios). On CPU
 second table compiles GPT-2 small's shapes (124M parameters, abstract: nothing allocated),
 the 48 block matrices moved home, the embeddings and vectors on Muon's Adam.
 
+A third table gives the bytes with weight decay at stages 2 and 3, in float32 and bf16 (where
+the parameter moves home too).
+
 Usage: ``python benchmarks/bench_muon.py [--quick] [--no-write]``.
 """
 
@@ -87,6 +90,33 @@ def mlp_section(mesh, rounds: int, iters: int) -> str:
           f"matmuls' collectives, not the per-device time a cluster would.\n\n" + table)
 
 
+DECAY = 0.1
+
+
+def decay_section(mesh) -> str:
+  """Bytes when the update reads the parameter (weight decay) and no device holds it whole:
+  at stage 3, or with a master copy (bf16), the parameter takes a third all-to-all home."""
+  params = {f"w{i}": jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32) for i in range(DEPTH)}
+  batch = {k: jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32) for k in ("x", "y")}
+  rows = []
+  for stage, precision in [(2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16")]:
+    make = lambda opt, **kw: zj.make_sharded_train_step(mlp_loss, opt, mesh=mesh, stage=stage,
+                                                        precision=precision, **kw)
+    base = compiled_figures(make(optax.adamw(1e-3, weight_decay=DECAY)), params, batch)[0]
+    step = make(optax.contrib.muon(1e-3, ns_steps=1, weight_decay=DECAY), whole_leaf_update=True)
+    text = step.lower(step.abstract_state(params), batch).compile().as_text()
+    colls = hlo.collectives(text)
+    mib = sum(hlo.sent_bytes(c) for c in colls) / sc.MIB
+    rows.append([stage, precision, f"{base:.3f}", f"{mib:.3f}", f"{mib / base:.3f}x",
+                 sum(c.op == "all-to-all" for c in colls)])
+  return (f"With weight decay ({DECAY}, AdamW's and Muon's), compiled: the update reads the "
+          f"parameter, which is whole on every device at stage 2 in float32 and otherwise "
+          f"moves home with a third all-to-all. Four {WIDTH} x {WIDTH} matrices on 8 devices "
+          f"(fewer than the devices: empty home slots travel too).\n\n" + sc.table(
+              ["stage", "precision", "AdamW MiB per device", "Muon, whole_leaf_update MiB",
+               "vs AdamW", "all-to-alls"], rows))
+
+
 def gpt2_section(mesh) -> str:
   d, s = 768, lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   block = {"ln1": s(d), "attn": s(d, 3 * d), "attn_b": s(3 * d), "proj": s(d, d),
@@ -98,19 +128,22 @@ def gpt2_section(mesh) -> str:
       lambda path, x: MuonDimensionNumbers() if matrix(path, x) else None, p)
   loss = lambda p, b: sum(jnp.sum(x * x) for x in jax.tree.leaves(p)) * jnp.mean(b["x"])
   batch = {"x": s(8)}
+  muon = lambda **kw: optax.contrib.muon(1e-3, muon_weight_dimension_numbers=dims, **kw)
   rows = []
-  for name, opt, kw in [("AdamW", optax.adamw(1e-3), {}),
-                        ("Muon, whole_leaf_update",
-                         optax.contrib.muon(1e-3, muon_weight_dimension_numbers=dims),
-                         {"whole_leaf_update": matrix})]:
-    step = zj.make_sharded_train_step(loss, opt, mesh=mesh, **kw)
-    rows.append([name, *compiled_figures(step, params, batch)])
-  base = rows[0][1]
+  for label, kw in [("", {}), (", weight decay, stage 3", {"weight_decay": DECAY})]:
+    extra = {"stage": 3} if kw else {}
+    steps = [("AdamW" + label, optax.adamw(1e-3, **kw), {}),
+             ("Muon, whole_leaf_update" + label, muon(**kw), {"whole_leaf_update": matrix})]
+    for i, (name, opt, options) in enumerate(steps):
+      step = zj.make_sharded_train_step(loss, opt, mesh=mesh, **options, **extra)
+      mib, n, peak = compiled_figures(step, params, batch)
+      base = mib if i == 0 else base
+      rows.append([name, f"{mib:.1f}", f"{mib / base:.3f}x", n, f"{peak:.0f}"])
   return ("GPT-2 small's shapes (124M parameters; the 48 block matrices moved home), ZeRO-2 "
-          "float32 on 8 devices, compiled on abstract shapes.\n\n" + sc.table(
+          "float32 on 8 devices (and stage 3 with weight decay), compiled on abstract shapes; "
+          "each Muon row against the AdamW row above it.\n\n" + sc.table(
               ["step", "MiB sent per device", "vs AdamW", "collectives", "peak MiB per device"],
-              [[name, f"{mib:.1f}", f"{mib / base:.3f}x", n, f"{peak:.0f}"]
-               for name, mib, n, peak in rows]))
+              rows))
 
 
 def main():
@@ -122,7 +155,7 @@ def main():
   rounds, iters = (5, 3) if args.quick else (15, 10)
   parts = ["## muon: whole_leaf_update vs the split Muon step vs AdamW", "",
            f"Measured on {machine()}. `python benchmarks/bench_muon.py`.", "",
-           mlp_section(mesh, rounds, iters)]
+           mlp_section(mesh, rounds, iters), "", decay_section(mesh)]
   if not args.quick:
     parts += ["", gpt2_section(mesh)]
   text = "\n".join(parts)

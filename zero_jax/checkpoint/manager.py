@@ -23,6 +23,7 @@ from zero_jax.checkpoint import hyperparams as hyperparams_lib
 from zero_jax.checkpoint import store as store_lib
 from zero_jax.checkpoint import integrity
 from zero_jax.checkpoint import preemption as preemption_lib
+from zero_jax.checkpoint import whole_leaf
 from zero_jax.checkpoint import writer
 from zero_jax.checkpoint.export import export_params  # noqa: F401  (re-exported)
 from zero_jax.checkpoint.format import (  # noqa: F401  (FORMAT, describe: re-exported)
@@ -40,8 +41,7 @@ _READ_ERRORS = store_lib.READ_ERRORS
 
 
 # ------------------------------------------------------------------- manager
-def _step_optimizer(train_step: ShardedTrainStep):
-  """The optax optimizer of a step (the one place that knows where a step keeps it)."""
+def _step_optimizer(train_step: ShardedTrainStep):  # the one place that knows where it is
   return getattr(train_step, "optimizer")
 
 
@@ -210,7 +210,7 @@ class CheckpointManager:
     self._check_open("save")
     monitor.deliver()  # what the steps before this save went through, before it is kept
     step = int(state.step)
-    state = as_arrays(state)
+    state = whole_leaf.saved_form(as_arrays(state))  # any device count restores it
     self._claim()
     self._finish()
     if (self.directory / str(step)).exists():
@@ -328,22 +328,21 @@ class CheckpointManager:
     self._check_open("restore")
     hyperparams_lib.check_choice(hyperparams)
     target = train_step.abstract_state(params_like, model_state=model_state, rng=rng)
-    mine = describe(target)
-    mine["optimizer"] = optimizer_signature(_step_optimizer(train_step))
+    optimizer = optimizer_signature(_step_optimizer(train_step))
     self._finish()
     self._store.refresh()
     damaged = []
     for s in self._candidates(step):
-      state, problem = self._restore_step(s, target, mine)
+      state, problem = self._restore_step(s, target, optimizer)
       if problem is None:
         opt = masked_optimizer(_step_optimizer(train_step), jax.tree.structure(target.params),
                                state.meta.trainable)
-        state = state.replace(
+        state = whole_leaf.into_step(state.replace(  # the plain form read, moved home
             opt_state=hyperparams_lib.reconcile(state.opt_state, opt, target.params,
                                                 hyperparams, f"the checkpoint of step {s} in "
                                                 f"{self.directory}"),
             loss_scale=hyperparams_lib.static_scale(state.loss_scale,
-                                                    train_step.initial_loss_scale))
+                                                    train_step.initial_loss_scale)), target)
         for d, why in damaged:
           warnings.warn(f"the checkpoint of step {d} in {self.directory} is damaged ({why}); "
                         f"restored step {s}, the newest intact one.", DamagedCheckpointWarning,
@@ -357,19 +356,20 @@ class CheckpointManager:
         "; ".join(f"step {d} is damaged ({why})" for d, why in damaged) +
         ". Restore from a copy of the directory, or start from step.init(params).")
 
-  def _restore_step(self, step: int, target: TrainState, mine: dict):
+  def _restore_step(self, step: int, target: TrainState, optimizer: str):
     """``(state, None)``, or ``(None, what is damaged)``: the same on every process."""
     state, (meta, problem) = None, (None, self._problem(step))
     if problem is None:
       meta, problem = store_lib.description_or_problem(self._store, step)
     if problem is None:
       where = f"the checkpoint of step {step} in {self.directory}"
+      into, mine = whole_leaf.read_target(meta, target, optimizer, where)
       check_compatible(meta, mine, where)
       if not meta.get("optimizer"):
         warnings.warn(f"{where} does not record its optimizer's update rule (it was written "
                       f"by an older zero_jax, or saved without optimizer=): restoring it into "
                       f"a step with {mine['optimizer']} unchecked.", stacklevel=3)
-      state, problem = self._read_arrays(step, target, added_since(meta, mine))
+      state, problem = self._read_arrays(step, into, added_since(meta, mine))
     if not all_processes_agree(problem is None):
       if problem is None:
         self._unreadable[step] = problem = "another process of the job could not read it"

@@ -34,7 +34,7 @@ class _Device(NamedTuple):
   shared: list     # per state leaf: its path when shared, else None
 
 
-def _index(axes):
+def device_index(axes):
   """This device's linear index over ``axes`` (row-major, as blocks are ordered)."""
   idx = 0
   for a in axes:
@@ -125,16 +125,18 @@ def update(spec: StepSpec, meta, optimizer, treedef, run, grads, state: WholeLea
   homes_specs = [[P(spec.data_axes)] * len(k) for k in state.homes]
 
   def body(g_blocks, p_blocks, homes, shared, loss):
-    g_home = _to_homes(spec, plan, moved, g_blocks)
-    p_home = p_blocks if p_whole or not plan.uses_params else \
-        _to_homes(spec, plan, moved, p_blocks)
     pos = {i: j for j, i in enumerate(moved)}
+    to_homes = lambda blocks: [group_home(plan, g, spec.data_axes, lambda i: blocks[pos[i]])
+                               for g in range(len(plan.groups))]
+    g_home = to_homes(g_blocks)
+    p_home = p_blocks if p_whole or not plan.uses_params else to_homes(p_blocks)
     values = dict(zip(need, shared))
     branches = [_branch(dev, plan, optimizer, treedef, run, values, pos, p_whole)
                 for dev in devices]
-    up_home, new_homes = jax.lax.switch(_index(spec.data_axes), branches, g_home, p_home,
+    up_home, new_homes = jax.lax.switch(device_index(spec.data_axes), branches, g_home, p_home,
                                         homes, loss)
-    return _from_homes(spec, plan, moved, up_home), new_homes
+    blocks = leaf_blocks(plan, spec.data_axes, up_home)
+    return [blocks[i] for i in moved], new_homes
 
   fn = jax.shard_map(body, mesh=spec.auto_mesh,
                      in_specs=(store, p_specs, homes_specs, [P()] * len(need), P()),
@@ -146,27 +148,26 @@ def update(spec: StepSpec, meta, optimizer, treedef, run, grads, state: WholeLea
   return ups, WholeLeafState(split, tuple(tuple(k) for k in new_homes))
 
 
-def _to_homes(spec, plan: Plan, moved, blocks) -> list:
-  """Per group, ``(s, *unit)``: this device's home units, whole, from its blocks of the
-  moved leaves."""
-  pos = {i: j for j, i in enumerate(moved)}
-  out = []
-  for g in plan.groups:
-    parts = [_layer(blocks[pos[i]], layer) for i, layer in (plan.units[u] for u in g.units)]
-    out.append(homes_lib.to_homes(parts, g.slots, spec.data_axes, g.dim, g.shape[g.dim]))
-  return out
+def group_home(plan: Plan, g: int, axes, block_of) -> jax.Array:
+  """``(s, *unit)``: this device's home units of group ``g``, whole, from ``block_of(leaf)``:
+  this device's storage block of a moved leaf (or of a state of the same layout)."""
+  grp = plan.groups[g]
+  parts = [_layer(block_of(i), layer) for i, layer in (plan.units[u] for u in grp.units)]
+  return homes_lib.to_homes(parts, grp.slots, axes, grp.dim, grp.shape[grp.dim])
 
 
-def _from_homes(spec, plan: Plan, moved, up_home) -> list:
-  """Per moved leaf, this device's storage block of its update."""
-  parts: dict = {i: {} for i in moved}
-  for g, home in zip(plan.groups, up_home):
-    got = homes_lib.from_homes(home, g.slots, spec.data_axes, g.dim, g.padded)
-    for u, block in zip(g.units, got):
+def leaf_blocks(plan: Plan, axes, homes) -> dict:
+  """``{leaf: this device's storage block}`` of the moved leaves, from ``homes``: per
+  group, ``(s, *unit)`` as `group_home` gives (None: a group left out)."""
+  parts: dict = {}
+  for g, home in zip(plan.groups, homes):
+    if home is None:
+      continue
+    for u, block in zip(g.units, homes_lib.from_homes(home, g.slots, axes, g.dim, g.padded)):
       i, layer = plan.units[u]
-      parts[i][layer] = block
-  return [parts[i][None] if None in parts[i] else
-          jnp.stack([parts[i][k] for k in sorted(parts[i])]) for i in moved]
+      parts.setdefault(i, {})[layer] = block
+  return {i: p[None] if None in p else jnp.stack([p[k] for k in sorted(p)])
+          for i, p in parts.items()}
 
 
 def _branch(dev: _Device, plan: Plan, optimizer, treedef, run, shared: dict, pos: dict,

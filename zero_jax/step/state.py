@@ -231,6 +231,10 @@ def build_meta(spec: StepSpec, optimizer, params, options: LeafOptions,
                      flags=flags, stacks=stacks, models=models)
   opt_abstract, opt_layouts = opt_structure(spec, optimizer, treedef, src, flags, plan, paths,
                                             layouts)
+  if plan is not None:  # how checkpoints store its state: as the step without the option
+    plan = plan._replace(plain=whole_leaf.plain_view(
+        plan, *opt_structure(spec, optimizer, treedef, src, flags, None, paths, layouts),
+        opt_abstract.split, layouts, paths))
   master = tuple(bool(t and prec.has_master(spec.policy, d)) for t, d in zip(flags, dtypes))
   stored = tuple(prec.param_dtype(spec.policy, d) if t else jnp.dtype(d)
                  for t, d in zip(flags, dtypes))

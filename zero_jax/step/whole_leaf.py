@@ -86,12 +86,15 @@ class Plan(NamedTuple):
     n: devices on the data axes.
     uses_params: whether a moved leaf's update reads its parameter (weight
       decay): the parameter then moves home too.
+    plain: the `PlainView` of the state (how checkpoints store it), or None for a
+      transformation whose state it cannot map.
   """
   moved: tuple
   units: tuple
   groups: tuple
   n: int
   uses_params: bool
+  plain: Any = None
 
   def home_units(self, d: int) -> dict:
     """``{leaf: [(group, slot, layer), ...]}`` of the units device ``d`` is home to."""
@@ -101,6 +104,25 @@ class Plan(NamedTuple):
         leaf, layer = self.units[grp.units[pos]]
         out.setdefault(leaf, []).append((g, t, layer))
     return out
+
+
+class PlainView(NamedTuple):
+  """A `WholeLeafState` as the optimizer state of the same step without
+  ``whole_leaf_update=`` (static; `Plan.plain`): what checkpoints store, every leaf split
+  as such a step splits it, so that they restore onto any device count (and into a step
+  with or without the option).
+
+  Attributes:
+    treedef: that state's tree structure.
+    layouts: per leaf of it, its `Layout`.
+    dtypes: per leaf, its dtype.
+    sources: per leaf, ``("split", j)``: the ``j``-th leaf of `WholeLeafState.split`; or
+      ``("home", leaf, kind)``: state ``kind`` of parameter ``leaf``, kept at home.
+  """
+  treedef: Any
+  layouts: tuple
+  dtypes: tuple
+  sources: tuple
 
 
 def newton_schulz_flops(shape) -> int:
@@ -214,6 +236,36 @@ def init_homes(plan: Plan, full_state, paths, shapes) -> tuple:
       per_kind.append(jnp.stack(rows).astype(dtype))
     out.append(tuple(per_kind))
   return tuple(out)
+
+
+def plain_view(plan: Plan, plain, plain_layouts, split, param_layouts, paths) -> PlainView | None:
+  """How the state of ``plan``'s step maps onto ``plain``, the state (shape structs) of the
+  step without ``whole_leaf_update=``, whose leaves have ``plain_layouts``; ``split``: the
+  `WholeLeafState.split` shape structs. None where the two do not correspond leaf for leaf
+  (a transformation whose state layout depends on which leaves it updates)."""
+  kinds = {plan.units[u][0]: g.kinds for g in plan.groups for u in g.units}
+  dims = {plan.units[u][0]: (g.dim + (plan.units[u][1] is not None), g.padded)
+          for g in plan.groups for u in g.units}
+  own = owners(plain, paths, [l.shape if m else None for l, m in zip(param_layouts, plan.moved)])
+  rest = iter(enumerate(jax.tree.leaves(split)))
+  sources, seen = [], set()
+  for x, o, l in zip(jax.tree.leaves(plain), own, plain_layouts):
+    if o is None:
+      j, y = next(rest, (None, None))
+      if y is None or (y.shape, y.dtype) != (x.shape, x.dtype):
+        return None
+      sources.append(("split", j))
+    elif o[1] < len(kinds[o[0]]) and jnp.dtype(x.dtype) == kinds[o[0]][o[1]] and \
+        (l.dim, l.padded) == dims[o[0]] and not l.model:
+      sources.append(("home",) + o)
+      seen.add(o)
+    else:
+      return None
+  if next(rest, None) is not None or seen != {(i, r) for i, k in kinds.items()
+                                              for r in range(len(k))}:
+    return None
+  return PlainView(jax.tree.structure(plain), tuple(plain_layouts),
+                   tuple(jnp.dtype(x.dtype) for x in jax.tree.leaves(plain)), tuple(sources))
 
 
 # --------------------------------------------------------------------- the plan
