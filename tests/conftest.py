@@ -26,5 +26,6 @@ def full_compile(monkeypatch):
   conftest.py's quicker kernels: for a test that pins two different programs to the same
   bits, as users compile them."""
   from _compile import FULL_COMPILE  # pylint: disable=g-import-not-at-top
-  from zero_jax.step import context  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(context, "COMPILER_OPTIONS", {**context.COMPILER_OPTIONS, **FULL_COMPILE})
+  from zero_jax.step import compile_options  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(compile_options, "COMPILER_OPTIONS",
+                      {**compile_options.COMPILER_OPTIONS, **FULL_COMPILE})

@@ -366,15 +366,16 @@ ACROSS_HOSTS = [(0, 2), (1, 3), (4, 6), (5, 7)]
 ACROSS_REPLICAS = [(0, 4), (1, 5), (2, 6), (3, 7)]
 
 
-def test_cross_host_and_replica_hops_run_in_the_backward_loop_two_layers_late(hosts_compiled):
+def test_cross_host_and_replica_hops_run_in_the_backward_loop_layers_late(hosts_compiled):
   """The gradient's hops across hosts (hpZ) and replicas run per layer in the backward
-  loop, bucketed (one collective each for w and b), on what the previous iteration's
-  reduction within the host carried in (layer i+2's while layer i+1's is reduced within
-  the host); none waits for the end of the backward pass."""
+  loop, bucketed (one collective each for w and b), each on what the previous iteration's
+  hop carried in (layer i+1's reduced within the host, layer i+2's across hosts, layer
+  i+3's across replicas: no hop waits for another); none waits for the end of the
+  backward pass."""
   text = hosts_compiled[1]
   bwd = [l for l in hlo_lib.loops(text) if any(c.op == "reduce-scatter" for c in l.collectives)]
-  # the first and the last two layers' backward run outside the loop (no layer i+2 yet)
-  assert len(bwd) == 1 and bwd[0].trip_count == DEEP - 3
+  # the first and the last three layers' backward run outside the loop (no layer i+3 yet)
+  assert len(bwd) == 1 and bwd[0].trip_count == DEEP - 4
   inner = [c for c in bwd[0].collectives if c.op == "reduce-scatter" and len(c.groups[0]) == 2
            and c.groups != ACROSS_HOSTS]
   assert inner and not any(c.operand_from_compute or c.used_by_compute for c in inner), inner

@@ -3,8 +3,8 @@
 The forward loop gathers layer i+1 while layer i computes (``prefetch=1`` at stage 3) and
 keeps each layer's residuals (`zero_jax.layers.residuals`); the backward loop re-gathers
 layer i-1 and reduces layer i+1's gradient while layer i's pullback runs. With hpZ or
-replica axes the hop across hosts comes one iteration later still
-(`zero_jax.layers.stacked.scatter_outer`), so that neither hop waits for the other. With
+replica axes each hop across hosts comes one iteration after the one before it
+(`zero_jax.layers.stacked.hops`), so that no hop waits for another. With
 ``prefetch=0`` each layer is gathered, and its gradient reduced, in its own iteration.
 """
 
@@ -19,8 +19,7 @@ import numpy as np
 from zero_jax.comm.axes import varying_axes
 from zero_jax.layers import residuals
 from zero_jax.layers.residuals import Linear, is_float, match_vma, split, zeros
-from zero_jax.layers.stacked import (gather_many, has_outer_hop, scatter_inner, scatter_many,
-                                     scatter_outer)
+from zero_jax.layers.stacked import gather_many, hops, scatter_many
 
 
 def at(x, i):
@@ -160,14 +159,13 @@ def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
     ct = lambda bufs: [None if b is None else at(b, i) for b in bufs]
     return lin.backward(args, [at(b, i) for b in saved], list(dc) + ct(cts[1]) + ct(cts[2]))
 
-  def reduce(i, g, hop=scatter_many):  # gather's transpose for layer i's gradient
-    layer = stack.at(sp, i)
-    return hop([layer[j] for j in red], [g[j] for j in red])
+  def reduce(i, g, hop=scatter_many, later=False):  # gather's transpose for layer i's gradient
+    layer = stack.at(sp, i)  # (a later hop's ``g``: the one before's, the reduced leaves only)
+    return hop([layer[j] for j in red], g if later else [g[j] for j in red])
 
   loops = _Backward(back, reduce, stack, sp, loop.length, xs)
   if stack.prefetch:
-    dc, dk, dxb, dbl = loops.delayed(list(cts[0]), cts[:2], has_outer_hop(
-        [layer_sps[j] for j in red]))
+    dc, dk, dxb, dbl = loops.delayed(list(cts[0]), cts[:2], hops([layer_sps[j] for j in red]))
   else:
     dc, dk, dxb, dbl = loops.now(list(cts[0]))
   d_sp: list = [None] * len(sp)
@@ -219,11 +217,12 @@ class _Backward(NamedTuple):
     st = (dc, fill(dk), fill(dx, (self.length,)), fill(dbl, (self.length,)))
     return jax.lax.fori_loop(0, self.length, step, st)
 
-  def delayed(self, dc, after, two: bool):
-    """``prefetch=1``: layer i-1 re-gathered and layer i+1's gradient reduced while layer
-    i's pullback runs; with a hop across hosts (``two``) layer i+1's gradient is reduced
-    within the host while layer i+2's crosses, both spanning layer i's pullback."""
-    stack, sp, reduce, top = self.stack, self.sp, self.reduce, self.length - 1
+  def delayed(self, dc, after, hops: list):
+    """``prefetch=1``: layer i-1 re-gathered while layer i's pullback runs, and each hop of
+    the gradients' reduction (`zero_jax.layers.stacked.hops`) one layer later than the one
+    before it: layer i+1's within the host, layer i+2's across hosts (and with replica axes
+    too, layer i+3's across the replicas), all spanning layer i's pullback."""
+    stack, sp, reduce, top, k = self.stack, self.sp, self.reduce, self.length - 1, len(hops)
     w = stack.fetch(sp, top, after=after)  # the backward pass's gathers wait for a cotangent
     w_prev = stack.fetch(sp, top - 1, after=after) if self.length > 1 else None
     dc, g, dk, dxb, dbl = self._first(top, dc, w)
@@ -231,28 +230,28 @@ class _Backward(NamedTuple):
       return dc, dk, dxb, _put_all(dbl, reduce(0, g), 0)
     w_prev, dc = barrier((w_prev, dc))
 
-    def step(k, st):
-      i = top - 1 - k
-      dc, w, pending, half, dk, dxb, dbl = st
+    def step(j, st):  # pending[s]: layer i+1+s's gradient, through hops[:s]
+      i = top - 1 - j
+      dc, w, pending, dk, dxb, dbl = st
       w_prev = stack.fetch(sp, i - 1, after=dc)  # layer i-1, before layer i's pullback
-      if two:  # layer i+1 within the host, layer i+2 across hosts
-        h = reduce(i + 1, pending, scatter_inner)
-        r = None if half is None else reduce(i + 2, half, scatter_outer)
-      else:  # layer i+1's gradient, one iteration late
-        h, r = None, reduce(i + 1, pending)
+      outs = [None if p is None else reduce(i + 1 + s, p, hops[s], s > 0)
+              for s, p in enumerate(pending)]
       dc, g, dx, dk_i = self.back(i, dc, w)
-      w_prev, r, h, dc = barrier((w_prev, r, h, dc))
-      dbl = dbl if r is None else _put_all(dbl, r, i + 1 + two)
-      return dc, w_prev, g, h, _add(dk, dk_i), _put_all(dxb, dx, i), dbl
+      w_prev, outs, dc = barrier((w_prev, outs, dc))
+      dbl = dbl if outs[-1] is None else _put_all(dbl, outs[-1], i + k)
+      return dc, w_prev, [g] + outs[:-1], _add(dk, dk_i), _put_all(dxb, dx, i), dbl
 
-    st, first = (dc, w_prev, g, None, dk, dxb, dbl), int(two)
-    if self.length > 2 and two:  # the first iteration has no layer i+2 yet
-      st = step(0, st)
+    st = (dc, w_prev, [g] + [None] * (k - 1), dk, dxb, dbl)
+    first = min(k - 1, self.length - 2)  # iterations with a hop not yet begun
+    for j in range(first):
+      st = step(j, st)
     if self.length - 2 > first:
       st = jax.lax.fori_loop(first, self.length - 2, step, st)
-    dc, w, pending, half, dk, dxb, dbl = st
-    if half is not None:
-      dbl = _put_all(dbl, reduce(2, half, scatter_outer), 2)
-    dbl = _put_all(dbl, reduce(1, pending), 1)
+    dc, w, pending, dk, dxb, dbl = st
+    for s, p in enumerate(pending):  # layers 1.. k: their remaining hops
+      if p is not None:
+        for t in range(s, k):
+          p = reduce(1 + s, p, hops[t], t > 0)
+        dbl = _put_all(dbl, p, 1 + s)
     dc, g, dx, dk_0 = self.back(0, dc, w)
     return dc, _add(dk, dk_0), _put_all(dxb, dx, 0), _put_all(dbl, reduce(0, g), 0)

@@ -7,6 +7,7 @@ outside the step `gather` is the identity. See the docs' stage 3 guide."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -266,17 +267,36 @@ def scatter_inner(xs: list, cts: list) -> list:
   return out
 
 
-def scatter_outer(xs: list, gs: list) -> list:
+def scatter_outer(xs: list, gs: list, *, over: str = "all") -> list:
   """The second hop of `scatter_many`, on `scatter_inner`'s result: a sink's gradient
   reduced across hosts and replicas (`reduce_outer_many`); the others as they are. A
-  separate call, so that a loop can issue it one layer after the first hop."""
+  separate call, so that a loop can issue it one layer after the first hop. ``over``:
+  ``"all"``, or one part of it (``"data"``: the reduce-scatter over the other data axes,
+  then ``"replicas"``: the all-reduce over the replica axes), for a loop that issues the
+  two a layer apart (`hops`)."""
   out = list(gs)
   for kind, idx, layouts, groups in _plan(xs):
     if kind == _SINK:
-      got = reduce_outer_many([gs[i] for i in idx], layouts, groups, xs[idx[0]].comm)
+      comm = xs[idx[0]].comm
+      comm = {"all": comm, "data": dataclasses.replace(comm, replica_axes=()),
+              "replicas": dataclasses.replace(comm, outer_axes=())}[over]
+      got = reduce_outer_many([gs[i] for i in idx], layouts, groups, comm)
       for i, g in zip(idx, got):
-        out[i] = g.astype(xs[i].sink.dtype)
+        out[i] = g if over == "data" else g.astype(xs[i].sink.dtype)
   return out
+
+
+def hops(xs: list) -> list:
+  """`scatter_many` of ``xs`` as the collectives a backward loop issues one layer apart
+  (each ``hop(xs, gs) -> gs``): all at once; within the host, then across (hpZ or replica
+  axes); or within the host, across the data axes, then across the replicas (both)."""
+  sinks = [p for kind, idx, _, _ in _plan(xs) if kind == _SINK for p in [xs[idx[0]]]]
+  if not sinks:
+    return [scatter_many]
+  if any(p.comm.outer_axes and p.comm.replica_axes for p in sinks):
+    return [scatter_inner, functools.partial(scatter_outer, over="data"),
+            functools.partial(scatter_outer, over="replicas")]
+  return [scatter_inner, scatter_outer]
 
 
 def gather(tree: Any) -> Any:

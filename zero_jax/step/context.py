@@ -19,13 +19,6 @@ import jax.numpy as jnp
 
 from zero_jax.step.spec import StepSpec
 
-# What the step's own compile asks of XLA (`ShardedTrainStep`'s ``jax.jit``). XLA:GPU keeps
-# one async collective in flight by default; the backward layer loop of `zero_jax.scan` has
-# three (the next layer's re-gather, a gradient's reduction within the host and another's
-# across hosts), and each must span a layer's compute. XLA:CPU accepts and ignores it.
-COMPILER_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 3}
-
-
 def device_put(tree, sharding):
   """``jax.device_put`` that also places typed PRNG keys on a multi-process mesh."""
   def put(x):
@@ -34,6 +27,19 @@ def device_put(tree, sharding):
       return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     return jax.device_put(x, sharding)
   return jax.tree.map(put, tree)
+
+
+def on_working_mesh(spec: StepSpec, state):
+  """``state`` on the mesh this call works on (`StepSpec.working_mesh`), moved without a
+  copy if it is not there; as it is when traced."""
+  mesh = spec.working_mesh()
+  first = state.step
+  if isinstance(first, jax.core.Tracer) or \
+      getattr(getattr(first, "sharding", None), "mesh", mesh) == mesh:
+    return state
+  move = lambda x: jax.device_put(x, jax.sharding.NamedSharding(
+      mesh, x.sharding.spec, memory_kind=x.sharding.memory_kind))
+  return jax.tree.map(move, state)
 
 
 def mesh_context(spec: StepSpec):
@@ -59,6 +65,19 @@ def in_auto(spec: StepSpec, fn, out_specs):
     one = lambda *a: (fn(*a),)  # auto_axes wants a tuple of outputs
     return jax.sharding.auto_axes(one, out_sharding=(out_specs(*args),))(*args)[0]
   return run
+
+
+def run(spec: StepSpec, fn, *args):
+  """``fn(*args)`` in the call's mesh context (`mesh_context`), JAX's refusal to close over
+  an Explicit-axes array explained (`closure_error`)."""
+  with mesh_context(spec):
+    try:
+      return fn(*args)
+    except NotImplementedError as e:
+      err = closure_error(e)
+      if err is None:
+        raise
+      raise err from None
 
 
 def closure_error(e: NotImplementedError):

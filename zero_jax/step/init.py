@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 
 from zero_jax.step import context
 from zero_jax.layers import nnx as nnx_lib
+from zero_jax.numerics import precision as prec
 from zero_jax.step import placement
 from zero_jax.step import state as st
 from zero_jax.comm import layout as lay
@@ -178,6 +179,17 @@ def check_values(source: Source, rng=None) -> None:
 
 
 # ------------------------------------------------------------- arrays in place
+def warn_about(spec: StepSpec, source: Source, meta: st.StateMeta) -> None:
+  """What ``init`` warns about: half-precision leaves with no master copy, nothing to train."""
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(source.params)[0]]
+  prec.warn_without_master(spec.policy, paths, meta.param_dtypes, meta.trainable)
+  if not any(meta.trainable):
+    warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
+                  "is floating); every step will leave the parameters unchanged.",
+                  RuntimeWarning, stacklevel=3)
+
+
 def input_spec(spec: StepSpec, layout: lay.Layout):
   """Where a host leaf is put before the init ``jit``: its storage split when that needs no
   padding (every device gets its own block only), else split over the model axes only."""

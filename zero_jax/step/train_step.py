@@ -8,7 +8,6 @@ It only assembles the parts, in the order the data flows through a step inside o
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Callable
 
 import jax
@@ -16,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from zero_jax.step import batch as batching
+from zero_jax.step import compile_options
 from zero_jax.step import context
 from zero_jax.step import grads as grads_lib
 from zero_jax.step import init as init_lib
@@ -26,7 +26,6 @@ from zero_jax.step import loss as loss_lib
 from zero_jax.layers import stacking as layers
 from zero_jax.numerics import loss_scale as ls_lib
 from zero_jax.layers import nnx as nnx_lib
-from zero_jax.numerics import precision as prec
 from zero_jax.step import state as st
 from zero_jax.step import update as update_lib
 from zero_jax.comm.collectives import DEFAULT_BUCKET_BYTES, Quantize
@@ -68,6 +67,7 @@ class ShardedTrainStep:
     self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
     self._metas: dict[int, StateMeta] = {}
     self._batches: set = set()
+    self._warned_nested = [False]
     q = spec.comm.quantize
     self._stall = StallWatch(q.block_size if q is not None and q.weights else None)
 
@@ -122,13 +122,7 @@ class ShardedTrainStep:
     treedef, meta = self._meta(source.params, source.module)
     loss_lib.check_model_state(source.model_state)
     loss_lib.check_rng(rng)
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(source.params)[0]]
-    prec.warn_without_master(self.spec.policy, paths, meta.param_dtypes, meta.trainable)
-    if not any(meta.trainable):
-      warnings.warn("zero_jax: no parameter leaf trains (trainable= marks none, or no leaf "
-                    "is floating); every step will leave the parameters unchanged.",
-                    RuntimeWarning, stacklevel=2)
+    init_lib.warn_about(self.spec, source, meta)
     return init_lib.make_state(self.spec, self.optimizer, meta, treedef, source, rng,
                                self.initial_loss_scale, donate=donate)
 
@@ -154,14 +148,7 @@ class ShardedTrainStep:
   def _prepare(self, state, what: str = "the step") -> TrainState:
     """The state, checked, on the mesh this call works on (moved without a copy if not)."""
     self._check_state(state, what)
-    mesh = self.spec.working_mesh()
-    first = state.step
-    if isinstance(first, jax.core.Tracer) or \
-        getattr(getattr(first, "sharding", None), "mesh", mesh) == mesh:
-      return state
-    move = lambda x: jax.device_put(x, NamedSharding(mesh, x.sharding.spec,
-                                                     memory_kind=x.sharding.memory_kind))
-    return jax.tree.map(move, state)
+    return context.on_working_mesh(self.spec, state)
 
   def _check_state(self, state, what: str = "the step") -> None:
     st.check_state(self.spec, self.optimizer, state, what, self.leaf_options,
@@ -207,14 +194,7 @@ class ShardedTrainStep:
     return context.in_auto(spec, body, out_specs)(state, batch)
 
   def _run(self, fn, state, batch):
-    with context.mesh_context(self.spec):
-      try:
-        return fn(state, self._place(batch))
-      except NotImplementedError as e:
-        err = context.closure_error(e)
-        if err is None:
-          raise
-        raise err from None
+    return context.run(self.spec, fn, state, self._place(batch))
 
   def _compiled(self, state: TrainState):
     """The jitted step for this state's layout, its outputs pinned to the state's shardings."""
@@ -229,9 +209,32 @@ class ShardedTrainStep:
         metrics["aux"] = None  # as the step made it (per-example leaves split over the batch)
       fn = jax.jit(self._step_fn, donate_argnums=(0,) if self.spec.donate else (),
                    out_shardings=(st.state_shardings(self.spec, specs), metrics),
-                   compiler_options=None if traced else context.COMPILER_OPTIONS)
+                   compiler_options=None if traced else self.compiler_options)
       self._jits[key] = fn
+    if traced:
+      compile_options.warn_if_nested(self.mesh, self.compiler_options, self._warned_nested)
     return fn
+
+  @property
+  def compiler_options(self) -> dict:
+    """What the step's own ``jax.jit`` asks of XLA, from the mesh's devices (on GPUs: what
+    lets `zero_jax.scan`'s in-loop collectives overlap; `zero_jax.step.compile_options`)."""
+    return compile_options.for_step(self.mesh, self.spec.comm)
+
+  def jit(self, fn: Callable, **jit_kwargs):
+    """``jax.jit(fn, **jit_kwargs)`` compiling with `compiler_options`, for a function that
+    calls the step. Inside any other jit on GPUs the step warns once that they are missing.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+      >>> step = zj.make_sharded_train_step(lambda p, b: jnp.mean((b @ p) ** 2),
+      ...                                   optax.sgd(0.1), mesh=jax.make_mesh((8,), ("data",)))
+      >>> two = step.jit(lambda s, b: step(step(s, b)[0], b))
+      >>> state, metrics = two(step.init(jnp.ones((3, 2))), jnp.ones((8, 3)))
+      >>> int(state.step)
+      2
+    """
+    return compile_options.jit(self.compiler_options, fn, **jit_kwargs)
 
   def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     """One training step on a global batch. Returns ``(new_state, metrics)``."""
@@ -260,14 +263,10 @@ class ShardedTrainStep:
       return self._get_params(state)
 
   def get_model(self, state: TrainState):
-    """The trained ``nnx.Module`` of a state made by ``init(model)``.
-
-    Its ``wrt`` variables are `get_params`'s (the fp32 master copy where
-    there is one) and its other variables the state's model state (averaged
-    BatchNorm statistics, RNG state), all fresh arrays on the user's mesh that
-    later steps do not donate. Use it outside the step, e.g. ``model.eval()``
-    then ``model(x)``.
-    """
+    """The trained ``nnx.Module`` of a state made by ``init(model)``: its ``wrt`` variables
+    are `get_params`'s (the fp32 master copy where there is one), its others the model
+    state (BatchNorm statistics, RNG state); fresh arrays on the user's mesh that later steps
+    do not donate. Use it outside the step, e.g. ``model.eval()`` then ``model(x)``."""
     if state.meta.module is None:
       raise TypeError("get_model needs a state made by step.init(model) with an nnx.Module; "
                       "this state was made from a params pytree: use step.get_params(state).")
