@@ -27,6 +27,7 @@ Usage: ``python benchmarks/bench_peer.py [--quick] [--models small,1b,8b] [--gpu
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import pathlib
@@ -48,6 +49,9 @@ MODELS = {"small": _lm.GPT2_SMALL, "1b": _lm.GPT_1B, "8b": _lm.LLAMA3_8B}
 CP = jax.checkpoint_policies
 POLICIES = {"none": None, "dots": CP.dots_saveable, "full": CP.nothing_saveable}
 GiB, MiB = 1 << 30, 1 << 20
+# The step's own options undone (`zero_jax.step.compile_options`): XLA:GPU's defaults on A100.
+XLA_DEFAULTS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 1,
+                "xla_gpu_enable_latency_hiding_scheduler": False}
 
 
 def zero_jax_configs(hosts: int) -> dict:
@@ -95,10 +99,14 @@ def gemm_calls(program: predict.Loop, runs: int = 1) -> int:
   return runs * (len(program.dots) + sum(gemm_calls(l, l.trips) for l in program.loops))
 
 
-def read(compiled, gpu: str) -> dict:
-  """One compiled program's figures (see the module docstring)."""
-  text = compiled.as_text()
+def memory(compiled) -> dict:
   m = compiled.memory_analysis()
+  return {"peak": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                  + m.temp_size_in_bytes, "temp": m.temp_size_in_bytes}
+
+
+def read(text: str, gpu: str) -> dict:
+  """One compiled program's figures from its text (see the module docstring)."""
   device = measure.device_for(targets.get_target(gpu), 8, "bf16")
   program = predict.analyze(text)
   intra, cross = measure.sent_bytes(program, device)
@@ -107,9 +115,7 @@ def read(compiled, gpu: str) -> dict:
   compute = predict.predict(program, device).compute
   exposed = sum(l.step_exposed for l in predict.predict_scheduled(text, device))
   return {
-      "peak": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-              + m.temp_size_in_bytes,
-      "temp": m.temp_size_in_bytes, "intra": intra, "cross": cross,
+      "intra": intra, "cross": cross,
       "overlapped": sum(w.overlapped for w in windows), "in_loop": len(windows),
       "tflops": program.total_flops() / 1e12, "gemms": gemm_calls(program),
       "compute_s": compute, "exposed_s": exposed, "step_s": compute + exposed}
@@ -124,33 +130,54 @@ def rows_for(models, gpus, hosts_list) -> list:
         for pol in POLICIES:
           for name in zero_jax_configs(hosts):
             out.append((m, gpu, hosts, "zero_jax", name, "step's own", pol))
+            if pol == "dots":  # what the step's options cost and give
+              out.append((m, gpu, hosts, "zero_jax", name, "XLA default", pol))
           for name in gspmd_configs(hosts):
             for flags in ("XLA default", "NVIDIA flags"):
               out.append((m, gpu, hosts, "GSPMD", name, flags, pol))
   return out
 
 
-def compile_row(row) -> dict:
+def compile_row(row, programs: pathlib.Path) -> dict:
+  """Compiles one row; keeps its text (gzip) in ``programs``, to be read again later."""
   m, gpu, hosts, system, name, flags, pol = row
   cfg = MODELS[m]
   if system == "zero_jax":
     lowered = lower_zero_jax(cfg, gpu, hosts, zero_jax_configs(hosts)[name], POLICIES[pol])
-    options = dict(measure.FAST_COMPILE)
+    options = {**measure.FAST_COMPILE, **(XLA_DEFAULTS if flags == "XLA default" else {})}
   else:
     lowered = lower_gspmd(cfg, gpu, hosts, gspmd_configs(hosts)[name], POLICIES[pol])
     options = {**measure.FAST_COMPILE,
                **(_gspmd.nvidia_flags(cfg) if flags == "NVIDIA flags" else {})}
-  return read(lowered.compile(compiler_options=options), gpu)
+  compiled = lowered.compile(compiler_options=options)
+  text = compiled.as_text()
+  programs.mkdir(parents=True, exist_ok=True)
+  (programs / (_slug(row) + ".hlo.gz")).write_bytes(gzip.compress(text.encode()))
+  return {**memory(compiled), **read(text, gpu)}
+
+
+def _slug(row) -> str:
+  return "".join(c if c.isalnum() else "_" for c in "|".join(map(str, row)))
+
+
+def reread(out: dict, programs: pathlib.Path) -> dict:
+  """Every row's figures read again from its kept text (after a change to the reader)."""
+  for row, r in out.items():
+    path = programs / (_slug(row) + ".hlo.gz")
+    if path.exists():
+      r.update(read(gzip.decompress(path.read_bytes()).decode(), row[1]))
+  return out
 
 
 def measure_all(rows, results_path: pathlib.Path) -> dict:
   done = json.loads(results_path.read_text()) if results_path.exists() else {}
+  programs = results_path.with_suffix(".programs")
   for row in rows:
     key = "|".join(map(str, row))
     if key in done:
       continue
     t0 = time.perf_counter()
-    done[key] = {**compile_row(row), "seconds": time.perf_counter() - t0}
+    done[key] = {**compile_row(row, programs), "seconds": time.perf_counter() - t0}
     results_path.write_text(json.dumps(done, indent=1))
     r = done[key]
     print(f"{key:70s} peak {r['peak'] / GiB:6.1f} GiB  sent {r['intra'] / MiB:7.0f}+"
@@ -180,13 +207,36 @@ def render(out: dict, seconds: float) -> str:
       "(intra+cross) | overlap | TFLOP | GEMMs | step ms |",
       "| --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for (m, gpu, hosts, system, name, flags, pol), r in out.items():
+    if system == "zero_jax" and flags == "XLA default":
+      continue  # (in the options table)
     lines.append(
         f"| {MODELS[m].name} | {gpu.upper()} | {hosts} | {system} | {name} | {flags} | {pol} | "
         f"{r['peak'] / GiB:.1f} | {r['intra'] / MiB:,.0f}+{r['cross'] / MiB:,.0f} | "
         f"{r['overlapped']}/{r['in_loop']} | {r['tflops']:.1f} | {r['gemms']} | "
         f"{r['step_s'] * 1e3:.1f} |")
-  lines += ["", *verdicts(out)]
+  lines += ["", *verdicts(out), "", *options_cost(out)]
   return "\n".join(lines)
+
+
+def options_cost(out: dict) -> list:
+  """The step's own compile options against XLA's defaults, at ``dots_saveable``."""
+  lines = ["*The step's options* (`step.compiler_options`: collectives in flight, the "
+           "latency-hiding scheduler) against XLA:GPU's defaults, remat `dots`: temporary "
+           "memory and the layer loops' collectives with a matmul in their window.", "",
+           "| model | GPU | hosts | configuration | temp GiB, XLA defaults | temp GiB, the "
+           "step's | cost | overlap, XLA defaults | overlap, the step's |",
+           "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+  for k, off in out.items():
+    if k[3] != "zero_jax" or k[5] != "XLA default":
+      continue
+    on = out.get(k[:5] + ("step's own",) + k[6:])
+    if on is None:
+      continue
+    lines.append(f"| {MODELS[k[0]].name} | {k[1].upper()} | {k[2]} | {k[4]} | "
+                 f"{off['temp'] / GiB:.2f} | {on['temp'] / GiB:.2f} | "
+                 f"{on['temp'] / off['temp'] - 1:+.1%} | {off['overlapped']}/{off['in_loop']} | "
+                 f"{on['overlapped']}/{on['in_loop']} |")
+  return lines
 
 
 def best(out: dict, key: tuple, system: str, memory: int, flags=None):
@@ -204,7 +254,7 @@ def verdicts(out: dict) -> list:
            "| ---: | ---: |"]
   for key in dict.fromkeys(k[:3] for k in out):
     memory = targets.get_target(key[1]).memory_bytes
-    z = best(out, key, "zero_jax", memory)
+    z = best(out, key, "zero_jax", memory, ("step's own",))
     g0 = best(out, key, "GSPMD", memory, ("XLA default",))
     g1 = best(out, key, "GSPMD", memory, ("NVIDIA flags",))
     g = min((x for x in (g0, g1) if x), key=lambda kr: kr[1]["step_s"], default=None)
@@ -227,6 +277,8 @@ def main() -> None:
   p.add_argument("--results", type=pathlib.Path,
                  default=pathlib.Path(tempfile.gettempdir()) / "zero_jax_peer.json",
                  help="where each compiled row's figures are kept (resumes from it)")
+  p.add_argument("--reread", action="store_true",
+                 help="read every kept program again (after a change to zero_jax.gpu's reader)")
   p.add_argument("--no-write", action="store_true", help="print only")
   args = p.parse_args()
   if args.quick:
@@ -236,6 +288,8 @@ def main() -> None:
   t0 = time.perf_counter()
   out = measure_all(rows, args.results)
   out = {k: v for k, v in out.items() if k in {tuple(map(str, r)) for r in rows}}
+  if args.reread:
+    out = reread(out, args.results.with_suffix(".programs"))
   text = render(out, time.perf_counter() - t0)
   print(text)
   if not args.no_write:
