@@ -53,6 +53,7 @@ RUN_FLAGS = ("size", "seq_len", "precision")  # change what a checkpoint holds
 RUN_FILE = "run.json"                         # their values, next to the checkpoints
 SCHEDULE_KEY = "schedule_steps"               # also there: the --steps the run started with
 
+REMAT = ("none", "dots", "full")  # --remat: zj.scan's policy= (`remat_policy`)
 SIZES = {          # d_model, layers, heads
     "tiny": (64, 2, 2),
     "small": (128, 4, 4),
@@ -106,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--prefetch", type=int, default=None, choices=(0, 1),
                  help="loop over the blocks with zj.scan: 1 gathers the next block while this "
                       "one computes (stage 3) and reduces each gradient one block later")
+  p.add_argument("--remat", default="full", choices=REMAT,
+                 help="with --prefetch, what each block keeps for the backward pass "
+                      "(zj.scan's policy=): none keeps every activation, dots the matmuls' "
+                      "outputs, full only the block's input (recomputing the block)")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
   p.add_argument("--ckpt-dir", default=os.path.join("checkpoints", "train_lm"),
                  help="checkpoint directory (relative: under the current directory)")
@@ -127,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--plan", action="store_true",
                  help="print zj.plan's table for this model on --hosts x --per-host --gpu "
                       "GPUs (compiled for them here, no GPU needed: JAX's CUDA plugin is) "
-                      "and exit; --stage, --quantize, --prefetch and --hpz, when given, are "
-                      "fixed, the rest searched")
+                      "and exit; --stage, --quantize, --prefetch, --remat and --hpz, when "
+                      "given, are fixed, the rest searched")
   p.add_argument("--gpu", default="h100", choices=("h100", "h200", "a100"),
                  help="with --plan: the GPU to plan for")
   p.add_argument("--per-host", type=int, default=8, help="with --plan: GPUs per host")
@@ -361,13 +366,15 @@ class ByteLM(nn.Module):
 
   With ``prefetch`` 0 or 1 the same parameters are looped over with
   ``zj.scan`` instead (``--prefetch``): with 1 the next block is gathered while
-  this one computes, and each block's gradient reduced one block later.
+  this one computes, and each block's gradient reduced one block later; each
+  block keeps what ``remat`` names (``--remat``, zj.scan's ``policy=``).
   """
   d_model: int
   layers: int
   heads: int
   max_len: int
   prefetch: int | None = None
+  remat: str = "full"
 
   @nn.compact
   def __call__(self, tokens):
@@ -384,9 +391,24 @@ class ByteLM(nn.Module):
     else:  # the parameters nn.scan made, one block applied to each layer's slice
       one = Block(self.d_model, self.heads, parent=None)
       x, _ = zj.scan(lambda h, p: one.apply({"params": p}, h, None), x,
-                     self.variables["params"]["blocks"], prefetch=self.prefetch)
+                     self.variables["params"]["blocks"], prefetch=self.prefetch,
+                     policy=remat_policy(self.remat))
     x = nn.LayerNorm(name="ln_f")(x)
     return embed.attend(x).astype(jnp.float32)  # logits in float32 for the loss
+
+
+def remat_policy(remat: str):
+  """``--remat``'s ``jax.checkpoint`` policy for `zero_jax.scan` (None: keep everything)."""
+  return {"none": None, "dots": jax.checkpoint_policies.dots_saveable,
+          "full": jax.checkpoint_policies.nothing_saveable}[remat]
+
+
+def remat_name(policy) -> str:
+  """The ``--remat`` name of a policy `zj.plan` tries."""
+  for name in REMAT:
+    if remat_policy(name) is policy:
+      return name
+  raise ValueError(f"no --remat name for the policy {policy!r}; known: {REMAT}")
 
 
 def in_blocks(path, _):
@@ -554,7 +576,7 @@ def plan_main(args) -> dict:
   """``--plan``: which stage and options fit and run fastest on the GPUs named, by compiling.
 
   The flags written on the command line (``--stage``, ``--quantize``, ``--prefetch``,
-  ``--hpz``) are fixed; the planner searches the others."""
+  ``--remat``, ``--hpz``) are fixed; the planner searches the others."""
   d_model, layers, heads = SIZES[args.size]
   fixed = {"precision": args.precision, "max_grad_norm": 1.0, "stacked": in_blocks}
   if "stage" in args.given:
@@ -564,11 +586,16 @@ def plan_main(args) -> dict:
   if "hpz" in args.given:
     fixed["hpz_axis"] = "data"
 
-  def searched(params, batch, *, prefetch=0):  # the planner tries zj.scan's prefetch 0 and 1
-    return make_loss_fn(ByteLM(d_model, layers, heads, args.seq_len, prefetch))(params, batch)
+  def searched(params, batch, *, prefetch=0, policy=None):  # zj.scan's, which zj.plan tries
+    model = ByteLM(d_model, layers, heads, args.seq_len, prefetch, remat_name(policy))
+    return make_loss_fn(model)(params, batch)
 
-  loss_fn = (functools.partial(searched, prefetch=args.prefetch) if "prefetch" in args.given
-             else searched)
+  given = {}
+  if "prefetch" in args.given:
+    given["prefetch"] = args.prefetch
+  if "remat" in args.given:
+    given["policy"] = remat_policy(args.remat)
+  loss_fn = functools.partial(searched, **given) if given else searched
   init = lambda: ByteLM(d_model, layers, heads, args.seq_len).init(
       jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
   batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32)}
@@ -595,7 +622,8 @@ def main(argv=None) -> dict:
     sys.exit(f"--batch-size {args.batch_size} must be a multiple of the {n} devices.")
 
   d_model, layers, heads = SIZES[args.size]
-  model = ByteLM(d_model, layers, heads, max_len=args.seq_len, prefetch=args.prefetch)
+  model = ByteLM(d_model, layers, heads, max_len=args.seq_len, prefetch=args.prefetch,
+                 remat=args.remat)
   dummy = jnp.zeros((1, args.seq_len), jnp.int32)
   params_shapes = jax.eval_shape(model.init, jax.random.key(args.seed), dummy)["params"]
   n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_shapes))

@@ -296,3 +296,21 @@ def test_train_nnx_learns_evaluates_and_restores():
   assert "model state: ['BatchStat', 'RngCount', 'RngKey']" in proc.stdout
   assert "| ZeRO-3 |" in proc.stdout
   assert "restored into a ZeRO-3 step at step 30: the same model" in proc.stdout
+
+
+def test_train_lm_remat_keeps_the_numbers_of_every_policy():
+  """``--remat`` (zj.scan's ``policy=``) changes what the blocks keep, not the loss or the
+  gradient: each equals the ``nn.scan(nn.remat(...))`` path's, and zj.plan's policies map
+  back to the flag."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  train_lm = load_train_lm()
+  tokens = np.random.default_rng(0).integers(0, 256, size=(4, 17)).astype(np.int32)
+  base = train_lm.ByteLM(32, 2, 2, 16)
+  params = base.init(jax.random.key(0), tokens[:, :-1])["params"]
+  grads = lambda model: jax.grad(train_lm.make_loss_fn(model))(params, {"tokens": tokens})
+  want = grads(base)
+  for remat in train_lm.REMAT:
+    got = grads(base.clone(prefetch=1, remat=remat))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+    assert train_lm.remat_name(train_lm.remat_policy(remat)) == remat

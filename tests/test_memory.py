@@ -212,3 +212,9 @@ def test_prefetch_with_a_hop_across_hosts_counts_a_layer_gradient_reduced_within
   hybrid = zj.memory_report(params, optax.sgd(0.1), replica_axis="hosts", **kw)[3]
   assert flat.prefetch == 2 * layer
   assert hpz.prefetch == 2 * layer + layer // 4 and hybrid.prefetch == 2 * layer + layer // 4
+  # hpZ and a replica axis: also layer i+3's, reduced over every data axis (2 x 2 here)
+  both = zj.memory_report(params, optax.sgd(0.1),
+                          mesh=jax.sharding.AbstractMesh((2, 2, 2), ("hosts", "group", "data")),
+                          axis_name=("group", "data"), hpz_axis="data", replica_axis="hosts",
+                          stacked=True, prefetch=1, stages=(3,))[3]
+  assert both.prefetch == 2 * layer + layer // 2 + layer // 4

@@ -4,10 +4,10 @@ With ``policy=None`` the step keeps what ``jax.lax.scan`` keeps (no layer is rec
 with a ``jax.checkpoint`` policy, what ``jax.checkpoint(f, policy=policy)`` saves. Either way
 the numbers are those of the single-device reference, which runs the same loss (outside the
 step ``zj.scan`` is ``lax.scan`` over ``jax.checkpoint(f, policy=policy)``), with SGD and
-Adam, at stages 1-3, with hpZ, replica axes and accumulation (NNX modules: test_prefetch); and equal bit for
-bit to ``policy=None``'s, since recomputing a value gives the same bits. The gathered weights
-are never kept, nor what is computed from them alone (a cast): the compiled loops carry no
-stack of whole layers.
+Adam, at stages 1-3, with hpZ, replica axes and accumulation (NNX modules: test_prefetch);
+and equal bit for bit to ``policy=None``'s, since recomputing a value gives the same bits.
+The gathered weights are never kept, nor what is computed from them alone (a cast): the
+compiled loops carry no stack of whole layers.
 """
 
 import jax

@@ -266,8 +266,11 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   layer = lambda i: _bytes(model_block_shape(pl[i])[1:], pdt[i]) if meta.stacked[i] else 0
   ahead = {2: 0, 3: sum(map(layer, range(len(pl))))}  # one more gathered layer
   late = sum(map(layer, trained))                      # one layer's gradient
-  # stage 3 with a hop across hosts: another layer's gradient, reduced within the host
-  hop = {2: 0, 3: -(-late // spec.n_gather) if spec.n_gather < n or spec.replica_axes else 0}
+  # stage 3 with a hop across hosts: another layer's gradient, reduced within the host; with
+  # hpZ and replica axes a third, reduced over every data axis (`zero_jax.layers.stacked.hops`)
+  hpz, replicas = spec.n_gather < n, bool(spec.replica_axes)
+  hop = {2: 0, 3: (-(-late // spec.n_gather) if hpz or replicas else 0)
+                  + (-(-late // n) if hpz and replicas else 0)}
   rows = []
   for stage in stages:
     opt_bytes = sum(size(l, d, stage >= 1) for l, d in zip(meta.opt_layouts, opt_dtypes))
