@@ -100,7 +100,7 @@ def lower_step(cfg: _lm.GPTConfig, mesh, *, fsdp: tuple, batch_axes: tuple | Non
     loss, grads = jax.value_and_grad(loss_fn)(half, batch)
     grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, params)
     updates, opt_state = opt.update(grads, opt_state, params)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     return optax.apply_updates(params, updates), opt_state, metrics
 
   stacked = lambda path: "blocks" in jax.tree_util.keystr(path)
