@@ -222,7 +222,10 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
     hpz_axis: as for `make_sharded_train_step` (with ``mesh``): stage 3's
       parameters are the secondary copy, split over these axes only.
     prefetch: as for `zero_jax.scan` over the ``stacked`` leaves: with 1 the
-      rows of stages 2-3 count its buffers (`StageMemory.prefetch`).
+      rows of stages 2-3 count its buffers (`StageMemory.prefetch`). The
+      activations each layer keeps (``zj.scan``'s ``policy=``) depend on the
+      model's code, not its shapes, and are not counted: `compiled_memory`
+      and `zero_jax.plan` read them from XLA.
     whole_leaf_update: as for `make_sharded_train_step`: the moved leaves'
       optimizer state counts where it lives, whole on its home device (the
       busiest device's slots of each group of equal shapes).
