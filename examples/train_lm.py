@@ -115,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "('replica', 'data'), the state split over both")
   p.add_argument("--hpz", action="store_true",
                  help="ZeRO++ hpZ (stage 3, --hosts > 1): gather parameters within a host")
-  p.add_argument("--quantize", default="none", choices=("none", "weights", "grads", "both"),
-                 help="ZeRO++ int8 communication: qwZ (weights), qgZ (grads) or both")
+  p.add_argument("--quantize", default="none",
+                 choices=("none", "weights", "grads", "both", "search"),
+                 help="ZeRO++ int8 communication: qwZ (weights), qgZ (grads) or both; with "
+                      "--plan, 'search' lets the planner try them (lossy)")
   p.add_argument("--prefetch", type=int, default=None, choices=(0, 1),
                  help="loop over the blocks with zj.scan: 1 gathers the next block while this "
                       "one computes (stage 3) and reduces each gradient one block later")
@@ -164,6 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.batch_size < 1 or args.steps < 1 or args.seq_len < 2:
     p.error("--batch-size and --steps must be positive and --seq-len at least 2")
+  if args.quantize == "search" and not args.plan:
+    p.error("--quantize search is for --plan (the planner tries ZeRO++'s choices); to train "
+            "with one, give none, weights, grads or both")
   args.given = given_flags(argv)
   return args
 
@@ -550,13 +555,15 @@ def plan_main(args) -> dict:
   """``--plan``: which stage and options fit and run fastest on the GPUs named, by compiling.
 
   The flags written on the command line (``--stage``, ``--quantize``, ``--prefetch``,
-  ``--hpz``) are fixed; the planner searches the others."""
+  ``--hpz``) are fixed; the planner searches the others, exactly (``--quantize search`` adds
+  ZeRO++'s lossy choices). The plan's table ends with why candidates were refused, skipped
+  or pruned."""
   d_model, layers, heads = SIZES[args.size]
   fixed = {"precision": args.precision, "max_grad_norm": 1.0, "stacked": in_blocks}
   if "stage" in args.given:
     fixed["stage"] = args.stage
   if "quantize" in args.given:
-    fixed["quantize"] = quantize_option(args.quantize)
+    fixed["quantize"] = "search" if args.quantize == "search" else quantize_option(args.quantize)
   if "hpz" in args.given:
     fixed["hpz_axis"] = "data"
 
