@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import math
 import os
 import pathlib
@@ -575,6 +576,8 @@ def plan_main(args) -> dict:
   init = lambda: ByteLM(d_model, layers, heads, args.seq_len).init(
       jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
   batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32)}
+  logging.getLogger("zero_jax.plan").setLevel(logging.INFO)  # progress, on stderr
+  logging.getLogger("zero_jax.plan").addHandler(logging.StreamHandler())
   plan = zj.plan(loss_fn, make_optimizer(args.lr, args.steps), init, batch, gpu=args.gpu,
                  hosts=args.hosts, per_host=args.per_host, max_compiles=args.max_compiles,
                  **fixed)

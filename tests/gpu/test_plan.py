@@ -348,3 +348,4 @@ def test_the_lm_examples_plan_flag_prints_the_plan_of_its_model_and_why_others_w
   assert len(rows) == 1 and "| exact |" in rows[0], rows   # the fastest exact one, compiled
   assert "Refused by make_sharded_train_step:\n- Quantize(weights=True) at stage 2" in text
   assert "Skipped:\n- " in text and "hybrid sharding with 1 GPU per host" in text
+  assert "zj.plan: compiled ZeRO-" in out.stderr   # progress as it goes

@@ -14,7 +14,9 @@ Two phases, both on one `Search` (the inputs, the compile-only mesh and what was
    until one fits; a variant that holds at least what a compiled misfit holds is skipped.
 
 A time bound holds throughout: once ``time_limit`` seconds have passed, nothing new is lowered
-or compiled (a compile in flight finishes) and `Search.stopped` says what was left.
+or compiled (a compile in flight finishes) and `Search.stopped` says what was left. Progress
+goes to the ``zero_jax.plan`` logger at INFO (``logging.basicConfig(level=logging.INFO)`` shows
+it): each compile as it ends, and when the fallbacks start.
 
 Example (needs JAX's CUDA plugin; `zero_jax.plan` drives it):
   >>> s = Search(loss_fn, optax.adamw(3e-4), init, batch, {}, mesh, H100, hbm,
@@ -25,6 +27,7 @@ Example (needs JAX's CUDA plugin; `zero_jax.plan` drives it):
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 
 import jax
@@ -35,6 +38,8 @@ from zero_jax.gpu import candidates as cands
 from zero_jax.gpu import measure
 from zero_jax.gpu.candidates import Candidate
 from zero_jax.step import init as init_lib
+
+log = logging.getLogger("zero_jax.plan")
 
 
 class Search:
@@ -101,6 +106,9 @@ class Search:
     compiled = lowered.compile(compiler_options=measure.FAST_COMPILE)
     self.compile_s += time.perf_counter() - t0
     r = measure.read(compiled, self.device, opts.get("prefetch"))
+    log.info("zj.plan: compiled %s in %.0f s: %.3g GiB per device, predicted %.3g ms "
+             "(%.0f s so far)", cands.describe(opts), time.perf_counter() - t0,
+             r.memory.peak / 2**30, r.step_s * 1e3, time.perf_counter() - self.t0)
     offload = bool(opts.get("offload"))
     extra = measure.offload_s(host, self.target) if offload else 0.0
     options = {**self.fixed, **{k: v for k, v in opts.items() if k not in cands.KEYWORDS},
@@ -112,15 +120,16 @@ class Search:
                      loss_keywords=measure.loss_keywords(opts))
 
   def compile(self, jobs: list, workers: int) -> list:
-    """``jobs`` (``(options, lowered, host bytes)``) compiled in ``workers`` threads, in
-    order; those not started before the time bound are left out."""
+    """``(options, candidate)`` of ``jobs`` (``(options, lowered, host bytes)``) compiled in
+    ``workers`` threads, in order; those not started before the time bound are left out."""
+    def one(o, low, host):
+      if self.out_of_time(f"queued compiles not started (of {len(jobs)})"):
+        return None
+      return self.candidate(o, low, host)
+
     with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-      futures = []
-      for i, (o, low, host) in enumerate(jobs):
-        if self.out_of_time(f"{len(jobs) - i} of {len(jobs)} compiles"):
-          break
-        futures.append(pool.submit(self.candidate, o, low, host))
-      return [f.result() for f in futures]
+      futures = [(o, pool.submit(one, o, low, host)) for o, low, host in jobs]
+      return [(o, c) for o, c in ((o, f.result()) for o, f in futures) if c is not None]
 
 
 def _with_exact(ready: list, k: int) -> list:
@@ -134,10 +143,18 @@ def _with_exact(ready: list, k: int) -> list:
   return top[:k - 1] + [exact] if exact is not None else top
 
 
+def _drop_programs(ready: list, k: int) -> None:
+  """Frees the lowered programs of ``ready`` that `_with_exact` will not compile."""
+  keep = {id(r) for r in _with_exact(ready, k)}
+  ready[:] = [r if id(r) in keep else (r[0], r[1], None, r[3]) for r in ready]
+
+
 def rank(s: Search, space: list, max_compiles: int, workers: int) -> tuple[list, list, list]:
   """Phase 1: ``(compiled candidates, their options, ranked out)``; ranked out are
   ``(options, estimated seconds)`` lowered but not compiled."""
   ready = []
+  log.info("zj.plan: lowering up to %d candidates, then compiling the %d fastest",
+           len(space), max_compiles)
   for i, opts in enumerate(space):
     if s.out_of_time(f"{len(space) - i} of {len(space)} candidates not lowered"):
       break
@@ -152,11 +169,11 @@ def rank(s: Search, space: list, max_compiles: int, workers: int) -> tuple[list,
         t += measure.offload_s(got[1], s.target)
       ready.append((t, opts, low, got[1]))
       ready.sort(key=lambda r: r[0])
+      _drop_programs(ready, max_compiles)  # host memory: only those to compile keep theirs
   chosen = _with_exact(ready, max_compiles)
-  done = s.compile([(o, low, h) for _, o, low, h in chosen], workers)
-  made_from = [o for _, o, _, _ in chosen][:len(done)]
+  pairs = s.compile([(o, low, h) for _, o, low, h in chosen], workers)
   ranked_out = [(o, t) for t, o, _, _ in ready if all(o is not c[1] for c in chosen)]
-  return done, made_from, ranked_out
+  return [c for _, c in pairs], [o for o, _ in pairs], ranked_out
 
 
 def leanest_root(s: Search, space: list) -> dict | None:
@@ -185,6 +202,8 @@ def settle(s: Search, root: dict, done: list, made_from: list, rows: int, worker
   """Phase 2 (see the module docstring): compiles ``root``'s fallbacks until one fits or none
   can; appends each compiled candidate and its options to ``done`` and ``made_from``."""
   chain = cands.fallbacks(root, rows, s.fixed)
+  log.info("zj.plan: none of the %d compiled fits; %d fallbacks of %s, the leanest first",
+           len(done), len(chain), cands.describe(root))
   tried, misfits = set(), []
   for i, (lv, o) in enumerate(chain):
     if o in made_from:
@@ -203,11 +222,12 @@ def settle(s: Search, root: dict, done: list, made_from: list, rows: int, worker
         misfits.append((lv, o))
       elif got is not None:
         jobs.append((lv, o, s.lower(got[0]), got[1]))
-    new = s.compile([(o, low, host) for _, o, low, host in jobs], workers)
-    done.extend(new)
-    made_from.extend(o for _, o, _, _ in jobs[:len(new)])
-    misfits.extend((lv, o) for (lv, o, _, _), c in zip(jobs, new) if not c.fits)
-    return new
+    pairs = s.compile([(o, low, host) for _, o, low, host in jobs], workers)
+    level = {id(o): lv for lv, o, _, _ in jobs}
+    done.extend(c for _, c in pairs)
+    made_from.extend(o for o, _ in pairs)
+    misfits.extend((level[id(o)], o) for o, c in pairs if not c.fits)
+    return [c for _, c in pairs]
 
   # The leanest variant first (the last the step accepts), compiled even if the formulas rule
   # it out: if it does not fit, nothing leaner exists, and it is the nearest miss.
