@@ -1,4 +1,5 @@
-"""The planner's search space, and the memory formulas that prune it before anything compiles.
+"""The planner's search space, its fallbacks, the memory formulas that prune it before anything
+compiles, and `Candidate`, the record of one compiled configuration.
 
 `search_space` lists the `make_sharded_train_step` options worth trying on ``hosts x per_host``
 GPUs: ZeRO stages 2 and 3 (stage 1 is kept only when the user fixes it: it all-reduces whole
