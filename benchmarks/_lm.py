@@ -154,6 +154,90 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
   return 3.0 * (cfg.layers * (24 * d * d + 4 * t * d) + 2 * d * cfg.vocab)
 
 
+# ---------------------------------------------------------------- Llama-like
+class LlamaShape(NamedTuple):
+  """Shapes of a Llama-like decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP,
+  untied head), its blocks stacked over layers."""
+  name: str
+  vocab: int
+  d_model: int
+  layers: int
+  heads: int
+  kv_heads: int
+  mlp: int
+  seq_len: int
+
+  def n_params(self) -> int:
+    d, hd = self.d_model, self.d_model // self.heads
+    per_layer = 2 * d + d * hd * (2 * self.heads + 2 * self.kv_heads) + 3 * d * self.mlp
+    return 2 * self.vocab * d + d + self.layers * per_layer
+
+
+# Meta's Llama 3 8B (config.json of Meta-Llama-3-8B), at a context of 2048 tokens.
+LLAMA3_8B = LlamaShape("Llama-3-8B", 128256, 4096, 32, 32, 8, 14336, 2048)
+
+
+def init_llama(cfg: LlamaShape, key, dtype=jnp.float32) -> dict:
+  """Parameters: ``embed``, ``blocks`` (stacked, layers first), ``norm``, ``head``."""
+  d, hd, n = cfg.d_model, cfg.d_model // cfg.heads, cfg.layers
+  shapes = {"attn_norm": (n, d), "wq": (n, d, cfg.heads * hd), "wk": (n, d, cfg.kv_heads * hd),
+            "wv": (n, d, cfg.kv_heads * hd), "wo": (n, cfg.heads * hd, d), "mlp_norm": (n, d),
+            "gate": (n, d, cfg.mlp), "up": (n, d, cfg.mlp), "down": (n, cfg.mlp, d)}
+  keys = iter(jax.random.split(key, len(shapes) + 2))
+  blocks = {k: (jnp.ones(s) if k.endswith("norm") else 0.02 * jax.random.normal(next(keys), s))
+            for k, s in shapes.items()}
+  params = {"embed": 0.02 * jax.random.normal(next(keys), (cfg.vocab, d)), "blocks": blocks,
+            "norm": jnp.ones((d,)), "head": 0.02 * jax.random.normal(next(keys), (d, cfg.vocab))}
+  return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def _rms(x, w):
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, -1, keepdims=True) + 1e-5)).astype(x.dtype) * w
+
+
+def _rope(x, theta: float = 500000.0):
+  """Rotary positions (rotate-half convention) on ``x`` of shape (b, t, heads, head_dim)."""
+  t, hd = x.shape[1], x.shape[-1]
+  freq = theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]
+  cos, sin = (jnp.concatenate([f(angle)] * 2, -1)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+  half = jnp.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1)
+  return (x.astype(jnp.float32) * cos + half.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def llama_block(cfg: LlamaShape):
+  """``body(h, p) -> (h, None)``: one block on one layer's parameters."""
+  hd, group = cfg.d_model // cfg.heads, cfg.heads // cfg.kv_heads
+
+  def body(x, p):
+    b, t, _ = x.shape
+    h = _rms(x, p["attn_norm"])
+    q = _rope((h @ p["wq"]).reshape(b, t, cfg.kv_heads, group, hd).reshape(b, t, -1, hd))
+    k = _rope((h @ p["wk"]).reshape(b, t, cfg.kv_heads, hd))
+    v = (h @ p["wv"]).reshape(b, t, cfg.kv_heads, hd)
+    q = q.reshape(b, t, cfg.kv_heads, group, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(hd)
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+    w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    y = jnp.einsum("bkgqs,bskd->bqkgd", w, v).reshape(b, t, cfg.heads * hd)
+    x = x + y @ p["wo"]
+    h = _rms(x, p["mlp_norm"])
+    return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"], None
+  return body
+
+
+def make_llama_loss(cfg: LlamaShape, prefetch: int):
+  """``loss_fn(params, batch)``: next-token cross entropy over ``zj.scan`` of the blocks."""
+  def loss_fn(params, batch):
+    tokens = batch["tokens"]
+    x = params["embed"][tokens[:, :-1]]
+    x, _ = zj.scan(llama_block(cfg), x, params["blocks"], prefetch=prefetch)
+    logits = (_rms(x, params["norm"]) @ params["head"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  return loss_fn
+
+
 # ---------------------------------------------------------------- lm1b-like
 class LM1BConfig(NamedTuple):
   vocab: int

@@ -5,8 +5,9 @@ stacked blocks of d=768, vocabulary 50257, context 1024, 124M parameters), the i
 and the 1B model (``_lm.GPT_1B``: 20 blocks of d=2048, context 2048), to show what grows with
 the model. Each is given as an init function, never run; the global batch is 8 sequences per
 GPU; bf16 with an fp32 master copy and AdamW; ``loss_fn`` takes zj.scan's ``prefetch``. The
-whole space of `zero_jax.gpu.candidates` is searched (quantization included). Needs JAX's
-CUDA plugin (no GPU) and tqdm (the example's model is imported).
+default space of `zero_jax.gpu.candidates` is searched (exact communication: no
+``quantize="search"``). Needs JAX's CUDA plugin (no GPU) and tqdm (the example's model is
+imported).
 
 Reported per model: wall time, the process's CPU time (its threads) and its children's
 (ptxas), the machine's load average before and after (the machine may be shared), the peak

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import math
 import os
 import pathlib
@@ -102,14 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
                       "('replica', 'data'), the state split over both")
   p.add_argument("--hpz", action="store_true",
                  help="ZeRO++ hpZ (stage 3, --hosts > 1): gather parameters within a host")
-  p.add_argument("--quantize", default="none", choices=("none", "weights", "grads", "both"),
-                 help="ZeRO++ int8 communication: qwZ (weights), qgZ (grads) or both")
+  p.add_argument("--quantize", default="none",
+                 choices=("none", "weights", "grads", "both", "search"),
+                 help="ZeRO++ int8 communication: qwZ (weights), qgZ (grads) or both; with "
+                      "--plan, 'search' lets the planner try them (lossy)")
   p.add_argument("--prefetch", type=int, default=None, choices=(0, 1),
                  help="loop over the blocks with zj.scan: 1 gathers the next block while this "
                       "one computes (stage 3) and reduces each gradient one block later")
   p.add_argument("--remat", default="full", choices=REMAT,
                  help="with --prefetch, what each block keeps for the backward pass "
-                      "(zj.scan's policy=): none keeps every activation, dots the matmuls' "
+                      "(zj.scan's policy=): none keeps every activation, dots the weight matmuls' "
                       "outputs, full only the block's input (recomputing the block)")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
   p.add_argument("--ckpt-dir", default=os.path.join("checkpoints", "train_lm"),
@@ -155,6 +158,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.batch_size < 1 or args.steps < 1 or args.seq_len < 2:
     p.error("--batch-size and --steps must be positive and --seq-len at least 2")
+  if args.quantize == "search" and not args.plan:
+    p.error("--quantize search is for --plan (the planner tries ZeRO++'s choices); to train "
+            "with one, give none, weights, grads or both")
   args.given = given_flags(argv)
   return args
 
@@ -399,7 +405,7 @@ class ByteLM(nn.Module):
 
 def remat_policy(remat: str):
   """``--remat``'s ``jax.checkpoint`` policy for `zero_jax.scan` (None: keep everything)."""
-  return {"none": None, "dots": jax.checkpoint_policies.dots_saveable,
+  return {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
           "full": jax.checkpoint_policies.nothing_saveable}[remat]
 
 
@@ -576,13 +582,15 @@ def plan_main(args) -> dict:
   """``--plan``: which stage and options fit and run fastest on the GPUs named, by compiling.
 
   The flags written on the command line (``--stage``, ``--quantize``, ``--prefetch``,
-  ``--remat``, ``--hpz``) are fixed; the planner searches the others."""
+  ``--remat``, ``--hpz``) are fixed; the planner searches the others, exactly (``--quantize
+  search`` adds ZeRO++'s lossy choices). The plan's table ends with why candidates were
+  refused, skipped or pruned."""
   d_model, layers, heads = SIZES[args.size]
   fixed = {"precision": args.precision, "max_grad_norm": 1.0, "stacked": in_blocks}
   if "stage" in args.given:
     fixed["stage"] = args.stage
   if "quantize" in args.given:
-    fixed["quantize"] = quantize_option(args.quantize)
+    fixed["quantize"] = "search" if args.quantize == "search" else quantize_option(args.quantize)
   if "hpz" in args.given:
     fixed["hpz_axis"] = "data"
 
@@ -599,6 +607,8 @@ def plan_main(args) -> dict:
   init = lambda: ByteLM(d_model, layers, heads, args.seq_len).init(
       jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
   batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32)}
+  logging.getLogger("zero_jax.plan").setLevel(logging.INFO)  # progress, on stderr
+  logging.getLogger("zero_jax.plan").addHandler(logging.StreamHandler())
   plan = zj.plan(loss_fn, make_optimizer(args.lr, args.steps), init, batch, gpu=args.gpu,
                  hosts=args.hosts, per_host=args.per_host, max_compiles=args.max_compiles,
                  **fixed)

@@ -227,3 +227,75 @@ def test_the_prefetching_program_moves_the_same_bytes(mesh, stage3):
   ahead, today = overlap.analyze(text), stage3[1]
   for op in ("all-gather", "reduce-scatter"):
     assert moved(ahead, op) == moved(today, op), op
+
+
+# ------------------------------------------------------- memory-bound kernels
+FUSED = """HloModule m
+
+fused {
+  w = f32[8,256] parameter(0)
+  i = s32[] parameter(1)
+  z = s32[] constant(0)
+  row = f32[1,256] dynamic-slice(w, i, z), dynamic_slice_sizes={1,256}
+  two = f32[1,256] add(row, row)
+  ROOT s = f32[1,256] sine(two)
+}
+
+update {
+  buf = f32[8,256] parameter(0)
+  u = f32[1,256] parameter(1)
+  i = s32[] parameter(2)
+  z = s32[] constant(0)
+  ROOT d = f32[8,256] dynamic-update-slice(buf, u, i, z)
+}
+
+ENTRY main {
+  w = f32[8,256] parameter(0)
+  i = s32[] parameter(1)
+  x = f32[64,32] parameter(2)
+  row = f32[1,256] fusion(w, i), kind=kLoop, calls=fused
+  out = f32[8,256] fusion(w, row, i), kind=kLoop, calls=update
+  y = f32[64,32] add(x, x)
+  ROOT t = (f32[8,256], f32[64,32]) tuple(out, y)
+}
+"""
+
+
+def test_a_fused_kernel_moves_its_operands_its_slices_and_its_result_once():
+  program = overlap.analyze(FUSED)
+  row = 256 * 4
+  # fused: one row of w read (not all 8) and one written; update: the row read and written
+  # in place (not the whole buffer); each reads its 4-byte index; add: two operands and a
+  # result of (64, 32).
+  assert program.elementwise_bytes == (row + 4 + row) + (row + 4 + row) + 3 * 64 * 32 * 4
+  assert overlap.analyze(FUSED, elementwise=False).elementwise_bytes == 0
+
+
+def test_a_compiled_elementwise_program_counts_what_it_reads_and_writes():
+  text = jax.jit(lambda x: jnp.sin(x) * 2 + 1).lower(jnp.ones(4096)).compile().as_text()
+  assert overlap.analyze(text).elementwise_bytes == 2 * 4096 * 4
+  lowered_text = jax.jit(lambda x: jnp.sin(x) * 2 + 1).lower(jnp.ones(4096)).as_text("hlo")
+  assert overlap.analyze(lowered_text).elementwise_bytes == 0  # unfused: left out
+
+
+def test_memory_bound_kernels_add_their_bytes_over_hbm_bandwidth_to_compute():
+  inner = overlap.Loop("layers", 4, ((2e9, 0.0),), (), (), 1e8)   # 2 ms + 1 ms a layer
+  program = overlap.Loop("main", 1, (), (), (inner,), 3e8)        # 3 ms outside
+  p = overlap.predict(program, DEV)
+  (loop,) = p.loops
+  assert (loop.compute, loop.elementwise) == pytest.approx((3e-3, 1e-3))
+  assert p.elementwise == pytest.approx(3e-3 + 4 * 1e-3)
+  assert p.compute == pytest.approx(3e-3 + 4 * 3e-3)
+  assert p.step(0) == pytest.approx(p.compute)
+
+
+def test_quantized_communication_costs_elementwise_work(mesh):
+  def step_text(quantize):
+    step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3,
+                                      quantize=quantize, stacked=lambda path, _: "layers" in
+                                      jax.tree_util.keystr(path))
+    return step.lower(step.abstract_state(params()), BATCH).compile().as_text()
+  exact = overlap.analyze(step_text(None))
+  int8 = overlap.analyze(step_text(zj.Quantize(weights=True, grads=True)))
+  assert int8.total_elementwise_bytes() > exact.total_elementwise_bytes() > 0
+  assert int8.total_flops() == exact.total_flops()

@@ -29,7 +29,7 @@ def test_best_is_the_fastest_candidate_that_fits_not_the_fastest():
   plan = make(fast_big, slow_small)
   assert plan.best is slow_small and not fast_big.fits
   text = str(plan)
-  assert "PREDICTIONS" in text and "| ZeRO-3 flat gather_once prefetch 1 | 900 B | **best** |" in text
+  assert "PREDICTIONS" in text and "| ZeRO-3 flat gather_once prefetch 1 | exact | 900 B | **best** |" in text
 
 
 def test_when_no_candidate_fits_the_table_names_the_closest_and_the_miss():
@@ -67,5 +67,42 @@ def test_a_cluster_or_budget_of_compiles_below_one_is_refused_before_anything_ru
 def test_an_option_the_step_does_not_take_is_named_with_the_nearest(kw, says):
   # Before: a TypeError from make_sharded_train_step at the first candidate, with no hint.
   with pytest.raises(TypeError, match=re.escape(says)):
+    zj.plan(lambda p, b: 0.0, optax.sgd(0.1), {"w": jax.ShapeDtypeStruct((8,), jnp.float32)},
+            jax.ShapeDtypeStruct((8, 8), jnp.float32), **kw)
+
+
+def test_a_lossy_candidate_is_marked_on_itself_and_in_the_table():
+  exact = candidate(2e-3, 900)
+  lossy = candidate(1e-3, 900, quantize=zj.Quantize(weights=True, grads=True, grad_bits=4))
+  assert lossy.lossy and not exact.lossy
+  text = str(make(lossy, exact))
+  assert "| ZeRO-3 flat qwZ+qgZ int4 prefetch 1 | **LOSSY** | 900 B | **best** |" in text
+  assert "| ZeRO-3 flat prefetch 1 | exact | 900 B | yes |" in text
+  assert "LOSSY: quantized communication, not the exact math" in text
+  assert "LOSSY" not in str(make(exact))
+
+
+def test_the_table_says_why_candidates_were_refused_skipped_pruned_or_left():
+  opts = {"stage": 3, "axis_name": "data", "prefetch": 1}
+  plan = zj.Plan((candidate(1e-3, 900),), targets.H100, 2, 1, 1000, (),
+                 ((opts, 5000),), ((opts, "stage=5: choose 1, 2 or 3"),) * 2,
+                 {"total": 1.0, "lower": 0.5, "compile": 0.5},
+                 skipped=((opts, "hpZ within a host of 1 GPU keeps a whole copy"),),
+                 stopped="stopped at time_limit=1 s with 3 compiles left")
+  text = str(plan)
+  assert "1 pruned by the memory formulas, 1 skipped, 2 refused" in text
+  assert "Refused by make_sharded_train_step:\n- stage=5: choose 1, 2 or 3 (2 candidates)" in text
+  assert "Skipped:\n- hpZ within a host of 1 GPU keeps a whole copy" in text
+  assert "the smallest, ZeRO-3 flat prefetch 1, needs 4.88 KiB" in text
+  assert "Incomplete: stopped at time_limit=1 s with 3 compiles left." in text
+
+
+@pytest.mark.parametrize("kw, error, says", [
+    ({"quantize": "serach"}, ValueError, "pass quantize='search' to add ZeRO++"),
+    ({"policy": None}, TypeError, "bind it: zj.plan(functools.partial(loss_fn, policy=None)"),
+    ({"time_limit": 0}, ValueError, "time_limit=0 must be seconds > 0"),
+])
+def test_a_misspelt_quantize_a_policy_or_a_zero_time_limit_is_refused(kw, error, says):
+  with pytest.raises(error, match=re.escape(says)):
     zj.plan(lambda p, b: 0.0, optax.sgd(0.1), {"w": jax.ShapeDtypeStruct((8,), jnp.float32)},
             jax.ShapeDtypeStruct((8, 8), jnp.float32), **kw)

@@ -54,3 +54,22 @@ def test_a_layer_loop_inside_the_micro_batch_loop_counts_once_per_micro_batch():
   # once per iteration of the micro-batch loop; a forward and a backward per micro-batch.
   assert sum(l.runs for l in layer) == 2 * 4, [(l.name, l.trips, l.runs) for l in loops]
   assert all(l.step_exposed == l.runs * l.exposed for l in layer)
+
+
+def test_an_async_collective_counts_the_bytes_it_returns_not_its_operands_too():
+  # Before: a GPU program's all-gather-start / reduce-scatter-start is typed (operands,
+  # results), and analyze counted both: a reduce-scatter 9x its result, times (n-1) on the
+  # wire, so the planner's bytes sent and step times overcounted communication.
+  from test_schedule import LAYERS, WIDTH  # pylint: disable=import-error
+  low = lowered("one host")
+  moved = {}
+  for kind, text in (("lowered", low.as_text(dialect="hlo")), ("gpu", low.compile().as_text())):
+    program = predict.analyze(text)
+
+    def total(loop, op):
+      return loop.trips * (sum(t.nbytes for t in loop.transfers if t.op == op)
+                           + sum(total(l, op) for l in loop.loops))
+    moved[kind] = {op: total(program, op) for op in ("all-gather", "reduce-scatter")}
+  assert moved["gpu"] == moved["lowered"]
+  layer = 2 * WIDTH * WIDTH * 2   # up and down, bf16
+  assert moved["gpu"]["reduce-scatter"] == LAYERS * layer / 8

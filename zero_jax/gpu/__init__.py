@@ -1,11 +1,13 @@
 """GPUs without a GPU: targets as data, compile-only meshes, and what their programs show.
 
 The family's files in the order work flows through them: `targets` (the cards' figures and
-compile-only meshes of them), `candidates` (the planner's search space, pruned by the memory
-formulas), `measure` (one candidate compiled for a target and read), `schedule` (what XLA:GPU
-scheduled inside each async collective's window), `predict` (how much communication a compiled
-program leaves exposed on a target: a prediction, not a measurement), `plan` (`zero_jax.plan`:
-the fastest candidate that fits).
+compile-only meshes of them), `candidates` (the planner's search space, its fallbacks, and the
+memory formulas that prune it), `measure` (one candidate compiled for a target and read),
+`program` (what an HLO program does: loops, matmuls, memory-bound kernels, collectives),
+`predict` (how long a program takes on a target, and how much communication it leaves
+exposed: a prediction, not a measurement) and `schedule` (what XLA:GPU scheduled inside each
+async collective's window), `search` (how the planner ranks candidates and settles whether
+anything fits), `plan` (`zero_jax.plan`: the fastest candidate that fits).
 """
 
 from zero_jax.gpu.targets import (A100, H100, H200, TARGETS, Target, compile_only_mesh,

@@ -1,12 +1,17 @@
-"""The planner's search space, and the memory formulas that prune it before anything compiles.
+"""The planner's search space, its fallbacks, the memory formulas that prune it before anything
+compiles, and `Candidate`, the record of one compiled configuration.
 
 `search_space` lists the `make_sharded_train_step` options worth trying on ``hosts x per_host``
 GPUs: ZeRO stages 2 and 3 (stage 1 is kept only when the user fixes it: it all-reduces whole
 gradients, so stage 2 holds less and sends less), hybrid sharding (the state split within a
-host, replicated across hosts), hpZ, ZeRO++ int8 weights with int8 or int4 gradients,
-``gather_once``, and `zero_jax.scan`'s ``prefetch`` 0 and 1 when the loss takes a ``prefetch``
-keyword. Options the user passes to `zero_jax.plan` are not searched. Offload and micro-batches
-(``grad_accum_steps``) are fallbacks: `fallbacks` adds them to a candidate that does not fit.
+host, replicated across hosts), hpZ, ``gather_once``, and `zero_jax.scan`'s ``prefetch=1`` when
+the loss takes a ``prefetch`` keyword (``policy=None``, keeping activations, when it takes a
+``policy`` keyword). The math stays exact: ZeRO++ int8 weights with int8 or int4 gradients
+(lossy) are searched only with ``quantize="search"``. Options the user passes to
+`zero_jax.plan` are not searched; `pointless` names the searched ones a cluster's shape makes
+useless (hpZ or hybrid with one GPU per host). Prefetch 0, leaner remat policies,
+micro-batches (``grad_accum_steps``) and offload are fallbacks: `fallbacks` lists them, and
+their combinations, for a candidate that does not fit.
 
 `lower_bound` is the state a candidate holds on each device by `zero_jax.memory_report`'s
 formulas (parameters, gradients, optimizer state, master copy, prefetch buffers): every
@@ -17,11 +22,15 @@ Example:
   >>> from zero_jax.gpu import candidates
   >>> space = candidates.search_space({}, hosts=2, per_host=8, takes_prefetch=False)
   >>> len(space), candidates.describe(space[0])
-  (21, 'ZeRO-2 flat')
+  (7, 'ZeRO-2 flat')
+  >>> len(candidates.search_space({"quantize": "search"}, hosts=2, per_host=8,
+  ...                             takes_prefetch=False))
+  21
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 from typing import Any
@@ -29,26 +38,61 @@ from typing import Any
 import jax
 
 from zero_jax.comm.collectives import Quantize
-from zero_jax.step.memory import memory_report
+from zero_jax.step.memory import CompiledMemory, memory_report
 
 HOSTS, DATA = "hosts", "data"  # the axis names of the meshes the planner compiles on
 
-# ZeRO++ choices: none, int8 weights and gradients (qwZ + qgZ), int8 weights with int4 grads.
+# ZeRO++ choices with quantize="search": none, int8 weights and gradients (qwZ + qgZ), int8
+# weights with int4 grads. Without it, communication stays exact.
 QUANTIZE = (None, Quantize(weights=True, grads=True, grad_bits=8),
             Quantize(weights=True, grads=True, grad_bits=4))
+SEARCH = "search"  # quantize="search": add QUANTIZE's lossy choices to the space
 SEARCHED = ("stage", "axis_name", "replica_axis", "hpz_axis", "quantize", "gather_once",
             "offload", "grad_accum_steps")
+# Remat policies for a loss's `policy` keyword, fastest and largest first: keep every
+# activation (no recompute), save the matmul outputs without batch dimensions (the
+# projections; attention scores and elementwise work are recomputed), save nothing.
+POLICIES = (None, jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.nothing_saveable)
+POLICY_NAMES = ("no remat", "remat saving dots", "full remat")
+KEYWORDS = ("prefetch", "policy")  # the loss's keywords the planner binds
 
 
-def takes_prefetch(loss_fn) -> bool:
-  """Whether ``loss_fn`` takes a ``prefetch`` keyword (`zero_jax.scan`'s, which the planner
-  then searches and passes)."""
+def takes_keyword(loss_fn, name: str) -> bool:
+  """Whether ``loss_fn`` takes a keyword ``name`` (``prefetch``, `zero_jax.scan`'s, or a remat
+  ``policy``: the planner then searches and passes it)."""
   try:
     params = inspect.signature(loss_fn).parameters
   except (TypeError, ValueError):
     return False
-  p = params.get("prefetch")
+  p = params.get(name)
   return p is not None and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+
+
+def takes_prefetch(loss_fn) -> bool:
+  """Whether ``loss_fn`` takes a ``prefetch`` keyword (`takes_keyword`)."""
+  return takes_keyword(loss_fn, "prefetch")
+
+
+def lossy(opts: dict) -> bool:
+  """Whether a candidate's communication rounds values (ZeRO++ quantization): its training
+  is then no longer the exact single-device math."""
+  q = opts.get("quantize")
+  return q is not None and not isinstance(q, str) and bool(q.weights or q.grads)
+
+
+def pointless(opts: dict, fixed: dict, *, hosts: int, per_host: int) -> str | None:
+  """Why the cluster's shape makes a searched candidate useless, or None. Options the user
+  fixed are never judged (they asked for them)."""
+  if per_host == 1 and opts.get("hpz_axis") and "hpz_axis" not in fixed:
+    return ("hpZ within a host of 1 GPU keeps a whole copy of the parameters on each GPU: "
+            "ZeRO-2's memory, with stage 3's gathers on top")
+  if per_host == 1 and opts.get("replica_axis") and "replica_axis" not in fixed:
+    return ("hybrid sharding with 1 GPU per host splits nothing: every GPU holds the whole "
+            "state (plain data parallelism)")
+  if hosts * per_host == 1 and opts.get("stage") == 3 and "stage" not in fixed:
+    return "one GPU: nothing to split, and ZeRO-3 holds what ZeRO-2 holds plus its gathers"
+  return None
 
 
 def layouts(hosts: int) -> list[dict]:
@@ -63,16 +107,20 @@ def mesh_shape(hosts: int, per_host: int) -> tuple[tuple, tuple]:
   return ((hosts, per_host), (HOSTS, DATA)) if hosts > 1 else ((per_host,), (DATA,))
 
 
-def search_space(fixed: dict, *, hosts: int, per_host: int, takes_prefetch: bool) -> list[dict]:
+def search_space(fixed: dict, *, hosts: int, per_host: int, takes_prefetch: bool,
+                 takes_policy: bool = False) -> list[dict]:
   """Every combination of the searched options, less those the user fixed (``fixed`` wins).
 
   Each entry is a dict of `make_sharded_train_step` options (no mesh) plus ``"prefetch"``
-  (None when the loss takes none). Combinations `make_sharded_train_step` would refuse are
-  left to `zero_jax.plan` to drop (it builds each step).
+  (None when the loss takes none) and, when the loss takes one, ``"policy"`` (None: the
+  leaner policies are fallbacks). ``fixed["quantize"] == "search"`` adds ZeRO++ quantization;
+  without it ``quantize`` is None (exact) unless fixed. Combinations
+  `make_sharded_train_step` would refuse are left to `zero_jax.plan` to drop (it builds each
+  step).
   """
   stages = (fixed["stage"],) if "stage" in fixed else (2, 3)
   lays = [{}] if {"axis_name", "replica_axis"} & set(fixed) else layouts(hosts)
-  quants = (fixed["quantize"],) if "quantize" in fixed else QUANTIZE
+  quants = QUANTIZE if fixed.get("quantize") == SEARCH else (fixed.get("quantize"),)
   prefetches = (1,) if takes_prefetch else (None,)  # 0: a memory fallback (`fallbacks`)
   out = []
   for stage, lay, q, pre in itertools.product(stages, lays, quants, prefetches):
@@ -89,23 +137,49 @@ def search_space(fixed: dict, *, hosts: int, per_host: int, takes_prefetch: bool
         q = q._replace(grads=False)
       opts = {"stage": stage, **lay, "quantize": q, "prefetch": pre}
       opts.update({k: v for k, v in (("hpz_axis", hpz), ("gather_once", once)) if v})
+      if takes_policy:
+        opts["policy"] = POLICIES[0]
       if opts not in out:
         out.append(opts)
   return out
 
 
-def fallbacks(opts: dict, rows_per_device: int, fixed: dict, take_prefetch: bool) -> list[dict]:
-  """Options that hold less than ``opts``: prefetch 0, then micro-batches (2, 4, ... while
-  they divide each device's rows), then offload of the optimizer state."""
-  out = []
-  if take_prefetch and opts.get("prefetch") == 1:
-    out.append({**opts, "prefetch": 0})
+def fallbacks(root: dict, rows_per_device: int, fixed: dict) -> list[tuple[tuple, dict]]:
+  """``(levels, options)`` of ``root`` and of every leaner variant of it, in the order the
+  planner tries them.
+
+  The variants change, one at a time and then in combination: ``prefetch`` 1 -> 0 (when
+  ``root`` has 1), ``policy`` -> the leaner `POLICIES` (when ``root`` has one),
+  ``grad_accum_steps`` 2, 4, ... (while they divide each device's ``rows_per_device``) and
+  ``offload="optimizer"`` (each unless fixed). Order: fewer changes first, then the smaller
+  ones, then prefetch before policy before micro-batches before offload; the last entry
+  changes everything (the leanest). ``levels`` says how far a variant went along each of the
+  four: a variant whose every level is at most another's holds at least as much.
+  """
+  dims = [[root.get("prefetch")] + ([0] if root.get("prefetch") == 1 else []),
+          list(POLICIES[POLICIES.index(root["policy"]):]) if "policy" in root else [None],
+          [root.get("grad_accum_steps", 1)], [root.get("offload")]]
   if "grad_accum_steps" not in fixed:
-    k = opts.get("grad_accum_steps", 1) * 2
-    if rows_per_device % k == 0 and k <= rows_per_device:
-      out.append({**opts, "grad_accum_steps": k})
-  if "offload" not in fixed and not opts.get("offload"):
-    out.append({**opts, "offload": "optimizer"})
+    k = dims[2][0] * 2
+    while k <= rows_per_device and rows_per_device % k == 0:
+      dims[2].append(k)
+      k *= 2
+  if "offload" not in fixed and not root.get("offload"):
+    dims[3].append("optimizer")
+  grid = sorted(itertools.product(*(range(len(d)) for d in dims)),
+                key=lambda lv: (sum(1 for l in lv if l), sum(lv), tuple(-l for l in lv)))
+  out = []
+  for lv in grid:
+    pre, pol, accum, off = (d[l] for d, l in zip(dims, lv))
+    opts = {k: v for k, v in root.items() if k not in ("grad_accum_steps", "offload")}
+    opts["prefetch"] = pre
+    if "policy" in root:
+      opts["policy"] = pol
+    if accum != 1:
+      opts["grad_accum_steps"] = accum
+    if off:
+      opts["offload"] = off
+    out.append((lv, opts))
   return out
 
 
@@ -124,6 +198,9 @@ def describe(opts: dict) -> str:
     parts.append("gather_once")
   if opts.get("prefetch") is not None:
     parts.append(f"prefetch {opts['prefetch']}")
+  if "policy" in opts:
+    parts.append(POLICY_NAMES[POLICIES.index(opts["policy"])] if opts["policy"] in POLICIES
+                 else f"policy {getattr(opts['policy'], '__name__', opts['policy'])}")
   if opts.get("grad_accum_steps", 1) > 1:
     parts.append(f"{opts['grad_accum_steps']} micro-batches")
   if opts.get("offload"):
@@ -150,3 +227,62 @@ def lower_bound(params: Any, optimizer, mesh, opts: dict, fixed: dict) -> tuple[
   abstract = jax.sharding.AbstractMesh(tuple(mesh.shape.values()), tuple(mesh.axis_names))
   row = memory_report(params, optimizer, mesh=abstract, **kw)[opts["stage"]]
   return row.device, row.host
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One configuration, compiled for the target (``exact``) or estimated from one that was.
+
+  Attributes:
+    options: the `make_sharded_train_step` options, ``mesh`` (the compile-only mesh it was
+      planned on) included; swap in a real mesh of the same shape and axis names.
+    prefetch: the ``prefetch`` passed to the loss (`zero_jax.scan`'s), or None.
+    bytes_per_device: what the GPU-compiled program holds on each device: arguments +
+      outputs not aliased to them + temporaries (XLA's ``memory_analysis()``).
+    host_bytes: bytes kept in pinned host memory (``offload="optimizer"``), by the formulas.
+    hbm: the budget ``fits`` compares with.
+    step_time_s: PREDICTED seconds per step (`zero_jax.gpu.predict` on the target's figures),
+      an offloaded state's PCIe copies included.
+    compute_s: PREDICTED compute seconds per step: matmuls, and the bytes the other kernels
+      move over HBM bandwidth (``elementwise_s`` of it).
+    intra_bytes: bytes each device sends per step within its host (from the program).
+    cross_bytes: bytes each device sends per step across hosts (from the program).
+    memory: XLA's figures of the compiled program.
+    exact: False for offload, which compile-only GPUs cannot hold: device bytes are then the
+      program without offload less ``host_bytes``, its time plus the host copies.
+    policy: the remat ``policy`` passed to the loss (None: keep every activation, or the
+      loss takes no ``policy``; ``"policy" in loss_keywords`` tells which).
+    elementwise_s: PREDICTED seconds of memory-bound kernels per step.
+    loss_keywords: every keyword bound to the loss (``prefetch``, ``policy``).
+  """
+  options: dict
+  prefetch: int | None
+  bytes_per_device: int
+  host_bytes: int
+  hbm: int
+  step_time_s: float
+  compute_s: float
+  intra_bytes: float
+  cross_bytes: float
+  memory: CompiledMemory
+  exact: bool = True
+  policy: Any = None
+  elementwise_s: float = 0.0
+  loss_keywords: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def fits(self) -> bool:
+    """Whether ``bytes_per_device`` is within ``hbm``."""
+    return self.bytes_per_device <= self.hbm
+
+  @property
+  def lossy(self) -> bool:
+    """Whether its communication is quantized (ZeRO++): training is then not the exact math
+    of a single-device step. Never true unless `zero_jax.plan` got ``quantize="search"`` or
+    a ``zero_jax.Quantize``."""
+    return lossy(self.options)
+
+  @property
+  def name(self) -> str:
+    """A short description (``'ZeRO-3 hybrid prefetch 1'``)."""
+    return describe({**self.options, "prefetch": self.prefetch, **self.loss_keywords})

@@ -1,11 +1,13 @@
 """One candidate on a target: its step built and compiled for compile-only GPUs, then read.
 
-`build_step` makes the `make_sharded_train_step` step of a candidate's options;
-`estimate` predicts a lowered program's step time (to rank candidates before compiling them);
+`build_step` makes the `make_sharded_train_step` step of a candidate's options (binding the
+loss's ``prefetch`` and ``policy`` keywords); `estimate` predicts a lowered program's step time
+(to rank candidates before compiling them: matmuls and communication, plus an offloaded
+state's host copies; the lowered program is not fused, so its elementwise work is left out);
 `read` takes the GPU-compiled program's memory (XLA's ``memory_analysis()``) and, from its
-scheduled text, the step time `zero_jax.gpu.predict` predicts and the bytes each device sends
-within and across hosts. Times are predictions (the overlap model on the target's published
-figures), never measurements.
+text, the step time `zero_jax.gpu.predict` predicts (matmuls, memory-bound kernels and
+exposed communication) and the bytes each device sends within and across hosts. Times are
+predictions (the overlap model on the target's published figures), never measurements.
 
 Example (on the 8 CPU devices here; `zero_jax.compile_only_mesh` gives the GPU's program):
   >>> import jax, jax.numpy as jnp, optax
@@ -50,16 +52,19 @@ class Reading(NamedTuple):
 
   Attributes:
     memory: XLA's memory analysis of the program, per device.
-    compute_s: predicted matmul time of one step (the program's flops at the target's peak).
+    compute_s: predicted compute time of one step (the program's matmul flops at the target's
+      peak, plus its other kernels' bytes over HBM bandwidth).
     step_s: predicted step time (compute plus exposed communication).
     intra_bytes: bytes each device sends per step to devices of its own host.
     cross_bytes: bytes each device sends per step across hosts.
+    elementwise_s: the part of ``compute_s`` the memory-bound kernels take.
   """
   memory: CompiledMemory
   compute_s: float
   step_s: float
   intra_bytes: float
   cross_bytes: float
+  elementwise_s: float = 0.0
 
 
 def device_for(target: Target, per_host: int, precision: str) -> predict.Device:
@@ -72,23 +77,34 @@ def device_for(target: Target, per_host: int, precision: str) -> predict.Device:
                         devices_per_host=per_host)
 
 
+def loss_keywords(opts: dict) -> dict:
+  """The keywords a candidate binds to the loss: ``prefetch`` (unless None: the loss takes
+  none) and ``policy`` (when present: None keeps every activation)."""
+  out = {"prefetch": opts["prefetch"]} if opts.get("prefetch") is not None else {}
+  if "policy" in opts:
+    out["policy"] = opts["policy"]
+  return out
+
+
 def build_step(loss_fn, optimizer, opts: dict, mesh, fixed: dict):
-  """The step of one candidate: ``fixed`` and ``opts`` (its ``prefetch``, if not None, bound
-  to ``loss_fn``'s keyword) on ``mesh``. Raises what `make_sharded_train_step` raises."""
-  pre = opts.get("prefetch")
-  fn = loss_fn if pre is None else functools.partial(loss_fn, prefetch=pre)
-  kw = {**fixed, **{k: v for k, v in opts.items() if k != "prefetch"}}
+  """The step of one candidate: ``fixed`` and ``opts`` (its `loss_keywords` bound to
+  ``loss_fn``) on ``mesh``. Raises what `make_sharded_train_step` raises."""
+  bound = loss_keywords(opts)
+  fn = functools.partial(loss_fn, **bound) if bound else loss_fn
+  kw = {**fixed, **{k: v for k, v in opts.items() if k not in ("prefetch", "policy")}}
   return make_sharded_train_step(fn, optimizer, mesh=mesh, **kw)
 
 
-def _step_time(program: predict.Loop, device: predict.Device, prefetch) -> tuple[float, float]:
-  p = predict.predict(program, device)
-  return p.compute, p.step(prefetch or 0)
+def offload_s(host_bytes: float, target: Target) -> float:
+  """Seconds per step to copy an offloaded state to the GPU and back over PCIe."""
+  return 2 * host_bytes / HOST_LINK.get(target.key, 25e9)
 
 
 def estimate(lowered, device: predict.Device, prefetch) -> float:
-  """Predicted step time of a lowered (not compiled) program: to rank candidates."""
-  return _step_time(predict.analyze(lowered.as_text(dialect="hlo")), device, prefetch)[1]
+  """Predicted step time of a lowered (not compiled) program: to rank candidates. Its
+  elementwise work is left out (the program is not fused yet)."""
+  p = predict.predict(predict.analyze(lowered.as_text(dialect="hlo"), elementwise=False), device)
+  return p.step(prefetch or 0)
 
 
 def sent_bytes(program: predict.Loop, device: predict.Device) -> tuple[float, float]:
@@ -140,6 +156,7 @@ def memory_of(compiled) -> CompiledMemory:
 def read(compiled, device: predict.Device, prefetch) -> Reading:
   """A compiled program's memory, its predicted step time and the bytes it sends."""
   program = predict.analyze(compiled.as_text())
-  compute, step = _step_time(program, device, prefetch)
+  p = predict.predict(program, device)
   intra, cross = sent_bytes(program, device)
-  return Reading(memory_of(compiled), compute, step, intra, cross)
+  return Reading(memory_of(compiled), p.compute, p.step(prefetch or 0), intra, cross,
+                 p.elementwise)

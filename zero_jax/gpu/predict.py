@@ -1,10 +1,11 @@
 """A model of how much communication a step leaves exposed, for hardware we cannot run.
 
-`analyze` reads a program's HLO text: its loops (with their trip counts), the matmul flops and
-bytes of each loop's iteration, and the collectives it issues with their bytes and device
-groups. `predict` puts that on a `Device` (peak flops, HBM bandwidth, the links within and
-between hosts) and returns each loop's compute and communication time per iteration and the
-step's time under two schedules:
+`analyze` (`zero_jax.gpu.program`) reads a program's HLO text: its loops (with their trip
+counts), the matmul flops and bytes of each loop's iteration, the bytes its other kernels read
+and write, and the collectives it issues with their bytes and device groups. `predict` puts
+that on a `Device` (peak flops, HBM bandwidth, the links within and between hosts) and returns
+each loop's compute and communication time per iteration and the step's time under two
+schedules:
 
 - **prefetch 0** (serial): each layer waits for its gather, computes, then waits for its
   gradient's reduce-scatter (and cross-host hop): ``n * (C + G + R)`` per loop.
@@ -15,20 +16,25 @@ step's time under two schedules:
 A collective costs what a ring costs: ``(n-1)/n`` of its whole buffer over the link (twice for
 an all-reduce) plus a latency per ring step; a group that spans hosts runs at the cross-host
 link's speed. Collectives run one at a time on one stream, compute on another. Compute time is
-each matmul's roofline, ``max(flops / peak, bytes / HBM bandwidth)``; elementwise work is not
-counted, so scale ``peak_flops`` (and the links) to what your software reaches
-(``compute_efficiency``, ``link_efficiency``). These are predictions, not measurements.
+each matmul's roofline, ``max(flops / peak, bytes / HBM bandwidth)``, plus the bytes the other
+kernels (elementwise work, reductions, copies: quantizing and dequantizing, the optimizer
+update) move over HBM bandwidth, counted where the program is fused (a compiled program).
+Scale ``peak_flops`` (and the links) to what your software reaches (``compute_efficiency``,
+``link_efficiency``). These are predictions, not measurements; any program ``jax.jit``
+compiles can be read, not only zero_jax's steps.
 
 `predict_scheduled` reads instead the program XLA:GPU compiled (on `zero_jax.compile_only_mesh`
 devices, no GPU needed): each async collective's exposed time is its ring time less the
 matmuls XLA:GPU actually scheduled inside its window. `device_from_target` makes a `Device`
 of a `zero_jax.gpu.Target`.
 
-Feed `analyze` the lowered program, ``step.lower(state, batch).as_text(dialect="hlo")``: it keeps
-the dtypes the program asks for (XLA:CPU's compiled program carries half-precision
-collectives and matmuls in float32) and needs no device of the target kind. The compiled
-text (``.compile().as_text()``) of XLA:CPU works as well. Both schedules are derived from one
-program; give it today's (prefetch 0), whose loops gather and reduce their own layer.
+Feed `analyze` the program compiled for the target (``.compile().as_text()`` on a
+`zero_jax.compile_only_mesh`: fused kernels, the dtypes the GPU runs), or the lowered program,
+``step.lower(state, batch).as_text(dialect="hlo")``: it keeps the dtypes the program asks for
+(XLA:CPU's compiled program carries half-precision collectives and matmuls in float32) and
+needs no device of the target kind, but is not fused, so its elementwise work is left out.
+Both schedules are derived from one program; give it today's (prefetch 0), whose loops gather
+and reduce their own layer.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
@@ -54,17 +60,12 @@ Example:
 from __future__ import annotations
 
 import re
-import warnings
 from typing import NamedTuple
 
 from zero_jax.comm import hlo
-from zero_jax.comm.hlo import _nbytes, replica_groups  # pylint: disable=protected-access
 from zero_jax.gpu import schedule
+from zero_jax.gpu.program import _ENTRY, Loop, Transfer, analyze  # noqa: F401  (re-exported)
 from zero_jax.gpu.targets import H100, Target
-
-_COLLECTIVES = schedule.COLLECTIVES
-_REDUCERS = ("reduce", "reduce-window", "scatter", "sort", "map", "select-and-scatter")  # to_apply
-_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
 
 
 class Link(NamedTuple):
@@ -106,137 +107,6 @@ def device_from_target(target: Target, devices_per_host: int = 8) -> Device:
 H100_SXM = device_from_target(H100)._replace(name="H100 SXM")
 
 
-class Transfer(NamedTuple):
-  """One collective: ``op``, its result's bytes per device and its device groups."""
-  op: str
-  nbytes: float
-  groups: tuple
-
-
-class Loop(NamedTuple):
-  """A loop of the program (the whole program is a loop with one trip).
-
-  Attributes:
-    name: the loop body's computation name.
-    trips: iterations per run.
-    dots: ``(flops, bytes read and written)`` of each matmul of one iteration (not of the
-      loops nested in it).
-    transfers: the collectives of one iteration (not of nested loops), in program order.
-    loops: the loops nested in it.
-  """
-  name: str
-  trips: int
-  dots: tuple
-  transfers: tuple
-  loops: tuple
-
-  @property
-  def flops(self) -> float:
-    """Matmul flops of one iteration, without nested loops."""
-    return float(sum(f for f, _ in self.dots))
-
-  def total_flops(self) -> float:
-    """Matmul flops of all its iterations, nested loops included (per device)."""
-    return self.trips * (self.flops + sum(l.total_flops() for l in self.loops))
-
-
-# ------------------------------------------------------------------- reading
-def _trips(comps: dict, ins: hlo.Instruction) -> int:
-  """A loop's trip count: XLA's ``known_trip_count``, else a ``counter < constant`` condition."""
-  m = hlo._TRIPS.search(ins.line)  # pylint: disable=protected-access
-  if m:
-    return int(m.group(1))
-  cond = re.search(r"condition=%?([\w.\-]+)", ins.line)
-  consts: dict = {}
-  for c in map(hlo.parse_instruction, comps.get(cond.group(1) if cond else "", [])):
-    if c and c.op == "constant":
-      consts[c.name] = c.operands[0] if c.operands else ""
-    elif c and c.op == "compare" and "direction=LT" in c.line:
-      bound = [consts[o] for o in c.operands if o in consts]
-      if bound and bound[0].lstrip("-").isdigit():
-        return int(bound[0])
-  warnings.warn(f"overlap.analyze: the trip count of the loop {ins.name} is not in the program "
-                f"(neither known_trip_count nor a `counter < constant` condition); it is "
-                f"counted once per run.", stacklevel=4)
-  return 1
-
-
-class _Acc(NamedTuple):
-  dots: list
-  transfers: list
-  loops: list
-
-
-def _walk(comps: dict, name: str, acc: _Acc, n_devices: int | None) -> None:
-  """Adds what computation ``name`` does (and what it calls) to ``acc``; loops nest."""
-  shapes: dict = {}
-  instrs = list(filter(None, map(hlo.parse_instruction, comps.get(name, []))))
-  # An async collective's ``*-start`` holds its operands and results (XLA:GPU); its
-  # ``*-done`` holds the results alone: that is what is counted.
-  results = {i.operands[0]: i.shape_text for i in instrs if i.op.endswith("-done") and i.operands}
-  for ins in instrs:
-    arrays = hlo.shapes_in(ins.shape_text)
-    if len(arrays) == 1 and not ins.shape_text.startswith("("):
-      shapes[ins.name] = (arrays[0], _nbytes(ins.shape_text))
-    base = re.sub(r"-(start|done)$", "", ins.op)
-    body = re.search(r"\bbody=%?([\w.\-]+)", ins.line)
-    branches = hlo._BRANCHES.search(ins.line)  # pylint: disable=protected-access
-    if ins.op == "dot":
-      acc.dots.append(schedule.dot_cost(ins, shapes))
-    elif base in _COLLECTIVES and not ins.op.endswith("-done"):
-      groups = replica_groups(ins.line) or ([tuple(range(n_devices))] if n_devices else None)
-      if groups is None:
-        raise ValueError(f"{ins.name}: an {ins.op} over all devices; pass n_devices=")
-      result = results.get(ins.name, ins.shape_text)
-      acc.transfers.append(Transfer(base, float(_nbytes(result)), tuple(groups)))
-    elif ins.op == "while" and body:
-      inner = _Acc([], [], [])
-      _walk(comps, body.group(1), inner, n_devices)
-      acc.loops.append(Loop(body.group(1), _trips(comps, ins), tuple(inner.dots),
-                            tuple(inner.transfers), tuple(inner.loops)))
-    elif branches:
-      _most_expensive_branch(comps, branches.group(1), acc, n_devices)
-    elif ins.op not in _REDUCERS:
-      for called in ins.called:
-        _walk(comps, called, acc, n_devices)
-
-
-def _most_expensive_branch(comps: dict, names: str, acc: _Acc, n_devices) -> None:
-  """A conditional: adds the branch with the most matmul flops (then collective bytes)."""
-  options = []
-  for b in names.split(","):
-    one = _Acc([], [], [])
-    _walk(comps, b.strip().lstrip("%"), one, n_devices)
-    options.append(one)
-  best = max(options, key=lambda a: (sum(f for f, _ in a.dots),
-                                     sum(t.nbytes for t in a.transfers)))
-  for field, more in zip(acc, best):
-    field.extend(more)
-
-
-def analyze(hlo_text: str, *, n_devices: int | None = None) -> Loop:
-  """The program's loops, matmuls and collectives (see `Loop`); the program is the root.
-
-  Args:
-    hlo_text: an HLO module's text: ``lowered.as_text(dialect="hlo")`` (recommended: the
-      dtypes of the program as written) or ``compiled.as_text()`` of XLA:CPU.
-    n_devices: the number of devices, needed only for collectives printed without
-      device groups.
-
-  Returns:
-    A `Loop` with one trip whose ``loops`` are the program's top-level loops (e.g. the
-    forward and backward layer scans).
-  """
-  entry = _ENTRY.search(hlo_text)
-  if entry is None:
-    raise ValueError("no ENTRY computation in this text: pass a whole HLO module's text, "
-                     "e.g. step.lower(state, batch).as_text(dialect='hlo')")
-  comps = hlo._computations(hlo_text)  # pylint: disable=protected-access
-  acc = _Acc([], [], [])
-  _walk(comps, entry.group(1), acc, n_devices)
-  return Loop(entry.group(1), 1, tuple(acc.dots), tuple(acc.transfers), tuple(acc.loops))
-
-
 # ------------------------------------------------------------------ timing
 def crosses_hosts(t: Transfer, device: Device) -> bool:
   """Whether one of ``t``'s device groups spans more than one of ``device``'s hosts."""
@@ -275,10 +145,11 @@ def compute_time(dots, device: Device, compute_efficiency: float = 1.0) -> float
 
 
 class LoopTime(NamedTuple):
-  """One innermost loop on a device. Seconds per iteration: ``compute``, ``gather``
-  (all-gathers: what prefetching issues one layer early), ``reduce`` (the other
-  collectives: issued one layer late), ``cross_host`` (the part of ``gather + reduce``
-  on the cross-host link); ``runs``: times the loop runs per step."""
+  """One innermost loop on a device. Seconds per iteration: ``compute`` (matmuls and the
+  memory-bound kernels: ``elementwise`` of it), ``gather`` (all-gathers: what prefetching
+  issues one layer early), ``reduce`` (the other collectives: issued one layer late),
+  ``cross_host`` (the part of ``gather + reduce`` on the cross-host link); ``runs``: times
+  the loop runs per step."""
   name: str
   trips: int
   runs: int
@@ -286,6 +157,7 @@ class LoopTime(NamedTuple):
   gather: float
   reduce: float
   cross_host: float
+  elementwise: float = 0.0
 
   def total(self, prefetch: int) -> float:
     """Seconds for one run: serial (0), or overlapped one layer ahead (1)."""
@@ -298,16 +170,23 @@ class LoopTime(NamedTuple):
 
 class Prediction(NamedTuple):
   """`predict`'s result: the innermost loops, and the rest of the step (``serial``: compute
-  and collectives outside them, one after the other). Seconds."""
+  and collectives outside them, one after the other; ``serial_elementwise``: the part of
+  ``serial_compute`` that memory-bound kernels take). Seconds."""
   device: Device
   loops: tuple
   serial_compute: float
   serial_comm: float
+  serial_elementwise: float = 0.0
 
   @property
   def compute(self) -> float:
-    """The step's compute time (all matmuls)."""
+    """The step's compute time (all matmuls and memory-bound kernels)."""
     return self.serial_compute + sum(l.runs * l.trips * l.compute for l in self.loops)
+
+  @property
+  def elementwise(self) -> float:
+    """The part of `compute` spent in memory-bound kernels (bytes over HBM bandwidth)."""
+    return self.serial_elementwise + sum(l.runs * l.trips * l.elementwise for l in self.loops)
 
   def step(self, prefetch: int) -> float:
     """The step's time with every innermost loop prefetching ``prefetch`` (0 or 1)."""
@@ -334,14 +213,16 @@ def predict(program: Loop, device: Device, *, compute_efficiency: float = 1.0,
     time of one iteration, and the step's time with prefetch 0 and 1.
   """
   loops: list = []
-  serial = [0.0, 0.0]
+  serial = [0.0, 0.0, 0.0]
   comm = lambda ts: [transfer_time(t, device, link_efficiency) for t in ts]
 
   def visit(loop: Loop, runs: int) -> None:
-    own_compute = compute_time(loop.dots, device, compute_efficiency)
+    memory = loop.elementwise_bytes / device.hbm_bandwidth
+    own_compute = compute_time(loop.dots, device, compute_efficiency) + memory
     if loop.loops or loop.trips == 1:  # an outer loop (or the program): its own part is serial
       serial[0] += runs * loop.trips * own_compute
       serial[1] += runs * loop.trips * sum(comm(loop.transfers))
+      serial[2] += runs * loop.trips * memory
       for inner in loop.loops:
         visit(inner, runs * loop.trips)
       return
@@ -349,10 +230,10 @@ def predict(program: Loop, device: Device, *, compute_efficiency: float = 1.0,
     gather = sum(s for t, s in zip(loop.transfers, times) if t.op == "all-gather")
     cross = sum((s for t, s in zip(loop.transfers, times) if crosses_hosts(t, device)), 0.0)
     loops.append(LoopTime(loop.name, loop.trips, runs, own_compute, gather,
-                          sum(times) - gather, cross))
+                          sum(times) - gather, cross, memory))
 
   visit(program, 1)
-  return Prediction(device, tuple(loops), serial[0], serial[1])
+  return Prediction(device, tuple(loops), serial[0], serial[1], serial[2])
 
 
 # ------------------------------------------------------- on XLA:GPU's schedule

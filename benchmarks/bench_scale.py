@@ -1,0 +1,241 @@
+"""`zj.plan` from 1 to 32 hosts of 8 H100s: what the best candidate holds, sends and takes.
+
+For GPT-2 small (``_lm.GPT2_SMALL``: 124M parameters, 8 sequences of 1024 tokens per GPU) and
+Llama-3-8B's shapes (``_lm.LLAMA3_8B``: 8.0B parameters, 4 sequences of 2048 tokens per GPU),
+each at hosts 1, 2, 4, 8, 16 and 32 (8 GPUs each; the global batch grows with the GPUs), a
+fresh process plans the model as a user would (``zj.plan`` with its defaults: exact
+communication, ``max_compiles=4``; bf16, AdamW, the loss taking zj.scan's ``prefetch``) and
+reports the best candidate's bytes per device (XLA's memory analysis of the GPU-compiled
+program), the bytes each device sends across hosts and within its host per step (read from
+the program's collectives) and its PREDICTED step time (`zero_jax.gpu.predict` on the H100's
+figures; not a measurement). No GPU: every program is compiled for compile-only H100s.
+
+ZeRO++'s claim, checked on the same programs: with hpZ (the weights' secondary copy split
+within a host) the bytes each device sends across hosts do not grow with the hosts. For hosts
+>= 2 the process also reads ZeRO-3 with hpZ and flat ZeRO-3 (both prefetch 1; from the plan
+when it compiled them, else compiled on their own).
+
+Results go to a JSON cache (``--cache``) as each run ends, so an interrupted run resumes;
+then the table (BENCHMARKS.md, "scale") and the plot (docs/scale.png). Wall times depend on
+the machine's load: each row gives the load average before and after its plan.
+
+Usage: ``python benchmarks/bench_scale.py [--models small,8b] [--hosts 1,2,4,8,16,32]
+[--cache /tmp/zero_jax_scale.json] [--no-write]``. Needs JAX's CUDA plugin (no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MiB, GiB = 2**20, 2**30
+PER_HOST = 8
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def model(key: str):
+  """``(config, loss maker, init, sequences per GPU)`` of a model key."""
+  import _lm  # pylint: disable=import-outside-toplevel
+  if key == "small":
+    return _lm.GPT2_SMALL, _lm.make_gpt_loss, _lm.init_gpt, 8
+  return _lm.LLAMA3_8B, _lm.make_llama_loss, _lm.init_llama, 4
+
+
+def reading(c) -> dict:
+  return {"name": c.name, "bytes": c.bytes_per_device, "cross": c.cross_bytes,
+          "intra": c.intra_bytes, "step": c.step_time_s, "compute": c.compute_s,
+          "fits": c.fits}
+
+
+def compile_one(plan, opts: dict, init, batch) -> dict:
+  """``opts`` (with ``prefetch``) compiled on the plan's mesh and read, as the plan reads."""
+  from zero_jax.gpu import measure  # pylint: disable=import-outside-toplevel
+  mesh = plan.candidates[0].options["mesh"]
+  step = measure.build_step(plan.loss_fn, plan.optimizer, opts, mesh, plan.fixed)
+  compiled = step.lower(step.abstract_state(init), batch).compile(
+      compiler_options=measure.FAST_COMPILE)
+  device = measure.device_for(plan.target, PER_HOST, plan.fixed.get("precision", "fp32"))
+  r = measure.read(compiled, device, opts.get("prefetch"))
+  return {"name": "", "bytes": r.memory.peak, "cross": r.cross_bytes, "intra": r.intra_bytes,
+          "step": r.step_s, "compute": r.compute_s, "fits": r.memory.peak <= plan.hbm}
+
+
+def plan_one(key: str, hosts: int) -> dict:
+  """Plans ``key`` on ``hosts`` x 8 H100s in this process; its figures."""
+  load0 = os.getloadavg()[0]
+  import jax  # pylint: disable=import-outside-toplevel
+  import optax
+  import _lm
+  import zero_jax as zj
+  from zero_jax.gpu import candidates as cands
+  cfg, make_loss, init_fn, rows = model(key)
+  zj.compile_only_mesh((hosts, PER_HOST), ("hosts", "data"), gpu="h100", hosts=hosts)
+
+  def loss_fn(params, batch, *, prefetch=0):
+    return make_loss(cfg, prefetch)(params, batch)
+
+  init = lambda: init_fn(cfg, jax.random.key(0))
+  batch = _lm.gpt_batch_shape(cfg, rows * hosts * PER_HOST)
+  t0 = time.perf_counter()
+  plan = zj.plan(loss_fn, optax.adamw(3e-4), init, batch, gpu="h100", hosts=hosts,
+                 per_host=PER_HOST, precision="bf16", stacked=_lm.in_blocks)
+  wall = time.perf_counter() - t0
+  out = {"model": cfg.name, "params": cfg.n_params(), "hosts": hosts, "wall": wall,
+         "load": [load0, os.getloadavg()[0]], "jax": jax.__version__,
+         "best": reading(plan.best) if plan.best else None,
+         "closest": reading(plan.closest) if plan.closest else None,
+         "compiled": len(plan.candidates), "table": str(plan)}
+  if hosts > 1:
+    for tag, extra in (("hpz", {"hpz_axis": "data"}), ("flat", {})):
+      opts = {"stage": 3, "axis_name": ("hosts", "data"), "quantize": None, **extra,
+              "prefetch": 1}
+      got = next((c for c in plan.candidates if c.name == cands.describe(opts)), None)
+      out[tag] = reading(got) if got else compile_one(plan, opts, init, batch)
+  return out
+
+
+def in_child(key: str, hosts: int) -> dict:
+  """`plan_one` in a fresh process."""
+  out = subprocess.run([sys.executable, __file__, "--child", key, str(hosts)], check=True,
+                       capture_output=True, text=True).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def _mib(x: float) -> str:
+  return f"{x / GiB:.2f} GiB" if x >= GiB else f"{x / MiB:,.1f} MiB"
+
+
+def claim(runs: list[dict]) -> list[str]:
+  """ZeRO++'s claim on hpZ, per model: cross-host bytes per device at the fewest and the most
+  hosts, as sent and without the ring's (h-1)/h (what a ring over h hosts sends of a buffer)."""
+  lines = []
+  for name in dict.fromkeys(r["model"] for r in runs):
+    rows = [r for r in runs if r["model"] == name and "hpz" in r]
+    if len(rows) < 2:
+      continue
+    lo, hi = rows[0], rows[-1]
+    g = lambda r, k: r[k]["cross"]
+    per = lambda r, k: g(r, k) * r["hosts"] / (r["hosts"] - 1)
+    lines.append(
+        f"- {name}: with hpZ each device sends {_mib(g(lo, 'hpz'))} across hosts at "
+        f"{lo['hosts']} hosts and {_mib(g(hi, 'hpz'))} at {hi['hosts']}; without the ring's "
+        f"(h-1)/h factor {_mib(per(lo, 'hpz'))} and {_mib(per(hi, 'hpz'))} "
+        f"(x{per(hi, 'hpz') / per(lo, 'hpz'):.3f} for {hi['hosts'] // lo['hosts']}x the "
+        f"hosts). Flat ZeRO-3 without hpZ: {_mib(g(lo, 'flat'))} and {_mib(g(hi, 'flat'))}. "
+        + ("The claim holds: bounded by a share that does not grow with the hosts."
+           if per(hi, "hpz") <= 1.05 * per(lo, "hpz") else
+           "It grows: the claim does not hold here."))
+  return lines
+
+
+def report(runs: list[dict]) -> str:
+  r0 = runs[0]
+  lines = ["## scale: zj.plan from 1 to 32 hosts of 8 H100s (compiled, no GPU; times PREDICTED)",
+           "",
+           f"Measured by `python benchmarks/bench_scale.py` on {os.cpu_count()} CPU cores "
+           f"(shared with other jobs: see the load averages), jax {r0['jax']}, each plan in a "
+           f"fresh process with zj.plan's defaults (exact communication, max_compiles=4, 2 "
+           f"compiles at a time), bf16 with AdamW. GPT-2 small: 8 x 1024 tokens per GPU; "
+           f"Llama-3-8B's shapes: 4 x 2048 tokens per GPU. Bytes per device are XLA's memory "
+           f"analysis of the GPU-compiled program; bytes sent per device and step are read "
+           f"from its collectives (a collective whose group spans hosts counts as across); "
+           f"step times are the overlap model's PREDICTIONS on the H100's published figures.",
+           "",
+           "| model | hosts x GPUs | best candidate | bytes/device | sent across hosts | sent "
+           "within a host | predicted step | hpZ: sent across hosts | flat ZeRO-3: sent "
+           "across hosts | plan wall time | load before / after |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in runs:
+    b = r["best"] or r["closest"]
+    name = b["name"] if r["best"] else f"nothing fits (closest: {b['name']})"
+    hpz = _mib(r["hpz"]["cross"]) if "hpz" in r else "-"
+    flat = _mib(r["flat"]["cross"]) if "flat" in r else "-"
+    lines.append(f"| {r['model']} | {r['hosts']} x {PER_HOST} | {name} | {_mib(b['bytes'])} | "
+                 f"{_mib(b['cross'])} | {_mib(b['intra'])} | {b['step'] * 1e3:.1f} ms | {hpz} | "
+                 f"{flat} | {r['wall']:.0f} s | {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
+  lines += ["", "ZeRO++'s claim (hpZ keeps cross-host traffic per device flat as hosts grow), on "
+            "these programs:", ""] + claim(runs)
+  lines += ["", "![bytes per device, bytes across hosts and predicted step time vs hosts]"
+            "(docs/scale.png)", "", "The largest plan's table "
+            f"({runs[-1]['model']}, {runs[-1]['hosts']} x {PER_HOST}):", "", runs[-1]["table"]]
+  return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: str) -> None:
+  """Three panels against the hosts: the best candidate's GiB per device, the MiB each GPU
+  sends across hosts (the best, ZeRO-3 with hpZ, flat ZeRO-3), the predicted step time."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+  for name in dict.fromkeys(r["model"] for r in runs):
+    rows = [r for r in runs if r["model"] == name]
+    hosts = [r["hosts"] for r in rows]
+    best = [r["best"] or r["closest"] for r in rows]
+    line, = axes[0].plot(hosts, [b["bytes"] / GiB for b in best], "o-", label=name)
+    colour = line.get_color()
+    many = [r for r in rows if "hpz" in r]
+    x = [r["hosts"] for r in many]
+    axes[1].plot(x, [(r["best"] or r["closest"])["cross"] / MiB for r in many], "o-",
+                 color=colour, label=f"{name}: best")
+    axes[1].plot(x, [r["hpz"]["cross"] / MiB for r in many], "s", color=colour, alpha=0.5,
+                 markersize=9, label=f"{name}: ZeRO-3 hpZ")
+    axes[1].plot(x, [r["flat"]["cross"] / MiB for r in many], "^:", color=colour,
+                 label=f"{name}: flat ZeRO-3")
+    axes[2].plot(hosts, [b["step"] * 1e3 for b in best], "o-", color=colour, label=name)
+  titles = ("best candidate: GiB per GPU", "MiB each GPU sends across hosts per step",
+            "PREDICTED step time (ms)")
+  for ax, title in zip(axes, titles):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks([1, 2, 4, 8, 16, 32], ["1", "2", "4", "8", "16", "32"])
+    ax.set_xlabel("hosts (8 H100s each)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+  axes[1].set_ylim(top=axes[1].get_ylim()[1] * 30)   # room for the legend above the lines
+  axes[1].legend(fontsize=7, ncol=2, loc="upper left")
+  axes[0].legend(fontsize=8)
+  fig.suptitle("zj.plan's best candidate from 1 to 32 hosts (compiled for H100s, no GPU)",
+               fontsize=11)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--models", default="small,8b")
+  p.add_argument("--hosts", default="1,2,4,8,16,32")
+  p.add_argument("--cache", default="/tmp/zero_jax_scale.json")
+  p.add_argument("--no-write", action="store_true")
+  p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.child:
+    print(json.dumps(plan_one(args.child[0], int(args.child[1]))))
+    return
+  cache = json.load(open(args.cache)) if os.path.exists(args.cache) else {}
+  runs = []
+  for key in args.models.split(","):
+    for hosts in map(int, args.hosts.split(",")):
+      tag = f"{key}/{hosts}"
+      if tag not in cache:
+        cache[tag] = in_child(key, hosts)
+        json.dump(cache, open(args.cache, "w"))
+        r = cache[tag]
+        print(f"{tag}: {r['wall']:.0f} s, best {(r['best'] or {}).get('name')}", flush=True)
+      runs.append(cache[tag])
+  text = report(runs)
+  print(text)
+  if not args.no_write:
+    import _report  # pylint: disable=import-outside-toplevel
+    _report.write_section("scale", text)
+    plot(runs, os.path.join(ROOT, "docs", "scale.png"))
+
+
+if __name__ == "__main__":
+  main()

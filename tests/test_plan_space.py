@@ -1,0 +1,78 @@
+"""The planner's search space and fallbacks (`zero_jax.gpu.candidates`), without compiling."""
+
+import jax
+import pytest
+
+from zero_jax.gpu import candidates as cands
+
+DOTS, NOTHING = cands.POLICIES[1], cands.POLICIES[2]
+
+
+def names(space):
+  return [cands.describe(o) for o in space]
+
+
+def test_a_plain_space_is_exact_and_quantize_search_adds_the_lossy_choices():
+  plain = cands.search_space({}, hosts=2, per_host=8, takes_prefetch=True)
+  assert {o["quantize"] for o in plain} == {None} and not any(map(cands.lossy, plain))
+  searched = cands.search_space({"quantize": "search"}, hosts=2, per_host=8,
+                                takes_prefetch=True)
+  assert len(searched) == 3 * len(plain) and sum(map(cands.lossy, searched)) == 14
+  assert [o for o in searched if not cands.lossy(o)] == plain
+
+
+def test_a_loss_with_a_policy_keyword_starts_without_remat_and_has_it_as_a_fallback():
+  def loss_fn(params, batch, *, prefetch=1, policy=None):
+    return 0.0
+  assert cands.takes_keyword(loss_fn, "policy") and not cands.takes_keyword(len, "policy")
+  space = cands.search_space({}, hosts=1, per_host=8, takes_prefetch=True, takes_policy=True)
+  assert all(o["policy"] is None for o in space)
+  assert names(space)[0] == "ZeRO-2 flat prefetch 1 no remat"
+  chain = [o for _, o in cands.fallbacks(space[0], 4, {})]
+  assert {o["policy"] for o in chain} == {None, DOTS, NOTHING}
+  assert "ZeRO-2 flat prefetch 1 remat saving dots" in names(chain)
+
+
+def test_fallbacks_go_one_change_at_a_time_in_a_fixed_order_and_end_at_the_leanest():
+  root = {"stage": 3, "axis_name": "data", "quantize": None, "prefetch": 1, "policy": None}
+  chain = cands.fallbacks(root, 4, {})
+  assert chain[0] == ((0, 0, 0, 0), root)
+  assert names([o for _, o in chain[1:6]]) == [
+      "ZeRO-3 flat prefetch 0 no remat", "ZeRO-3 flat prefetch 1 remat saving dots",
+      "ZeRO-3 flat prefetch 1 no remat 2 micro-batches",
+      "ZeRO-3 flat prefetch 1 no remat offload",      # offload keeps prefetch 1
+      "ZeRO-3 flat prefetch 1 full remat"]
+  assert chain[-1] == ((1, 2, 2, 1), {**root, "prefetch": 0, "policy": NOTHING,
+                                      "grad_accum_steps": 4, "offload": "optimizer"})
+  assert len(chain) == 2 * 3 * 3 * 2 and len({str(lv) for lv, _ in chain}) == len(chain)
+  # The order only ever adds changes: every variant comes after those it is leaner than.
+  for i, (lv, _) in enumerate(chain):
+    assert all(not all(a <= b for a, b in zip(lv, later)) or lv == later
+               for later, _ in chain[:i])
+
+
+def test_fixed_options_and_indivisible_rows_are_not_varied():
+  root = {"stage": 3, "axis_name": "data", "prefetch": None}
+  assert cands.fallbacks(root, 3, {"offload": None}) == [((0, 0, 0, 0), root)]
+  chain = cands.fallbacks(root, 6, {})   # 2 divides 6 rows, 4 does not
+  assert names([o for _, o in chain]) == ["ZeRO-3 flat", "ZeRO-3 flat 2 micro-batches",
+                                          "ZeRO-3 flat offload",
+                                          "ZeRO-3 flat 2 micro-batches offload"]
+
+
+@pytest.mark.parametrize("opts, fixed, hosts, per_host, says", [
+    ({"stage": 3, "hpz_axis": "data"}, {}, 2, 1, "hpZ within a host of 1 GPU"),
+    ({"stage": 2, "replica_axis": "hosts"}, {}, 2, 1, "hybrid sharding with 1 GPU per host"),
+    ({"stage": 3}, {}, 1, 1, "one GPU: nothing to split"),
+    ({"stage": 3, "hpz_axis": "data"}, {"hpz_axis": "data"}, 2, 1, None),  # the user's choice
+    ({"stage": 3, "hpz_axis": "data"}, {}, 2, 8, None),
+])
+def test_a_cluster_shape_that_makes_an_option_useless_says_why(opts, fixed, hosts, per_host, says):
+  why = cands.pointless(opts, fixed, hosts=hosts, per_host=per_host)
+  assert (why is None) if says is None else (says in why)
+
+
+def test_policies_run_from_keeping_everything_to_saving_nothing():
+  assert cands.POLICIES[0] is None
+  assert DOTS is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  assert NOTHING is jax.checkpoint_policies.nothing_saveable
