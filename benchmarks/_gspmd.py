@@ -37,9 +37,9 @@ _PIPELINING = {
 }
 
 
-def nvidia_flags(cfg: _lm.GPTConfig) -> dict:
+def nvidia_flags(cfg) -> dict:
   """JAX-Toolbox's flags, combine thresholds at two layers' fp32 bytes."""
-  layer = 4 * (12 * cfg.d_model ** 2 + 13 * cfg.d_model)
+  layer = 4 * (cfg.n_params() - cfg.vocab * cfg.d_model) // cfg.layers
   return {**_PIPELINING, **{f"xla_gpu_{op}_combine_threshold_bytes": 2 * layer
                             for op in ("all_gather", "reduce_scatter", "all_reduce")}}
 
@@ -65,9 +65,10 @@ def fsdp_spec(shape: tuple, d_model: int, n: int, fsdp: tuple, stacked: bool) ->
   return P(*spec)
 
 
-def lower_step(cfg: _lm.GPTConfig, mesh, *, fsdp: tuple, batch_axes: tuple | None = None,
-               policy=None, rows: int):
-  """The lowered GSPMD training step of ``cfg`` (AdamW, bf16 compute on fp32 weights).
+def lower_step(cfg, mesh, *, fsdp: tuple, batch_axes: tuple | None = None, policy=None,
+               rows: int):
+  """The lowered GSPMD training step of ``cfg`` (a `_lm.GPTConfig` or `_lm.LlamaShape`:
+  AdamW, bf16 compute on fp32 weights).
 
   Args:
     mesh: an Auto-axes mesh (`compile_only_auto_mesh`).
@@ -81,7 +82,8 @@ def lower_step(cfg: _lm.GPTConfig, mesh, *, fsdp: tuple, batch_axes: tuple | Non
   n = int(np.prod([mesh.shape[a] for a in fsdp]))
   act = NamedSharding(mesh, P(batch_axes))
   constrain = lambda x: jax.lax.with_sharding_constraint(x, act)
-  body = _lm.block_fn(cfg)
+  fam = _lm.family(cfg)
+  body = fam.block(cfg)
 
   def layer(h, p):
     h, y = body(constrain(h), p)
@@ -92,7 +94,7 @@ def lower_step(cfg: _lm.GPTConfig, mesh, *, fsdp: tuple, batch_axes: tuple | Non
   def blocks_fn(blocks, x):
     return jax.lax.scan(layer, x, blocks)[0]
 
-  loss_fn = _lm.gpt_loss_with(cfg, blocks_fn, constrain)
+  loss_fn = fam.loss_with(cfg, blocks_fn, constrain)
   opt = optax.adamw(1e-4)
 
   def train_step(params, opt_state, batch):
@@ -108,7 +110,7 @@ def lower_step(cfg: _lm.GPTConfig, mesh, *, fsdp: tuple, batch_axes: tuple | Non
                                                           stacked(path)))
   abstract = lambda tree: jax.tree_util.tree_map_with_path(
       lambda path, s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharded(path, s)), tree)
-  params = abstract(jax.eval_shape(lambda k: _lm.init_gpt(cfg, k), jax.random.key(0)))
+  params = abstract(jax.eval_shape(lambda k: fam.init(cfg, k), jax.random.key(0)))
   opt_state = abstract(jax.eval_shape(opt.init, params))
   batch = {"tokens": jax.ShapeDtypeStruct((rows, cfg.seq_len + 1), jnp.int32, sharding=act)}
   shard_of = lambda tree: jax.tree.map(lambda s: s.sharding, tree)

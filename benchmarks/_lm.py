@@ -59,9 +59,6 @@ class GPTConfig(NamedTuple):
 LM_EXAMPLE = GPTConfig("LM example (large)", train_lm.VOCAB, *train_lm.SIZES["large"], 512)
 GPT2_SMALL = GPTConfig("GPT-2 small", 50257, 768, 12, 12, 1024)
 GPT_1B = GPTConfig("1B", 50257, 2048, 20, 16, 2048)
-# Llama-3-8B's width, depth, heads and vocabulary in the LM example's block (GELU MLP of 4d
-# instead of SwiGLU of 3.5d, no GQA: 6.4e9 in the blocks against 7.0e9), context 2048.
-LLAMA3_8B = GPTConfig("8B (Llama-3 shapes)", 128256, 4096, 32, 32, 2048)
 
 
 def in_blocks(path, _) -> bool:
@@ -227,15 +224,40 @@ def llama_block(cfg: LlamaShape):
   return body
 
 
-def make_llama_loss(cfg: LlamaShape, prefetch: int):
-  """``loss_fn(params, batch)``: next-token cross entropy over ``zj.scan`` of the blocks."""
+def llama_loss_with(cfg: LlamaShape, blocks_fn, constrain=lambda x: x):
+  """``loss_fn(params, batch)``: next-token cross entropy, mean over the tokens, with the
+  blocks run by ``blocks_fn(blocks, x)`` and the activations passed through ``constrain``."""
   def loss_fn(params, batch):
     tokens = batch["tokens"]
-    x = params["embed"][tokens[:, :-1]]
-    x, _ = zj.scan(llama_block(cfg), x, params["blocks"], prefetch=prefetch)
-    logits = (_rms(x, params["norm"]) @ params["head"]).astype(jnp.float32)
+    x = constrain(params["embed"][tokens[:, :-1]])
+    x = constrain(blocks_fn(params["blocks"], x))
+    logits = constrain((_rms(x, params["norm"]) @ params["head"]).astype(jnp.float32))
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   return loss_fn
+
+
+def make_llama_loss(cfg: LlamaShape, prefetch: int, policy=None):
+  """``loss_fn(params, batch)`` of ``cfg``, its blocks under ``zj.scan(prefetch=, policy=)``."""
+  def blocks_fn(blocks, x):
+    return zj.scan(llama_block(cfg), x, blocks, prefetch=prefetch, policy=policy)[0]
+  return llama_loss_with(cfg, blocks_fn)
+
+
+class Family(NamedTuple):
+  """What the benchmarks need of a model family: its ``init(cfg, key)``, ``block(cfg)`` (a
+  scan body), ``loss_with(cfg, blocks_fn, constrain)`` and ``make_loss(cfg, prefetch,
+  policy)``."""
+  init: object
+  block: object
+  loss_with: object
+  make_loss: object
+
+
+def family(cfg) -> Family:
+  """The `Family` of a config (`GPTConfig` or `LlamaShape`)."""
+  if isinstance(cfg, LlamaShape):
+    return Family(init_llama, llama_block, llama_loss_with, make_llama_loss)
+  return Family(init_gpt, block_fn, gpt_loss_with, make_gpt_loss)
 
 
 # ---------------------------------------------------------------- lm1b-like

@@ -78,8 +78,9 @@ def mesh_args(hosts: int) -> tuple:
 def lower_zero_jax(cfg, gpu: str, hosts: int, options: dict, policy):
   shape, names = mesh_args(hosts)
   mesh = zj.compile_only_mesh(shape, names, gpu=gpu, hosts=hosts)
-  params = jax.eval_shape(lambda k: _lm.init_gpt(cfg, k), jax.random.key(0))
-  step = zj.make_sharded_train_step(_lm.make_gpt_loss(cfg, prefetch=1, policy=policy),
+  fam = _lm.family(cfg)
+  params = jax.eval_shape(lambda k: fam.init(cfg, k), jax.random.key(0))
+  step = zj.make_sharded_train_step(fam.make_loss(cfg, prefetch=1, policy=policy),
                                     optax.adamw(1e-4), mesh=mesh, precision="bf16",
                                     stacked=_lm.in_blocks, **options)
   rows = hosts * 8 * TOKENS_PER_DEVICE // cfg.seq_len

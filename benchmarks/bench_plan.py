@@ -45,8 +45,8 @@ def plan_one(model: str, max_compiles: int, workers: int) -> dict:
   zj.compile_only_mesh((2, 8), ("hosts", "data"), gpu="h100", hosts=2)  # the backend, up
   base = _peak.reset_peak()
 
-  def loss_fn(params, batch, *, prefetch=0):
-    return _lm.make_gpt_loss(cfg, prefetch)(params, batch)
+  def loss_fn(params, batch, *, prefetch=0, policy=None):  # zj.scan's: the plan searches them
+    return _lm.make_gpt_loss(cfg, prefetch, policy)(params, batch)
 
   cpu0, t0 = time.process_time(), time.perf_counter()
   plan = zj.plan(loss_fn, optax.adamw(3e-4), lambda: _lm.init_gpt(cfg, jax.random.key(0)),

@@ -4,7 +4,8 @@ For GPT-2 small (``_lm.GPT2_SMALL``: 124M parameters, 8 sequences of 1024 tokens
 Llama-3-8B's shapes (``_lm.LLAMA3_8B``: 8.0B parameters, 4 sequences of 2048 tokens per GPU),
 each at hosts 1, 2, 4, 8, 16 and 32 (8 GPUs each; the global batch grows with the GPUs), a
 fresh process plans the model as a user would (``zj.plan`` with its defaults: exact
-communication, ``max_compiles=4``; bf16, AdamW, the loss taking zj.scan's ``prefetch``) and
+communication, ``max_compiles=4``; bf16, AdamW, the loss taking zj.scan's ``prefetch`` and
+``policy``) and
 reports the best candidate's bytes per device (XLA's memory analysis of the GPU-compiled
 program), the bytes each device sends across hosts and within its host per step (read from
 the program's collectives) and its PREDICTED step time (`zero_jax.gpu.predict` on the H100's
@@ -77,8 +78,8 @@ def plan_one(key: str, hosts: int) -> dict:
   cfg, make_loss, init_fn, rows = model(key)
   zj.compile_only_mesh((hosts, PER_HOST), ("hosts", "data"), gpu="h100", hosts=hosts)
 
-  def loss_fn(params, batch, *, prefetch=0):
-    return make_loss(cfg, prefetch)(params, batch)
+  def loss_fn(params, batch, *, prefetch=0, policy=None):  # zj.scan's, which zj.plan searches
+    return make_loss(cfg, prefetch, policy)(params, batch)
 
   init = lambda: init_fn(cfg, jax.random.key(0))
   batch = _lm.gpt_batch_shape(cfg, rows * hosts * PER_HOST)

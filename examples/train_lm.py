@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "one computes (stage 3) and reduces each gradient one block later")
   p.add_argument("--remat", default="full", choices=REMAT,
                  help="with --prefetch, what each block keeps for the backward pass "
-                      "(zj.scan's policy=): none keeps every activation, dots the weight matmuls' "
-                      "outputs, full only the block's input (recomputing the block)")
+                      "(zj.scan's policy=): none keeps every activation, dots the weight "
+                      "matmuls' outputs, full only the block's input (recomputing the block)")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
   p.add_argument("--ckpt-dir", default=os.path.join("checkpoints", "train_lm"),
                  help="checkpoint directory (relative: under the current directory)")
