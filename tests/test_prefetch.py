@@ -320,6 +320,21 @@ def test_compiled_loops_carry_the_next_layer_and_reduce_the_previous_gradient(de
   assert len(old) == 2 and all(c.used_by_compute and not c.carried_to for c in old)
 
 
+def test_a_layer_moves_in_one_collective_each_way_whatever_the_bucket_size(mesh):
+  """``bucket_bytes=0`` gives every leaf its own collective elsewhere; zj.scan still moves a
+  layer's leaves (w and b) in one all-gather each way and one reduce-scatter (more than XLA:GPU
+  keeps in flight would leave some waiting with no compute in their window)."""
+  params = {"layers": {"w": jax.ShapeDtypeStruct((DEEP, WIDE, WIDE), jnp.float32),
+                       "b": jax.ShapeDtypeStruct((DEEP, WIDE), jnp.float32)}}
+  batch = {k: jax.ShapeDtypeStruct((16, WIDE), jnp.float32) for k in ("x", "y")}
+  step = zj.make_sharded_train_step(deep_loss(1), optax.sgd(0.1), mesh=mesh, stage=3,
+                                    stacked=True, bucket_bytes=0)
+  text = step.lower(step.abstract_state(params), batch).compile().as_text()
+  for loop in [l for l in hlo_lib.loops(text) if l.collectives]:
+    assert sorted(c.op for c in loop.collectives) in (
+        ["all-gather"], ["all-gather", "reduce-scatter"]), loop.collectives
+
+
 def test_prefetch_memory_is_one_layer_more_per_direction_and_memory_report_counts_it(
     deep_compiled):
   layer = (WIDE * WIDE + WIDE) * 4

@@ -67,10 +67,14 @@ class Stack:
   """The stack's `ShardedParam`s as flat stacked leaves (blocks, and at stage 2 the values).
 
   With ``ahead`` (stage 3, ``prefetch=1``) a layer's values are gathered one iteration
-  ahead and carried; otherwise they are gathered (at stage 2: taken) where they are used.
+  ahead and carried; otherwise they are gathered (at stage 2: taken) where they are used. A
+  layer's leaves move in one collective per dtype each way, whatever ``bucket_bytes`` (leaves
+  above it got collectives of their own, more than XLA:GPU keeps in flight: with a layer of
+  1B's shapes, four all-gathers a layer and two of them exposed).
   """
 
   def __init__(self, sps: list, prefetch: int):
+    sps = [p.in_one_bucket() for p in sps]
     self.leaves, self.treedef = jax.tree.flatten(sps)
     self.prefetch = prefetch
     self.ahead = prefetch == 1 and all(x.full is None for x in sps)

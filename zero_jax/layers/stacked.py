@@ -22,6 +22,9 @@ from zero_jax.layers import nnx as nnx_lib
 from zero_jax.comm.layout import Layout, local_storage_shape, unpad
 
 
+ONE = 1 << 62  # a bucket size no layer reaches
+
+
 @jax.tree_util.register_pytree_node_class
 class ShardedParam:
   """A stage-3 stacked leaf (or a slice of it) that `gather` has not gathered yet.
@@ -73,6 +76,12 @@ class ShardedParam:
     """The same leaf with another block (same shape and dtype)."""
     return ShardedParam(block, self.layout, self.comm, self.path, self.full, self.batch_axes,
                         self.sink)
+
+  def in_one_bucket(self) -> "ShardedParam":
+    """The same leaf, moved in one collective with every other such leaf of its dtype and
+    kind (no bucket size): `zero_jax.scan` moves a layer so, one collective per direction."""
+    return ShardedParam(self.block, self.layout, dataclasses.replace(self.comm, bucket_bytes=ONE),
+                        self.path, self.full, self.batch_axes, self.sink)
 
   @property
   def differentiated(self) -> int:
