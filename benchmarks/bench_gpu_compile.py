@@ -140,7 +140,7 @@ def render(out: dict, seconds: float) -> str:
       f"{worst:.1%} here (the arguments also hold the step counter, the loss-scale state and "
       f"the RNG key). Outputs alias the donated state, so the peak is the arguments plus the "
       f"temporaries. For the temporaries trust XLA's figure: it holds the activations each "
-      f"layer keeps for the backward pass (`zj.scan` keeps each layer's input carry) and "
+      f"layer keeps for the backward pass (`zj.scan`'s `policy=`; by default what `lax.scan` keeps) and "
       f"XLA's own buffers, which a count from shapes cannot see."]
   return "\n".join(lines)
 

@@ -230,8 +230,8 @@ def render(out: dict, args, seconds: float) -> str:
       "",
       "MFU here is the architecture's model flops (`_lm.model_flops_per_token`) over the "
       "predicted step time at the 989 TFLOP/s peak, so it is bounded by the assumed matmul "
-      "efficiency less the recomputed forward pass. Communication per layer is the gather "
-      "(forward), and the re-gather plus the gradient's reduce-scatter and any cross-host "
+      "efficiency (no layer is recomputed: `zj.scan` keeps what `lax.scan` keeps). "
+      "Communication per layer is the gather (forward), and the re-gather plus the gradient's reduce-scatter and any cross-host "
       "hop (backward); the rest of the step (embedding, head, the update's collectives) "
       "runs serially in both schedules. No GPU run exists yet to put measured rows beside "
       "these: see the `gpu` section.",
