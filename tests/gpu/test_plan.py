@@ -140,17 +140,18 @@ def test_a_plain_plan_is_exact_and_quantize_search_compiles_lossy_ones_marked_be
   assert all(c.elementwise_s > exact.elementwise_s > 0 for c in lossy)
 
 
-def test_a_loss_with_a_policy_keyword_gets_the_leanest_policy_that_fits():
-  def policy_loss(params, batch, *, policy=None):  # no zj.scan: jax.checkpoint over lax.scan
-    def layer(h, p):
-      p = zj.gather(p)
-      return jnp.tanh(jnp.tanh(h @ p["w"] + p["b"]) @ p["w"]), None
-    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    x = params["embed"][batch["tokens"][:, :-1]]
-    x, _ = jax.lax.scan(body, x, params["blocks"])
-    logits = (x @ params["embed"].T).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+def policy_loss(params, batch, *, policy=None):  # jax.checkpoint over lax.scan
+  def layer(h, p):
+    p = zj.gather(p)
+    return jnp.tanh(jnp.tanh(h @ p["w"] + p["b"]) @ p["w"]), None
+  body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+  x = params["embed"][batch["tokens"][:, :-1]]
+  x, _ = jax.lax.scan(body, x, params["blocks"])
+  logits = (x @ params["embed"].T).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
 
+
+def test_a_loss_with_a_policy_keyword_gets_the_leanest_policy_that_fits():
   kw = dict(gpu="h100", per_host=4, max_compiles=1, stage=3, gather_once=False, **FIXED)
   roomy_plan = zj.plan(policy_loss, optax.adamw(1e-3), init, BATCH, **kw)
   keep = roomy_plan.best
@@ -163,6 +164,20 @@ def test_a_loss_with_a_policy_keyword_gets_the_leanest_policy_that_fits():
   assert best.bytes_per_device < keep.bytes_per_device
   step = tight.make_step()   # the policy is bound to the loss it builds
   assert step.lower(step.abstract_state(init), BATCH).compile().memory_analysis() is not None
+
+
+def test_the_fastest_that_misses_is_tried_with_a_leaner_policy_before_the_leanest_layout():
+  """Two hosts: the fastest layout keeps its layout with a leaner remat policy when it misses
+  by its activations, rather than the leanest layout's fallbacks being the only ones tried."""
+  kw = dict(gpu="h100", hosts=2, per_host=2, max_compiles=1, **FIXED)
+  first = zj.plan(policy_loss, optax.adamw(1e-3), init, BATCH, **kw).best
+  assert first.policy is None
+  tight = zj.plan(policy_loss, optax.adamw(1e-3), init, BATCH,
+                  hbm=first.bytes_per_device - 1, **kw)
+  best = tight.best
+  assert best is not None and best.policy in cands.POLICIES[1:], str(tight)
+  layout = lambda c: {k: v for k, v in c.options.items() if k != "mesh"}
+  assert layout(best) == layout(first), (best.name, first.name)
 
 
 def test_one_gpu_per_host_skips_hpz_and_hybrid_with_the_reason():

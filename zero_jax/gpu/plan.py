@@ -6,9 +6,10 @@ cluster's shape and the memory formulas (`zero_jax.gpu.candidates`) -> each plau
 candidate lowered and its step time estimated, the most promising compiled for the target in
 parallel threads (`zero_jax.gpu.search`, `zero_jax.gpu.measure`) -> XLA's memory analysis and
 the overlap model's prediction read from each GPU-compiled program (`zero_jax.gpu.predict`)
--> the fastest candidate that fits. Where none of those fits, the leanest candidate's
-fallbacks (prefetch 0, leaner remat policies, micro-batches, offload) settle whether anything
-fits, whatever ``max_compiles`` was.
+-> the fastest candidate that fits. Where none of those fits, they are compiled again with a
+leaner remat policy (when the loss takes ``policy``), then the leanest candidate's fallbacks
+(prefetch 0, leaner remat policies, micro-batches, offload) settle whether anything fits,
+whatever ``max_compiles`` was.
 
 Example (needs JAX's CUDA plugin; no GPU; see the docs' "Planning a run"):
   >>> plan = zj.plan(loss_fn, optax.adamw(3e-4), init, batch, gpu="h100", hosts=2,
@@ -285,6 +286,8 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
     done, made_from, ranked_out = search.rank(s, space, max_compiles, workers)
     if not done and not ranked_out and not s.pruned and not s.stopped:
       raise ValueError(_all_refused(s.refused + s.skipped))
+    if not any(c.fits for c in done):
+      search.leaner_policies(s, done, made_from, workers)
     root = None if any(c.fits for c in done) else search.leanest_root(s, space)
     if root is not None:
       search.settle(s, root, done, made_from, rows, workers)

@@ -6,8 +6,10 @@ Two phases, both on one `Search` (the inputs, the compile-only mesh and what was
    (`zero_jax.gpu.candidates.pointless`), built (`make_sharded_train_step` may refuse it),
    bounded by the memory formulas (a state over the budget is tried offloaded), lowered and
    its step time estimated; the ``max_compiles`` fastest are compiled (`compile`).
-2. **Fit** (`settle`), only when none of those fits, whatever ``max_compiles`` was: the
-   leanest candidate of the space (smallest state by the formulas) and its fallbacks
+2. **Fit**, only when none of those fits, whatever ``max_compiles`` was: first those compiled,
+   each with a leaner remat policy (`leaner_policies`, when the loss takes ``policy``); if
+   none fits (`settle`), the leanest candidate of the space (smallest state by the formulas)
+   and its fallbacks
    (`zero_jax.gpu.candidates.fallbacks`: prefetch 0, leaner remat policies, micro-batches,
    offload, and their combinations). Its leanest variant is compiled first: if that does not
    fit, nothing does, and it is the closest. Otherwise the variants are compiled in order
@@ -174,6 +176,36 @@ def rank(s: Search, space: list, max_compiles: int, workers: int) -> tuple[list,
   pairs = s.compile([(o, low, h) for _, o, low, h in chosen], workers)
   ranked_out = [(o, t) for t, o, _, _ in ready if all(o is not c[1] for c in chosen)]
   return [c for _, c in pairs], [o for o, _ in pairs], ranked_out
+
+
+def leaner_policies(s: Search, done: list, made_from: list, workers: int) -> None:
+  """Between the phases, when none of the compiled fits and the loss takes ``policy``: those
+  compiled, each with the next leaner remat policy (`zero_jax.gpu.candidates.POLICIES`), all
+  at once, until some fit or no leaner policy is left. Activations are what a policy changes,
+  so the fastest layouts get their chance before the leanest candidate's fallbacks (which
+  found only the leanest layout's variants: flat ZeRO-3 across 32 hosts for an 8B model where
+  hybrid fits keeping the matmuls' outputs). Appends to ``done`` and ``made_from``."""
+  current = [o for c, o in zip(done, made_from) if not c.fits and "policy" in o]
+  while current and not any(c.fits for c in done):
+    nxt = []
+    for o in current:
+      i = cands.POLICIES.index(o["policy"])
+      if i + 1 < len(cands.POLICIES):
+        leaner = {**o, "policy": cands.POLICIES[i + 1]}
+        if leaner not in made_from and leaner not in nxt:
+          nxt.append(leaner)
+    if not nxt or s.out_of_time(f"{len(nxt)} leaner remat policies"):
+      return
+    log.info("zj.plan: none fits; %d of those compiled with a leaner remat policy", len(nxt))
+    jobs = []
+    for o in nxt:
+      got = s.prepare(o)
+      if got is not None:
+        jobs.append((o, s.lower(got[0]), got[1]))
+    pairs = s.compile(jobs, workers)
+    done.extend(c for _, c in pairs)
+    made_from.extend(o for o, _ in pairs)
+    current = [o for o, c in pairs if not c.fits]
 
 
 def leanest_root(s: Search, space: list) -> dict | None:
