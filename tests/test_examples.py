@@ -263,7 +263,7 @@ def test_the_readme_says_how_to_check_an_install_run_the_gpu_tier_and_pick_a_sta
   gpu = re.search(r"It skips the (\d+) tests of the GPU compile tier \(`tests/gpu`.*"
                   r"`bash ci/gpu_tier.sh`", text, re.S)
   assert quick and gpu and (ROOT / "ci" / "gpu_tier.sh").exists()
-  assert "took about 15 minutes on an idle 2-core machine" in text
+  assert "took about 8 minutes on an idle 2-core machine" in text
   for path, n in ((quick.group(1), quick.group(2)), ("tests/gpu", gpu.group(1))):
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", path],
                           capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
