@@ -276,6 +276,25 @@ def test_a_directory_that_is_a_file_is_named_and_a_mistyped_one_is_not_created(t
   assert zj.CheckpointManager(mistyped).all_steps() == [2]
 
 
+def test_an_unwritable_directory_of_number_named_folders_is_refused_as_holding_no_checkpoint(
+    tmp_path, monkeypatch):
+  """/proc is such a directory: its folders (process ids) come and go, and are no checkpoints.
+  An unwritable directory that holds a save is still opened, to restore from."""
+  from zero_jax.checkpoint import writer
+  step, state = trained(optax.sgd(0.1))
+  with zj.CheckpointManager(tmp_path / "saved") as mngr:
+    assert mngr.save(state)
+  for n in ("17", "4242"):
+    (tmp_path / "pids" / n).mkdir(parents=True)
+  monkeypatch.setattr(writer, "writable_problem", lambda d: PermissionError(
+      errno.EACCES, f"the checkpoint directory {d} is not writable"))
+  with pytest.raises(PermissionError, match=r"checkpoint directory .*pids is not writable"):
+    zj.CheckpointManager(tmp_path / "pids")
+  with zj.CheckpointManager(tmp_path / "saved") as mngr:
+    assert mngr.all_steps() == [2]
+    mngr.restore(step, params())
+
+
 def test_restoring_from_a_safetensors_export_points_at_load_safetensors(tmp_path):
   """An export holds parameters only: restore names its files and the reader to use, and
   the reader it names loads them."""

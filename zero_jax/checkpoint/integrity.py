@@ -220,6 +220,13 @@ def step_dirs(directory: epath.Path) -> list[int]:
                 if n.isascii() and n.isdigit() and (directory / n).is_dir())
 
 
+def holds_saves(directory: epath.Path, description: str) -> bool:
+  """Whether a step directory in ``directory`` holds a file a save writes (number-named
+  folders alone, as in /proc, are not checkpoints; nor is one that vanishes meanwhile)."""
+  return any((directory / str(s) / name).exists()
+             for s in step_dirs(directory) for name in (RECORD, description))
+
+
 def damaged_error(directory, step: int, problem: str, intact: list[int]) -> DamagedCheckpointError:
   """The error for restoring the damaged checkpoint of ``step``, naming the intact ones."""
   then = (f"The intact checkpoints there are steps {intact}: restore one with step=, or "

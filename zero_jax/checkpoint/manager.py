@@ -107,19 +107,20 @@ class CheckpointManager:
     self._pending: int | None = None  # the step of a save that may still be writing
     self._unreadable: dict[int, str] = {}  # steps whose arrays failed to read, and how
     local = writer.is_local(self.directory)
+    store = store or store_lib.OrbaxStore
     if local:
-      self._check_directory()
-    self._store = (store or store_lib.OrbaxStore)(
+      self._check_directory(store.DESCRIPTION)
+    self._store = store(
         self.directory, max_to_keep=max_to_keep, async_save=async_save, local=local)
 
-  def _check_directory(self) -> None:
+  def _check_directory(self, description: str) -> None:
     """Refuses a file, and a directory that can be neither written nor read from. Creates
     nothing: the first save does (a mistyped path to restore from leaves nothing behind)."""
     path = os.fspath(self.directory)
     writer.check_directory(path)
     if os.path.isdir(path):
       error = writer.writable_problem(path)
-      if error is not None and not self._step_dirs():
+      if error is not None and not integrity.holds_saves(self.directory, description):
         raise error
 
   # --------------------------------------------------------------- queries
