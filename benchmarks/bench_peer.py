@@ -242,10 +242,15 @@ READING = [
     "rows up on the split table and exchanges the looked-up activations (two all-to-alls of "
     "64 MiB); the layer loops send the same. A lookup on the split table is the fix; it is not "
     "built yet. Memory at equal policy is within a few percent of GSPMD's (zero_jax's temp "
-    "holds about one layer's kept activations more at its peak; not yet found why). The "
-    "prediction rates recomputation cheap (a matmul at its roofline) against keeping "
-    "activations (their bytes written and read), so `full` comes out best here; on a real "
-    "card measure before choosing."]
+    "holds about one layer's kept activations more at its peak; not yet found why). `full` "
+    "is predicted fastest because these models' attention is written out (no fused "
+    "attention kernel): keeping its activations keeps each layer's float32 softmax "
+    "probabilities (batch x heads x sequence x sequence: 384 MiB per layer per GPU for GPT-2 small), "
+    "which XLA writes, converts and reads back in memory-bound kernels, where recomputing "
+    "them fuses into the backward pass. Those kernels move 117 GiB per step with `none` "
+    "against 47 GiB with `full` (GPT-2 small, H100 1x8; GSPMD's program: 125 GiB with "
+    "`none`), and the prediction counts them at HBM bandwidth; with a fused attention "
+    "kernel the balance differs. On a real card measure before choosing."]
 
 
 PAIRS = {"ZeRO-3": "GSPMD FSDP", "ZeRO-3 flat": "GSPMD FSDP flat", "ZeRO-3 hybrid": "GSPMD HSDP",

@@ -770,8 +770,11 @@ def test_init_export_and_import_keep_host_memory_near_the_model(tmp_path, monkey
   assert peak["import_load"] <= 1.3, peak
   for v in ("init_split", "init_function", "import_init"):
     assert peak[v] <= 1.5, (v, peak)
-  for v in ("init_split", "init_function", "import_load", "import_init"):
-    assert peak[v] >= 0.9, (v, peak)  # the arrays made are really there
+  # The arrays made are really there. Not for init_split: its split arrays exist before the
+  # baseline, and where they already are the state's layout, XLA may hand them on uncopied
+  # (+0.009x once under load).
+  for v in ("init_function", "import_load", "import_init"):
+    assert peak[v] >= 0.9, (v, peak)
 
 
 def _mapped(path) -> bool:

@@ -146,6 +146,12 @@ def test_kept_activations_are_stacked_but_never_the_gathered_or_cast_weights(mes
   assert dots["nothing_saveable"] > dots["only_z"] == dots["none"], dots
 
 
-def test_a_policy_that_is_not_a_policy_is_refused_by_name():
+def test_a_policy_that_is_not_a_policy_or_an_uncalled_factory_is_refused_by_name():
   with pytest.raises(TypeError, match=r"policy='dots'.*jax.checkpoint_policies"):
     zj.scan(lambda h, w: (h @ w, None), jnp.ones((2, 3)), jnp.ones((4, 3, 3)), policy="dots")
+  factory = jax.checkpoint_policies.save_only_these_names
+  with pytest.raises(TypeError, match=r"policy=jax.checkpoint_policies.save_only_these_names "
+                                      r"makes a policy from its arguments; call it"):
+    zj.scan(lambda h, w: (h @ w, None), jnp.ones((2, 3)), jnp.ones((4, 3, 3)), policy=factory)
+  zj.scan(lambda h, w: (h @ w, None), jnp.ones((2, 3)), jnp.ones((4, 3, 3)),
+          policy=factory("z"))  # called: a policy

@@ -30,8 +30,21 @@ from zero_jax.comm.axes import make_varying, varying_axes
 KEEP = None  # policy: no jax.checkpoint, keep what the linearization keeps (lax.scan's)
 
 
+# jax.checkpoint_policies that make a policy from their arguments (not policies themselves).
+_FACTORIES = ("save_only_these_names", "save_any_names_but_these",
+              "save_anything_except_these_names", "save_and_offload_only_these_names",
+              "save_from_both_policies", "offload_dot_with_no_batch_dims")
+
+
 def check_policy(policy, where: str) -> None:
   """``policy=`` is None or a ``jax.checkpoint`` policy (a callable)."""
+  factory = next((n for n in _FACTORIES
+                  if policy is getattr(jax.checkpoint_policies, n, object())), None)
+  if factory is not None:
+    raise TypeError(
+        f"{where}: policy=jax.checkpoint_policies.{factory} makes a policy from its "
+        f"arguments; call it, e.g. policy=jax.checkpoint_policies.{factory}(...) with the "
+        f"names (jax.ad_checkpoint.checkpoint_name) or policies it takes.")
   if policy is not None and not callable(policy):
     raise TypeError(
         f"{where}: policy={policy!r} is not a jax.checkpoint policy; pass one of "
