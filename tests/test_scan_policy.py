@@ -155,3 +155,17 @@ def test_a_policy_that_is_not_a_policy_or_an_uncalled_factory_is_refused_by_name
     zj.scan(lambda h, w: (h @ w, None), jnp.ones((2, 3)), jnp.ones((4, 3, 3)), policy=factory)
   zj.scan(lambda h, w: (h @ w, None), jnp.ones((2, 3)), jnp.ones((4, 3, 3)),
           policy=factory("z"))  # called: a policy
+
+
+@pytest.mark.parametrize("not_a_policy", [jax.checkpoint, lambda: True],
+                         ids=["jax.checkpoint", "lambda_of_no_arguments"])
+def test_a_callable_that_is_not_a_policy_is_refused_by_name_when_zj_scan_is_called(
+    not_a_policy):
+  # jax.checkpoint calls a policy as policy(primitive, *avals, **params); a transform, or a
+  # function of other arguments, is refused at once (not deep in the step's backward pass,
+  # nor never outside it, where nothing is differentiated).
+  with pytest.raises(TypeError, match=r"policy=.* is not a jax.checkpoint policy: called as "
+                                      r"one on a matmul.*it raised TypeError.*"
+                                      r"jax.checkpoint_policies"):
+    zj.scan(lambda h, w: (h @ w, None), jnp.ones((2, 3)), jnp.ones((4, 3, 3)),
+            policy=not_a_policy)

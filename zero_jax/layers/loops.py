@@ -28,7 +28,8 @@ def at(x, i):
 
 
 def put(buf, x, i):
-  return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
+  """``buf`` with layer ``i`` set to ``x`` (an array, or a number: a constant's literal)."""
+  return jax.lax.dynamic_update_index_in_dim(buf, jnp.asarray(x, buf.dtype), i, 0)
 
 
 def barrier(tree):

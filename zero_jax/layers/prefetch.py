@@ -180,15 +180,21 @@ def _ct(x):
   """A cotangent from a ``symbolic_zeros`` rule: None for a symbolic zero."""
   return None if isinstance(x, jax.custom_derivatives.SymbolicZero) else x
 
+
 def _carry_like(init_leaves, init_def, defs, out_s) -> list:
-  """``init``'s leaves, checked against ``f``'s carry and as device-varying as it."""
-  if defs["carry"] != init_def or any(
-      np.shape(a) != s.shape or jnp.result_type(a) != s.dtype for a, s in zip(init_leaves, out_s)):
-    have = [(np.shape(a), str(jnp.result_type(a))) for a in init_leaves]
-    got = [(s.shape, str(s.dtype)) for s in out_s]
-    raise TypeError(f"zero_jax.scan: f(carry, layer) must return a carry of the same structure, "
-                    f"shapes and dtypes as init, as for jax.lax.scan; init is {init_def} with "
-                    f"{have}, f returned {defs['carry']} with {got}.")
+  """``init``'s leaves, checked against ``f``'s carry (each leaf that differs named by its
+  path) and as device-varying as it."""
+  same = "f(carry, layer) must return a carry of the same structure, shapes and dtypes as init"
+  if defs["carry"] != init_def:
+    raise TypeError(f"zero_jax.scan: {same}, as for jax.lax.scan; init is {init_def}, f "
+                    f"returned {defs['carry']}.")
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(init_def, init_leaves))[0]]
+  kind = lambda shape, dtype: f"{jnp.dtype(dtype)}{tuple(shape)}"
+  bad = [f"carry{p}: init {kind(np.shape(a), jnp.result_type(a))}, f returned "
+         f"{kind(s.shape, s.dtype)}" for p, a, s in zip(paths, init_leaves, out_s)
+         if np.shape(a) != s.shape or jnp.result_type(a) != s.dtype]
+  if bad:
+    raise TypeError(f"zero_jax.scan: {same}, as for jax.lax.scan: {'; '.join(bad)}. Cast or "
+                    f"reshape what f returns (or init) to match.")
   return [make_varying(a, vma(s)) for a, s in zip(init_leaves, out_s)]
-
-

@@ -18,6 +18,7 @@ from its input, as ``jax.checkpoint``); with no policy, what ``jax.lax.scan`` ke
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -37,7 +38,8 @@ _FACTORIES = ("save_only_these_names", "save_any_names_but_these",
 
 
 def check_policy(policy, where: str) -> None:
-  """``policy=`` is None or a ``jax.checkpoint`` policy (a callable)."""
+  """``policy=`` is None or a ``jax.checkpoint`` policy: a callable that answers when called
+  as one, on a matmul."""
   factory = next((n for n in _FACTORIES
                   if policy is getattr(jax.checkpoint_policies, n, object())), None)
   if factory is not None:
@@ -45,11 +47,31 @@ def check_policy(policy, where: str) -> None:
         f"{where}: policy=jax.checkpoint_policies.{factory} makes a policy from its "
         f"arguments; call it, e.g. policy=jax.checkpoint_policies.{factory}(...) with the "
         f"names (jax.ad_checkpoint.checkpoint_name) or policies it takes.")
-  if policy is not None and not callable(policy):
+  choose = ("pass one of jax.checkpoint_policies (e.g. jax.checkpoint_policies.dots_saveable, "
+            "nothing_saveable to recompute each layer) or None to keep what jax.lax.scan keeps")
+  if policy is None:
+    return
+  if not callable(policy):
+    raise TypeError(f"{where}: policy={policy!r} is not a jax.checkpoint policy; {choose}.")
+  prim, avals, params = _a_matmul()
+  try:  # as jax.checkpoint calls it on each operation of the layer (a transform fails here)
+    policy(prim, *avals, **params)
+  except Exception as e:  # pylint: disable=broad-except
+    name = f"{getattr(policy, '__module__', '')}.{getattr(policy, '__qualname__', policy)}"
     raise TypeError(
-        f"{where}: policy={policy!r} is not a jax.checkpoint policy; pass one of "
-        f"jax.checkpoint_policies (e.g. jax.checkpoint_policies.dots_saveable, "
-        f"nothing_saveable to recompute each layer) or None to keep what jax.lax.scan keeps.")
+        f"{where}: policy={name} is not a jax.checkpoint policy: called as one on a matmul "
+        f"(policy(primitive, *avals, **params), as jax.checkpoint calls it on each operation) "
+        f"it raised {type(e).__name__}: {e}. A policy says which values each layer keeps (it is "
+        f"not a transform such as jax.checkpoint); {choose}.") from e
+
+
+@functools.lru_cache(maxsize=None)
+def _a_matmul():
+  """A matmul's primitive, input avals and params, to call a policy on as jax.checkpoint does."""
+  a = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+  eqn = jax.make_jaxpr(lambda x, y: jax.lax.dot_general(x, y, (((1,), (0,)), ((), ()))))(
+      a, a).eqns[0]
+  return eqn.primitive, [v.aval for v in eqn.invars], dict(eqn.params)
 
 
 def split(flat: list, sizes: list[int]) -> list[list]:

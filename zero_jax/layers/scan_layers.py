@@ -118,8 +118,22 @@ def layer_fn(f: Callable, layers: Layers, changed: list) -> Callable:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise TypeError(f"zero_jax.scan: f(carry, layer) must return a pair (carry, y), as "
                       f"for jax.lax.scan; it returned {type(out).__name__}.")
+    _check_values(out)
     new = layers.state_of(modules)
     flags = [n is not leaves[i] for n, i in zip(new, layers.state_idx)]
     changed[:] = flags
     return out[0], out[1], [n for n, c in zip(new, flags) if c]
   return body
+
+
+def _check_values(out) -> None:
+  """Every leaf of ``f``'s ``(carry, y)`` is an array or a number; one that is not is named
+  by its path."""
+  for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
+    try:
+      jax.typeof(x)
+    except TypeError:
+      name = ("carry", "y")[path[0].idx] + jax.tree_util.keystr(path[1:])
+      raise TypeError(f"zero_jax.scan: f(carry, layer) returned {name} = {x!r} "
+                      f"({type(x).__name__}), which is not an array; carry and y hold arrays "
+                      f"(or numbers), as for jax.lax.scan.") from None
