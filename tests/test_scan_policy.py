@@ -164,8 +164,8 @@ def test_a_callable_that_is_not_a_policy_is_refused_by_name_when_zj_scan_is_call
   # jax.checkpoint calls a policy as policy(primitive, *avals, **params); a transform, or a
   # function of other arguments, is refused at once (not deep in the step's backward pass,
   # nor never outside it, where nothing is differentiated).
-  with pytest.raises(TypeError, match=r"policy=.* is not a jax.checkpoint policy: called as "
-                                      r"one on a matmul.*it raised TypeError.*"
+  with pytest.raises(TypeError, match=r"policy=.* fails when called as a jax.checkpoint "
+                                      r"policy.*here a matmul\): TypeError.*"
                                       r"jax.checkpoint_policies"):
     zj.scan(lambda h, w: (h @ w, None), jnp.ones((2, 3)), jnp.ones((4, 3, 3)),
             policy=not_a_policy)

@@ -59,10 +59,10 @@ def check_policy(policy, where: str) -> None:
   except Exception as e:  # pylint: disable=broad-except
     name = f"{getattr(policy, '__module__', '')}.{getattr(policy, '__qualname__', policy)}"
     raise TypeError(
-        f"{where}: policy={name} is not a jax.checkpoint policy: called as one on a matmul "
-        f"(policy(primitive, *avals, **params), as jax.checkpoint calls it on each operation) "
-        f"it raised {type(e).__name__}: {e}. A policy says which values each layer keeps (it is "
-        f"not a transform such as jax.checkpoint); {choose}.") from e
+        f"{where}: policy={name} fails when called as a jax.checkpoint policy "
+        f"(policy(primitive, *avals, **params), on each operation of the layer; here a "
+        f"matmul): {type(e).__name__}: {str(e).rstrip('.')}. A policy says which values each "
+        f"layer keeps (a transform such as jax.checkpoint is not one); {choose}.") from e
 
 
 @functools.lru_cache(maxsize=None)
