@@ -4,8 +4,9 @@ With ``policy=None`` the step keeps what ``jax.lax.scan`` keeps (no layer is rec
 with a ``jax.checkpoint`` policy, what ``jax.checkpoint(f, policy=policy)`` saves. Either way
 the numbers are those of the single-device reference, which runs the same loss (outside the
 step ``zj.scan`` is ``lax.scan`` over ``jax.checkpoint(f, policy=policy)``), with SGD and
-Adam, at stages 1-3, with hpZ, replica axes and accumulation (NNX modules: test_prefetch);
-and equal bit for bit to ``policy=None``'s, since recomputing a value gives the same bits.
+Adam, at stages 1-3, with hpZ, replica axes and accumulation (NNX: BatchNorm here, Dropout
+in test_prefetch); and equal bit for bit to ``policy=None``'s, since recomputing a value gives
+the same bits.
 The gathered weights are never kept, nor what is computed from them alone (a cast): the
 compiled loops carry no stack of whole layers.
 """
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import zero_jax as zj
@@ -169,3 +171,60 @@ def test_a_callable_that_is_not_a_policy_is_refused_by_name_when_zj_scan_is_call
                                       r"jax.checkpoint_policies"):
     zj.scan(lambda h, w: (h @ w, None), jnp.ones((2, 3)), jnp.ones((4, 3, 3)),
             policy=not_a_policy)
+
+
+# ---------------------------------------------- NNX: statistics the layer updates
+class NormBlock(nnx.Module):
+  """A layer whose BatchNorm statistics (float model state) leave the scan beside its
+  carry; no bias before the BatchNorm (its gradient is zero, which Adam would amplify)."""
+
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(W, W, use_bias=False, rngs=rngs)
+    self.bn = nnx.BatchNorm(W, momentum=0.8, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jnp.tanh(self.bn(checkpoint_name(self.lin(x), "z")))
+
+
+class NormStack(nnx.Module):
+  def __init__(self, rngs, loop, policy):
+    self.loop, self.policy = loop, policy
+    self.embed = nnx.Linear(5, W, rngs=rngs)
+
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NormBlock(rngs)
+    self.blocks = make(rngs)
+    self.head = nnx.Linear(W, 3, rngs=rngs)
+
+  def __call__(self, x):
+    if self.loop == "nnx.scan":
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      @nnx.remat(policy=self.policy)
+      def layer(h, block):
+        return zj.gather(block)(h)
+      return self.head(layer(self.embed(x), self.blocks))
+    h, _ = zj.scan(lambda h, block: (block(h), None), self.embed(x), self.blocks,
+                   policy=self.policy)
+    return self.head(h)
+
+
+@pytest.mark.parametrize("stage,policy_name", [(2, "none"), (3, "only_z")])
+def test_batchnorm_statistics_and_params_through_a_policy_equal_nnx_scan(mesh, stage,
+                                                                         policy_name):
+  r = np.random.default_rng(2)
+  batches = [{"x": r.normal(size=(64, 5)).astype(np.float32),
+              "y": r.normal(size=(64, 3)).astype(np.float32)} for _ in range(STEPS)]
+  got = {}
+  for loop in ("zj.scan", "nnx.scan"):
+    step = zj.make_sharded_train_step(
+        lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), optax.sgd(0.1), mesh=mesh,
+        stage=stage, stacked=nnx.PathContains("blocks"))
+    model = NormStack(nnx.Rngs(0), loop, POLICIES[policy_name])
+    state = step.init(model)
+    for b in batches:
+      state, _ = step(state, b)
+    got[loop] = nnx.state(step.get_model(state))
+  assert_tree_close(got["zj.scan"], got["nnx.scan"], rtol=1e-5, what="zj.scan vs nnx.scan ")
+  assert not np.allclose(got["zj.scan"]["blocks"]["bn"]["mean"][...], 0)  # they moved
