@@ -31,7 +31,11 @@ class ShardedParam:
 
   A pytree whose children are the device's block (and at stage 2 the whole
   value), so ``lax.scan``, ``jax.tree.map`` and Flax's lifted transforms slice
-  it along its leading (stacking) dimension like the array it stands for.
+  it along its leading (stacking) dimension like the array it stands for. Only
+  slices and casts are exact that way: any other function mapped over the
+  children also reaches the stand-ins whose gradients are the reduced ones
+  (``full``'s block at stage 2, ``sink``) and is differentiated there (zeros),
+  not at the weights; compute from the values after `gather`.
 
   Attributes:
     block: this device's block: the storage view's block of the whole stacked
