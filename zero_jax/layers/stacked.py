@@ -34,8 +34,9 @@ class ShardedParam:
   it along its leading (stacking) dimension like the array it stands for. Only
   slices and casts are exact that way: any other function mapped over the
   children also reaches the stand-ins whose gradients are the reduced ones
-  (``full``'s block at stage 2, ``sink``) and is differentiated there (zeros),
-  not at the weights; compute from the values after `gather`.
+  (the zero ``block`` at stage 2, ``sink`` with hpZ or replica axes) and is
+  differentiated there, at zeros, not at the weights: compute from the values
+  after `gather`.
 
   Attributes:
     block: this device's block: the storage view's block of the whole stacked
