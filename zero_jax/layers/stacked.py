@@ -32,11 +32,11 @@ class ShardedParam:
   A pytree whose children are the device's block (and at stage 2 the whole
   value), so ``lax.scan``, ``jax.tree.map`` and Flax's lifted transforms slice
   it along its leading (stacking) dimension like the array it stands for. Only
-  slices and casts are exact that way: any other function mapped over the
-  children also reaches the stand-ins whose gradients are the reduced ones
-  (the zero ``block`` at stage 2, ``sink`` with hpZ or replica axes) and is
-  differentiated there, at zeros, not at the weights: compute from the values
-  after `gather`.
+  linear maps (slices, casts, scaling) are exact that way: a function mapped
+  over the children also reaches the stand-ins whose gradients are the reduced
+  ones (the zero ``block`` at stage 2, ``sink`` with hpZ or replica axes) and
+  is differentiated there, at zeros, not at the weights: compute from the
+  values after `gather`.
 
   Attributes:
     block: this device's block: the storage view's block of the whole stacked
