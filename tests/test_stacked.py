@@ -60,6 +60,34 @@ def train(mesh, opt, stage, batches, **kw):
   return step, state, losses
 
 
+def reparametrized_loss(p, b):
+  """The stack mapped through a nonlinear function before the loop (``jax.tree.map``
+  reaches every child of a `zj.ShardedParam`), a layer gathered inside it as in `loss_fn`;
+  ``zj.scan``'s loop (NNX's ``nnx.scan`` alike) takes the same tree."""
+  return loss_fn({**p, "layers": jax.tree.map(jnp.tanh, p["layers"])}, b)
+
+
+HOSTS = {"mesh_shape": (2, 4), "axes": ("host", "data"), "axis_name": ("host", "data")}
+
+
+@pytest.mark.parametrize("stage,kw", [
+    (2, {}), (3, {}), (3, {**HOSTS, "hpz_axis": "data"}),
+    (3, {"mesh_shape": (2, 4), "axes": ("replica", "data"), "replica_axis": "replica"}),
+    (3, {"grad_accum_steps": 2, "gather_once": True})],
+    ids=["s2", "s3", "s3_hpz", "s3_replica", "s3_gather_once"])
+def test_a_function_mapped_over_the_stack_is_differentiated_at_the_weights(stage, kw):
+  # Its gradient reaches the stand-ins whose gradients are the reduced ones (stage 2's
+  # block, stage 3's sink with hpZ or replica axes): they hold the device's weights.
+  mesh = jax.make_mesh(kw.pop("mesh_shape", (N,)), kw.pop("axes", ("data",)))
+  step = zj.make_sharded_train_step(reparametrized_loss, optax.sgd(0.1), mesh=mesh,
+                                    stage=stage, stacked=STACKED, **kw)
+  state = step.init(make_params())
+  for b in make_batches():
+    state, _ = step(state, b)
+  ref, _, _ = reference_run(reparametrized_loss, optax.sgd(0.1), make_params(), make_batches())
+  assert_tree_close(step.get_params(state), ref[-1])
+
+
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_stacked_stage3_equals_stage2_equals_single_device(mesh, opt_name):
   batches = make_batches()

@@ -31,17 +31,16 @@ class ShardedParam:
 
   A pytree whose children are the device's block (and at stage 2 the whole
   value), so ``lax.scan``, ``jax.tree.map`` and Flax's lifted transforms slice
-  it along its leading (stacking) dimension like the array it stands for. Only
-  linear maps (slices, casts, scaling) are exact that way: a function mapped
-  over the children also reaches the stand-ins whose gradients are the reduced
-  ones (the zero ``block`` at stage 2, ``sink`` with hpZ or replica axes) and
-  is differentiated there, at zeros, not at the weights: compute from the
-  values after `gather`.
+  it along its leading (stacking) dimension like the array it stands for.
+  Elementwise functions mapped over it that way are exact too (the stand-ins
+  that receive the reduced gradients hold the device's weights); one that mixes
+  elements (a norm, a sum) sees a block, not the leaf: apply it after `gather`.
 
   Attributes:
     block: this device's block: the storage view's block of the whole stacked
-      leaf, or of a slice of it along leading dimensions. At stage 2 a block
-      of zeros, whose gradient is the reduced gradient of the slice.
+      leaf, or of a slice of it along leading dimensions. At stage 2 the
+      stand-in whose gradient is the reduced gradient of the slice (the
+      device's block of ``full``).
     layout: the `Layout` of the whole stacked leaf (static).
     comm: the step's communication record (static): the axes it is split and
       gathered over, buckets (one `gather` call moves the small leaves it is
@@ -49,8 +48,8 @@ class ShardedParam:
     path: the leaf's ``keystr`` path, for error messages (static).
     full: stage 2: the whole value of the slice (replicated); None at stage 3.
     batch_axes: stage 2: the axes its gradient is local to (static); () at stage 3.
-    sink: stage 3 with hpZ or replica axes: a block of zeros split over every
-      data axis, whose gradient is the slice's gradient reduced over every
+    sink: stage 3 with hpZ or replica axes: the device's block of the weights
+      split over every data axis, whose gradient is the slice's gradient reduced over every
       axis (the block's is not taken); None otherwise.
   """
 
@@ -91,7 +90,7 @@ class ShardedParam:
   @property
   def differentiated(self) -> int:
     """Which of its flattened children the step differentiates: the sink where there is
-    one (it comes after the block), else the block (at stage 2 itself a block of zeros)."""
+    one (it comes after the block), else the block (at stage 2 itself a stand-in)."""
     return 0 if self.sink is None else 1
 
   @property

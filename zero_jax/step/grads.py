@@ -17,9 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax.step import aux as aux_lib
 from zero_jax.comm import collectives
+from zero_jax.comm.axes import make_varying
 from zero_jax.comm import layout as lay
 from zero_jax.numerics import loss_scale as ls
 from zero_jax.step.loss import call_loss
+from zero_jax.step.home_update import device_index
 from zero_jax.step.spec import StepSpec
 from zero_jax.layers.stacked import ShardedParam
 
@@ -140,8 +142,8 @@ def _gather(spec: StepSpec, meta, leaves: dict, to: str) -> dict:
 
 def reduced_in_loop(spec: StepSpec, meta) -> list[bool]:
   """Per parameter leaf: a stacked leaf whose gradient `zero_jax.gather` (or
-  `zero_jax.scan`) reduces whole inside the loss's loop, into a differentiated block of
-  zeros (`_zero_block`, see `zero_jax.layers.stacked`): at stage 2, and at stage 3 where the
+  `zero_jax.scan`) reduces whole inside the loss's loop, into a differentiated stand-in
+  (`_stand_in`, see `zero_jax.layers.stacked`): at stage 2, and at stage 3 where the
   gradient goes on across hosts or replicas after the gather's transpose (`outer_reduced`)."""
   sinks = spec.param_stage == 3 and outer_reduced(spec)
   return [t and s and l.dim is not None and (sinks or spec.param_stage == 2 and not l.has_model)
@@ -194,25 +196,33 @@ def _differentiated(spec: StepSpec, meta, leaves) -> tuple[list, list]:
   Stage 3: the blocks (the gather's transpose reduces), made device-varying over the
   axes `outer_reduced` reduces explicitly. Stages 1-2: a device-varying copy of each leaf,
   so the gradient is the device's own and not already summed over devices. A leaf reduced
-  in the loop: a block of zeros that receives its reduced block.
+  in the loop: its stand-in (`_stand_in`), which receives its reduced block.
   """
   in_loop = reduced_in_loop(spec, meta)
   local = spec.batch_axes if spec.param_stage != 3 else \
       spec.comm.outer_axes + spec.replica_axes if outer_reduced(spec) else ()
-  diff = [_zero_block(spec, meta.param_layouts[i], leaves[i].dtype) if in_loop[i] else
+  diff = [_stand_in(spec, meta.param_layouts[i], leaves[i]) if in_loop[i] else
           jax.lax.pcast(leaves[i], local, to="varying") if local else leaves[i]
           for i in meta.train_idx]
   return diff, in_loop
 
 
-def _zero_block(spec: StepSpec, layout, dtype):
-  """The differentiated stand-in of a leaf reduced in the loop: its gradient is the
-  reduced block (split over every data axis; model-split dimensions whole, as the
-  step's ``shard_map`` sees them)."""
-  data_only = lay.Layout(layout.shape, layout.dim, layout.padded)
-  block = jnp.zeros(lay.local_storage_shape(data_only, spec.n_data),
-                    jnp.promote_types(dtype, jnp.float32))
-  return jax.lax.pcast(block, spec.data_axes, to="varying")
+def _stand_in(spec: StepSpec, layout, leaf):
+  """The differentiated stand-in of a leaf reduced in the loop: its gradient is the reduced
+  block (split over every data axis; model-split dimensions whole, as the step's
+  ``shard_map`` sees them). It holds the device's block of the weights (stage 2: of the
+  whole ``leaf``; stage 3: of ``leaf``'s block over the gather axes, split again over the
+  outer axes as `reduce_outer_many` splits its gradient), so that a function the loss maps
+  over a stacked leaf (``jax.tree.map`` reaches the stand-in too) is differentiated at the
+  weights. Its value is read by nothing else."""
+  if spec.param_stage == 3:
+    axes, within = spec.comm.outer_axes, lay.Layout(leaf.shape, layout.dim, leaf.shape[layout.dim])
+  else:
+    axes, within = spec.data_axes, lay.Layout(layout.shape, layout.dim, layout.padded)
+  size = within.padded // math.prod(jax.lax.axis_size(a) for a in axes)
+  block = jax.lax.dynamic_slice_in_dim(lay.pad(leaf, within), device_index(axes) * size, size,
+                                       axis=within.dim)
+  return make_varying(block.astype(jnp.promote_types(leaf.dtype, jnp.float32)), spec.data_axes)
 
 
 def _upcast(g):
