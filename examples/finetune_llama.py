@@ -246,23 +246,38 @@ def checkpoint_dir(args, jax) -> tuple[str, str]:
   return checkpoint, args.out or os.path.join(work, "finetuned")
 
 
+def ignored_tensors(cfg: LlamaConfig, names) -> list[str]:
+  """The tensors of a checkpoint that transformers' ``from_pretrained`` ignores, and so does
+  this example: ``lm_head.weight`` of a tied checkpoint (the head is the embedding), and the
+  ``rotary_emb.inv_freq`` buffers older checkpoints store (computed from the config)."""
+  return sorted(n for n in names if n.endswith("rotary_emb.inv_freq") or
+                cfg.tie_word_embeddings and n == "lm_head.weight")
+
+
 def read_checkpoint(checkpoint: str) -> tuple[LlamaConfig, dict, bool]:
   """``(config, its tensors, strict)`` of a checkpoint directory; exits with one message
   naming the file for a config.json or a .safetensors file it cannot read. ``strict`` is
-  False only for a tied checkpoint that also stores ``lm_head.weight``: transformers ignores
-  that tensor (the head is the embedding), and so does this example."""
+  False only when every tensor the model does not read is one transformers ignores too
+  (`ignored_tensors`): those are left unread, saying so."""
   try:
     cfg = LlamaConfig.from_json(os.path.join(checkpoint, "config.json"))
     tensors = checkpoint_tensors(checkpoint)
   except (ConfigError, OSError, ValueError) as e:
     raise SystemExit(str(e)) from None
-  if cfg.tie_word_embeddings and "lm_head.weight" in tensors and \
-      set(tensors) - set(hf_shapes(cfg)) == {"lm_head.weight"}:
-    import zero_jax as zj
+  extra = set(tensors) - set(hf_shapes(cfg))
+  ignored = ignored_tensors(cfg, extra)
+  if not extra or set(ignored) != extra:
+    return cfg, tensors, True
+  import zero_jax as zj
+  if "lm_head.weight" in ignored:
     zj.print_main(f"{checkpoint}: lm_head.weight is not read: tie_word_embeddings makes the "
                   f"head the embedding (transformers ignores it too); the export leaves it out.")
-    return cfg, tensors, False
-  return cfg, tensors, True
+  freqs = [n for n in ignored if n != "lm_head.weight"]
+  if freqs:
+    zj.print_main(f"{checkpoint}: {len(freqs)} rotary_emb.inv_freq tensor(s) are not read: the "
+                  f"rotary frequencies come from config.json (transformers ignores them too); "
+                  f"the export leaves them out.")
+  return cfg, tensors, False
 
 
 def main(argv=None) -> dict:

@@ -19,6 +19,7 @@ import math
 import os
 from typing import Iterator
 
+import jax
 import numpy as np
 
 from zero_jax.checkpoint import blocks
@@ -161,10 +162,13 @@ def _copy(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry) -> Non
     back = (out.T if t.transpose else out).astype(part.dtype)
     if not np.array_equal(back, part):
       bad = part[back != part].flat[0].item()
+      x64 = (" and turn on jax.config.update('jax_enable_x64', True) (without it JAX makes "
+             "64-bit leaves 32-bit)"
+             if np.dtype(jax.dtypes.canonicalize_dtype(part.dtype)) != part.dtype else "")
       raise ValueError(f"tensor {t.name!r} in {e.file} is {part.dtype.name} and holds "
-                       f"{bad!r}, which {out.dtype.name} (the leaf {t.leaf} in `like`) cannot "
-                       f"hold: cast=True converts integers only when every value fits. Give "
-                       f"`like` the file's dtype, {part.dtype.name}, for this leaf.")
+                       f"{bad!r}, which {out.dtype.name} (the leaf {t.leaf} in `like`) "
+                       f"cannot hold: cast=True converts integers only when every value fits. "
+                       f"Give `like` the file's dtype, {part.dtype.name}, for this leaf{x64}.")
 
 
 def _narrows(src: np.dtype, dst: np.dtype) -> bool:

@@ -1,0 +1,62 @@
+"""examples/finetune_llama.py on checkpoints as older transformers versions wrote them.
+
+The files are written here with ``safetensors.numpy`` from tests/data/hf's checkpoints (which
+transformers itself saved), the way the older versions laid them out.
+"""
+
+import pathlib
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+import finetune_llama as EX  # noqa: E402
+
+DATA = ROOT / "tests" / "data" / "hf"
+
+
+def inv_freq(head_dim: int, theta: float = 10000.0) -> np.ndarray:
+  return (1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+
+
+@pytest.mark.parametrize("variant", ["llama2", "tied"])
+def test_rotary_inv_freq_tensors_of_older_checkpoints_are_left_unread_as_transformers_does(
+    variant, tmp_path, capsys):
+  """transformers before 4.31 stored each layer's ``rotary_emb.inv_freq`` buffer, and
+  ``from_pretrained`` ignores it (the frequencies come from config.json): so does the example,
+  saying so; the logits are transformers', and the export is the file transformers writes
+  now. A tied checkpoint that also stores ``lm_head.weight`` is read the same way."""
+  c = tmp_path / "c"
+  shutil.copytree(DATA / variant, c)
+  weights = load_file(DATA / variant / "model.safetensors")
+  old = {**weights, **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq(8)
+                       for i in range(2)}}
+  if variant == "tied":
+    old["lm_head.weight"] = weights["model.embed_tokens.weight"]
+  save_file(old, str(c / "model.safetensors"), metadata={"format": "pt"})
+  result = EX.main(["--checkpoint", str(c), "--check-logits", str(c / "tokens.npy"),
+                    str(c / "logits.npy")])
+  assert result["max_abs_diff"] < 1e-4
+  out = capsys.readouterr().out
+  assert "2 rotary_emb.inv_freq tensor(s) are not read: the rotary frequencies come from " \
+         "config.json (transformers ignores them too)" in out
+  assert ("lm_head.weight is not read" in out) == (variant == "tied")
+  EX.main(["--checkpoint", str(c), "--steps", "0", "--out", str(tmp_path / "o")])
+  assert (tmp_path / "o" / "model.safetensors").read_bytes() == \
+      (DATA / variant / "model.safetensors").read_bytes()
+
+
+def test_an_unknown_tensor_beside_inv_freq_is_still_refused_by_name(tmp_path):
+  c = tmp_path / "c"
+  shutil.copytree(DATA / "llama2", c)
+  weights = load_file(DATA / "llama2" / "model.safetensors")
+  save_file({**weights, "model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq(8),
+             "model.extra": np.ones(3, np.float32)}, str(c / "model.safetensors"))
+  with pytest.raises(SystemExit, match=r"holds 2 tensor\(s\) that no leaf of `like` reads: "
+                                       r"'model.extra', 'model.layers.0.self_attn.rotary_emb"
+                                       r".inv_freq'"):
+    EX.main(["--checkpoint", str(c), "--steps", "0"])

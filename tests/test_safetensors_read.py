@@ -1,0 +1,110 @@
+"""zj.load_safetensors on files as transformers (and the safetensors library) write them: the
+headers' edges the library refuses, and leaves JAX holds in another dtype than `like` says.
+
+Files are written with ``safetensors.numpy`` (``metadata={"format": "pt"}``, as
+``save_pretrained`` writes it) or byte by byte where the library would not write them.
+"""
+
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import zero_jax as zj
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.fixture(scope="module")
+def step():
+  loss = lambda p, b: sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(p)) * b
+  return zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=jax.make_mesh((8,), ("data",)),
+                                    stage=3)
+
+
+def write(path, header: dict, data: bytes) -> str:
+  """A safetensors file of ``header`` (a dict, written as JSON) and ``data``, byte by byte."""
+  text = json.dumps(header).encode()
+  text += b" " * (-len(text) % 8)
+  path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+  return str(path)
+
+
+@pytest.mark.skipif(jax.config.jax_enable_x64, reason="JAX keeps 64-bit leaves with x64 on")
+def test_a_64_bit_leaf_jax_makes_32_bit_is_refused_unless_cast_then_values_must_fit(
+    tmp_path, step):
+  """With jax_enable_x64 off JAX makes an int64 (float64) leaf of `like` int32 (float32): the
+  load used to wrap 2**40 + 7 into 7 without a word. Now such a leaf is refused naming it and
+  the flag; with cast=True it is a conversion like any other (integers only when every value
+  fits)."""
+  path = str(tmp_path / "ids.safetensors")
+  save_file({"big": np.array([2**40 + 7, 3] * 4, np.int64),
+             "ids": np.arange(8, dtype=np.int64)[None],
+             "f": np.full(8, 1 + 2**-30, np.float64)}, path, metadata={"format": "pt"})
+  for name, shape, dtype in [("big", (8,), np.int64), ("f", (8,), np.float64)]:
+    with pytest.raises(TypeError, match=rf"`like` holds params\['{name}'\] of dtype "
+                                        rf"{np.dtype(dtype).name}, which JAX makes \w+32 "
+                                        rf"\(jax_enable_x64 is off\).*jax_enable_x64.*cast=True"):
+      zj.load_safetensors(path, {name: S(shape, dtype)}, step=step, strict=False)
+  with pytest.raises(ValueError, match=r"'big' in \S+ is int64 and holds 1099511627783, which "
+                                       r"int32 .*cannot hold.*turn on .*jax_enable_x64"):
+    zj.load_safetensors(path, {"big": S((8,), np.int64)}, step=step, cast=True, strict=False)
+  got = zj.load_safetensors(path, {"ids": np.zeros((1, 8), np.int64), "f": S((8,), np.float64)},
+                            step=step, cast=True, strict=False)
+  assert got["ids"].dtype == jnp.int32 and got["f"].dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got["ids"]), np.arange(8)[None])
+  np.testing.assert_array_equal(np.asarray(got["f"]), np.full(8, 1 + 2**-30, np.float32))
+
+
+@pytest.mark.parametrize("meta", [{"format": 1}, [1], {"format": "pt", "note": None}, "pt"],
+                         ids=["int-value", "list", "null-value", "string"])
+def test_metadata_that_is_not_an_object_of_strings_is_refused_as_the_library_refuses_it(
+    tmp_path, step, meta):
+  w = np.arange(8, dtype=np.float32)
+  path = write(tmp_path / "m.safetensors", {"__metadata__": meta, "w": {
+      "dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}, w.tobytes())
+  with pytest.raises(Exception, match="invalid JSON in header"):
+    load_file(path)  # the library's own verdict
+  with pytest.raises(ValueError, match=r"m.safetensors is not a valid safetensors file: its "
+                                       r"__metadata__ \(.*\) is not an object of strings"):
+    zj.load_safetensors(path, {"w": S((8,), jnp.float32)}, step=step)
+
+
+@pytest.mark.parametrize("meta", [None, {}, {"format": "pt"}], ids=["null", "empty", "pt"])
+def test_metadata_null_empty_or_of_strings_loads(tmp_path, step, meta):
+  w = np.arange(8, dtype=np.float32)
+  path = write(tmp_path / "m.safetensors", {"__metadata__": meta, "w": {
+      "dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}, w.tobytes())
+  np.testing.assert_array_equal(load_file(path)["w"], w)
+  got = zj.load_safetensors(path, {"w": S((8,), jnp.float32)}, step=step)
+  np.testing.assert_array_equal(np.asarray(got["w"]), w)
+
+
+def test_a_file_of_metadata_only_is_named_as_holding_no_tensors(tmp_path, step):
+  path = str(tmp_path / "empty.safetensors")
+  save_file({}, path, metadata={"format": "pt"})
+  assert zj.load_safetensors(path, {}, step=step) == {}
+  with pytest.raises(KeyError, match=r"'w' \(for params\['w'\]\)\. The files hold no tensors\."):
+    zj.load_safetensors(path, {"w": S((8,), jnp.float32)}, step=step)
+
+
+def test_an_index_placing_a_tensor_in_a_file_it_does_not_list_says_so(tmp_path, step):
+  """The index moves 'b' (alone in its file) to the file of 'a': the file holding 'b' is no
+  longer listed, so it is not that no file holds 'b' but that no listed file does."""
+  save_file({"a": np.ones(8, np.float32)}, str(tmp_path / "model-00001-of-00002.safetensors"),
+            metadata={"format": "pt"})
+  save_file({"b": np.ones(8, np.float32)}, str(tmp_path / "model-00002-of-00002.safetensors"),
+            metadata={"format": "pt"})
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps({
+      "metadata": {"total_size": 64},
+      "weight_map": {"a": "model-00001-of-00002.safetensors",
+                     "b": "model-00001-of-00002.safetensors"}}))
+  like = {k: S((8,), jnp.float32) for k in "ab"}
+  with pytest.raises(ValueError, match=r"'b' is placed in \S+model-00001-of-00002.safetensors, "
+                                       r"but none of the files the index lists holds it"):
+    zj.load_safetensors(tmp_path, like, step=step)
