@@ -17,8 +17,8 @@ never whole on a device or on the host:
   master copy);
 * ``zj.export_safetensors`` writes the result from the shards, in the layout and dtype it
   came in (one file, or as many as the checkpoint had: ``--max-shard-size``;
-  ``config.json`` and ``generation_config.json`` copied along), ready for ``transformers``'
-  ``from_pretrained``.
+  ``config.json``, ``generation_config.json`` and the tokenizer's files copied along), ready
+  for ``transformers``' ``from_pretrained``.
 
 Without ``--checkpoint`` a tiny random checkpoint in the Hugging Face layout is written
 first (nothing is downloaded). A real one is a directory with ``config.json`` and
@@ -54,7 +54,11 @@ from llama.model import build_model  # noqa: E402
 
 READABLE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # lossless into float32
 ATOL = {"fp32": 1e-4, "bf16": 1e-1}
-COPIED = ("config.json", "generation_config.json")  # copied beside the export when present
+# Copied beside the export when present: the config, and the tokenizer's files as
+# transformers' save_pretrained writes them (so that AutoTokenizer loads the export too).
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+          "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def text_batches(batch_size: int, seq_len: int, vocab: int, seed: int = 0):

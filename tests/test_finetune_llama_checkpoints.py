@@ -60,3 +60,25 @@ def test_an_unknown_tensor_beside_inv_freq_is_still_refused_by_name(tmp_path):
                                        r"'model.extra', 'model.layers.0.self_attn.rotary_emb"
                                        r".inv_freq'"):
     EX.main(["--checkpoint", str(c), "--steps", "0"])
+
+
+def test_the_tokenizers_files_are_copied_beside_the_export(tmp_path):
+  """A Hub checkpoint comes with its tokenizer's files (what transformers' save_pretrained
+  of a tokenizer writes: tokenizer.json, tokenizer_config.json, chat_template.jinja, and for
+  older or slow tokenizers special_tokens_map.json, tokenizer.model, vocab.json, merges.txt):
+  the export holds them too, so AutoTokenizer.from_pretrained loads it as the model does."""
+  c = tmp_path / "c"
+  shutil.copytree(DATA / "llama2", c)
+  files = {"tokenizer.json": b'{"version": "1.0", "model": {"type": "WordLevel"}}',
+           "tokenizer_config.json": b'{"tokenizer_class": "TokenizersBackend"}',
+           "chat_template.jinja": b"{% for m in messages %}{{ m['content'] }}{% endfor %}",
+           "special_tokens_map.json": b'{"unk_token": "<unk>"}', "tokenizer.model": b"\x0a\x01",
+           "vocab.json": b'{"<unk>": 0}', "merges.txt": b"#version: 0.2\n"}
+  for name, data in files.items():
+    (c / name).write_bytes(data)
+  (c / "pytorch_model.bin").write_bytes(b"stale weights")  # never copied
+  result = EX.main(["--checkpoint", str(c), "--steps", "0", "--out", str(tmp_path / "o")])
+  for name, data in files.items():
+    assert (tmp_path / "o" / name).read_bytes() == data, name
+  assert not (tmp_path / "o" / "pytorch_model.bin").exists()
+  assert result["files"] == ["model.safetensors"]
