@@ -108,3 +108,33 @@ def test_an_index_placing_a_tensor_in_a_file_it_does_not_list_says_so(tmp_path, 
   with pytest.raises(ValueError, match=r"'b' is placed in \S+model-00001-of-00002.safetensors, "
                                        r"but none of the files the index lists holds it"):
     zj.load_safetensors(tmp_path, like, step=step)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
+def test_a_float_past_the_leafs_range_is_refused_naming_it_not_made_inf(tmp_path, step,
+                                                                        transpose):
+  """cast=True into a floating dtype of smaller range: float32 1e5 into float16 became inf
+  (with numpy's overflow warning, naming nothing) and into float8_e4m3fn NaN (without a word).
+  Now refused naming the tensor, the value and the leaf; rounding (1e-10 to 0, NaN and inf
+  themselves) still converts, and a widening conversion is unchecked."""
+  path = str(tmp_path / "w.safetensors")
+  big = np.array([[1.0, 2.0], [-1e5, 3.0]] * 4, np.float32)
+  save_file({"big": big, "fine": np.array([[1e-10, np.nan], [np.inf, -65504.0]] * 4, np.float32)},
+            path, metadata={"format": "pt"})
+  rename = (lambda name: (name, True)) if transpose else None
+  shape = (2, 8) if transpose else (8, 2)
+  for dtype, result in [(jnp.float16, "-inf"), (jnp.float8_e4m3fn, "nan")]:
+    with pytest.raises(ValueError, match=rf"tensor 'big' in \S+ is float32 and holds -100000.0, "
+                                         rf"past the largest {np.dtype(dtype).name} \(.*the leaf "
+                                         rf"params\['big'\] in `like`\): cast=True would make it "
+                                         rf"{result}"):
+      zj.load_safetensors(path, {"big": S(shape, dtype)}, step=step, cast=True, strict=False,
+                          rename=rename)
+  got = zj.load_safetensors(path, {"fine": S(shape, jnp.float16)}, step=step, cast=True,
+                            strict=False, rename=rename)
+  want = np.array([[0.0, np.nan], [np.inf, -65504.0]] * 4, np.float16)
+  np.testing.assert_array_equal(np.asarray(got["fine"]), want.T if transpose else want)
+  got = zj.load_safetensors(path, {"big": S(shape, jnp.bfloat16)}, step=step, cast=True,
+                            strict=False, rename=rename)
+  want = big.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got["big"]), want.T if transpose else want)

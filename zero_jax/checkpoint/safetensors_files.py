@@ -20,6 +20,7 @@ import os
 from typing import Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.checkpoint import blocks
@@ -72,7 +73,8 @@ class OpenFiles:
 
     Raises:
       ValueError: the file ends before the tensor's bytes (it shrank during the load), or
-        converting an integer tensor would change a value (``t.dtype`` cannot hold it).
+        converting would change an integer or make a finite float infinite or NaN
+        (``t.dtype`` cannot hold it).
     """
     e = self.entries[t.name]
     outs = _blocks([tuple(b - a for a, b in box) for box in boxes], t.dtype)
@@ -149,15 +151,19 @@ def _blocks(shapes: list[tuple[int, ...]], dtype) -> list[np.ndarray]:
 
 def _copy(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry) -> None:
   """``out[...] = part`` (``part.T`` when ``t.transpose``), converting the dtype; an integer
-  conversion that would change a value is refused. A transposed copy goes a few rows of
+  conversion that would change a value, or a floating one that would make a finite value
+  infinite or NaN, is refused. A transposed copy goes a few rows of
   ``part`` at a time, each row of ``out`` then written a cache line at a time (twice as fast
   as numpy's copy of the whole transposed view)."""
-  if not t.transpose:
-    np.copyto(out, part, casting="unsafe")
-  else:
-    rows = max(1, ALIGN // out.dtype.itemsize)
-    for r in range(0, part.shape[0], rows):
-      np.copyto(out[:, r:r + rows], part[r:r + rows].T, casting="unsafe")
+  with np.errstate(over="ignore", invalid="ignore"):  # a value out of range is refused below
+    if not t.transpose:
+      np.copyto(out, part, casting="unsafe")
+    else:
+      rows = max(1, ALIGN // out.dtype.itemsize)
+      for r in range(0, part.shape[0], rows):
+        np.copyto(out[:, r:r + rows], part[r:r + rows].T, casting="unsafe")
+  if _shrinks(part.dtype, out.dtype):
+    _check_range(out, part, t, e)
   if _narrows(part.dtype, out.dtype):
     back = (out.T if t.transpose else out).astype(part.dtype)
     if not np.array_equal(back, part):
@@ -169,6 +175,27 @@ def _copy(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry) -> Non
                        f"{bad!r}, which {out.dtype.name} (the leaf {t.leaf} in `like`) "
                        f"cannot hold: cast=True converts integers only when every value fits. "
                        f"Give `like` the file's dtype, {part.dtype.name}, for this leaf{x64}.")
+
+
+def _check_range(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry) -> None:
+  """Raises naming the leaf when converting ``part`` into the floating dtype of ``out``, of a
+  smaller range, made a finite value infinite or NaN (float32 1e5 into float16)."""
+  back = out.T if t.transpose else out
+  bad = np.isfinite(part) & ~np.isfinite(back)
+  if bad.any():
+    value = part[bad].flat[0].item()
+    raise ValueError(f"tensor {t.name!r} in {e.file} is {part.dtype.name} and holds {value!r}, "
+                     f"past the largest {out.dtype.name} ({float(jnp.finfo(out.dtype).max):g}"
+                     f", the dtype of the leaf {t.leaf} in `like`): cast=True would make it "
+                     f"{back[bad].flat[0].item()!r}. Give `like` the file's dtype, "
+                     f"{part.dtype.name}, for this leaf (or another that holds its values).")
+
+
+def _shrinks(src: np.dtype, dst: np.dtype) -> bool:
+  """A floating conversion into a smaller range, which large values do not survive."""
+  floating = lambda d: jnp.issubdtype(d, jnp.floating)
+  return floating(src) and floating(dst) and \
+      float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
 
 
 def _narrows(src: np.dtype, dst: np.dtype) -> bool:

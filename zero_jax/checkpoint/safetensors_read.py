@@ -150,7 +150,8 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     rename: as for `export_safetensors`: a leaf's default name -> the tensor's
       name, or ``(name, transpose)``.
     cast: convert a tensor whose dtype differs from its leaf's in ``like`` (else
-      that is an error): between floating dtypes, or between integer ones when
+      that is an error): between floating dtypes (rounding; a finite value past the
+      leaf dtype's range is an error naming the leaf), or between integer ones when
       every value fits (a value that does not is an error naming the leaf).
     strict: a tensor of the files that no leaf reads is an error; False leaves
       it unread.
@@ -169,7 +170,8 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
       truncated (also while it is read), its header points past its end, its
       tensors' bytes overlap or leave gaps, it names a tensor twice, an index's
       ``weight_map`` places a tensor in another file than the one holding it, or
-      an integer value does not fit the leaf's dtype (``cast``).
+      a value does not fit the leaf's dtype (``cast``: an integer, or a finite
+      float past its range).
     TypeError: a dtype differs and ``cast`` is False, or a leaf of ``like`` is
       big-endian.
   """
