@@ -77,6 +77,39 @@ def _file_dtype(leaf_dtype, dtype, leaf: str) -> np.dtype:
   return np.dtype(dtype)
 
 
+def _shrinks(src, dst) -> bool:
+  """A floating conversion into a smaller range (float32 into float16 or bfloat16)."""
+  return jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating) and \
+      float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
+
+
+@jax.jit
+def _largest(arrays: list) -> list:
+  """The largest magnitude of each array's finite values (0 for an empty one)."""
+  return [jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0)), initial=0) for x in arrays]
+
+
+def _check_range(leaves: list[_Leaf]) -> None:
+  """Raises naming the leaf when converting it to its file dtype would make a finite value
+  infinite or NaN (one program over every such leaf, before anything is written)."""
+  narrowed = [l for l in leaves if _shrinks(l.array.dtype, l.tensor.dtype)]
+  arrays = [l.array if getattr(l.array.sharding, "memory_kind", None) in (None, "device") else
+            jax.device_put(l.array, l.array.sharding.with_memory_kind("device"))
+            for l in narrowed]
+  for l, big in zip(narrowed, _largest(arrays) if arrays else []):
+    big = np.asarray(big)
+    with np.errstate(over="ignore", invalid="ignore"):
+      written = big.astype(l.tensor.dtype).item()
+    big = big.item()
+    if not np.isfinite(written):
+      raise ValueError(
+          f"export_safetensors(dtype={l.tensor.dtype.name}): {l.tensor.leaf} holds {big:g} "
+          f"(in magnitude), past the largest {l.tensor.dtype.name} "
+          f"({float(jnp.finfo(l.tensor.dtype).max):g}): it would be written as {written}. "
+          f"Export in a dtype of larger range (jnp.bfloat16, float32, or None for the "
+          f"leaves' own); nothing was written.")
+
+
 # ------------------------------------------------------------------ the data
 @functools.lru_cache(maxsize=256)
 def _slicer(sizes: tuple[int, ...], transpose: bool, dtype: np.dtype) -> Callable:
@@ -323,6 +356,8 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
     ValueError: ``rename`` maps two leaves to one name, or transposes a leaf
       that is not 2-D.
     TypeError: ``dtype`` is not floating (a floating leaf would be truncated).
+    ValueError: a leaf holds a finite value past ``dtype``'s range (it would be written as
+      inf or NaN); nothing is written.
     FileExistsError: ``directory`` holds an export and ``force`` is False.
     OSError: ``directory`` cannot be written (nothing is left behind).
   """
@@ -330,6 +365,7 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
   progress_lib.check(progress, "export_safetensors")
   state = step._prepare(state, "export_safetensors")  # pylint: disable=protected-access
   leaves = _plan(state, rename, dtype)
+  _check_range(leaves)
   files = fmt.split_files([l.tensor for l in leaves], max_shard_bytes)
   names = fmt.file_names(len(files))
   meta = {"format": "pt"} if metadata is None else metadata
