@@ -162,7 +162,7 @@ def _copy(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry) -> Non
       rows = max(1, ALIGN // out.dtype.itemsize)
       for r in range(0, part.shape[0], rows):
         np.copyto(out[:, r:r + rows], part[r:r + rows].T, casting="unsafe")
-  if _shrinks(part.dtype, out.dtype):
+  if fmt.shrinks(part.dtype, out.dtype):
     _check_range(out, part, t, e)
   if _narrows(part.dtype, out.dtype):
     back = (out.T if t.transpose else out).astype(part.dtype)
@@ -189,13 +189,6 @@ def _check_range(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry)
                      f", the dtype of the leaf {t.leaf} in `like`): cast=True would make it "
                      f"{back[bad].flat[0].item()!r}. Give `like` the file's dtype, "
                      f"{part.dtype.name}, for this leaf (or another that holds its values).")
-
-
-def _shrinks(src: np.dtype, dst: np.dtype) -> bool:
-  """A floating conversion into a smaller range, which large values do not survive."""
-  floating = lambda d: jnp.issubdtype(d, jnp.floating)
-  return floating(src) and floating(dst) and \
-      float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
 
 
 def _narrows(src: np.dtype, dst: np.dtype) -> bool:

@@ -46,6 +46,13 @@ def dtype_code(dtype, where: str) -> str:
   return code
 
 
+def shrinks(src, dst) -> bool:
+  """A floating conversion into a smaller range, which large values do not survive (float32
+  into float16, bfloat16 or a float8 dtype)."""
+  return bool(jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)) and \
+      float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
+
+
 class Tensor(NamedTuple):
   """One tensor of an export or a file.
 

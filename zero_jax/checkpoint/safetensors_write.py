@@ -77,12 +77,6 @@ def _file_dtype(leaf_dtype, dtype, leaf: str) -> np.dtype:
   return np.dtype(dtype)
 
 
-def _shrinks(src, dst) -> bool:
-  """A floating conversion into a smaller range (float32 into float16 or bfloat16)."""
-  return jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating) and \
-      float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
-
-
 @jax.jit
 def _largest(arrays: list) -> list:
   """The largest magnitude of each array's finite values (0 for an empty one)."""
@@ -92,7 +86,7 @@ def _largest(arrays: list) -> list:
 def _check_range(leaves: list[_Leaf]) -> None:
   """Raises naming the leaf when converting it to its file dtype would make a finite value
   infinite or NaN (one program over every such leaf, before anything is written)."""
-  narrowed = [l for l in leaves if _shrinks(l.array.dtype, l.tensor.dtype)]
+  narrowed = [l for l in leaves if fmt.shrinks(l.array.dtype, l.tensor.dtype)]
   arrays = [l.array if getattr(l.array.sharding, "memory_kind", None) in (None, "device") else
             jax.device_put(l.array, l.array.sharding.with_memory_kind("device"))
             for l in narrowed]
