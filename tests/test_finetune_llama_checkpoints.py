@@ -82,3 +82,23 @@ def test_the_tokenizers_files_are_copied_beside_the_export(tmp_path):
     assert (tmp_path / "o" / name).read_bytes() == data, name
   assert not (tmp_path / "o" / "pytorch_model.bin").exists()
   assert result["files"] == ["model.safetensors"]
+
+
+def test_a_llama_2_config_without_rope_theta_reads_with_transformers_default_base(tmp_path):
+  """Llama 2's own config.json (transformers 4.31) states no rope_theta (transformers 4.33
+  added it), and transformers reads it with its default base, 10000: so does the example,
+  with transformers' logits; a rope_theta written as null is still refused."""
+  import json
+  c = tmp_path / "c"
+  shutil.copytree(DATA / "llama2", c)
+  raw = json.loads((c / "config.json").read_text())
+  assert raw["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+  old = {k: v for k, v in raw.items() if k not in ("rope_parameters", "dtype")}
+  old.update(rope_scaling=None, torch_dtype="float32", transformers_version="4.31.0.dev0")
+  (c / "config.json").write_text(json.dumps(old))
+  result = EX.main(["--checkpoint", str(c), "--check-logits", str(c / "tokens.npy"),
+                    str(c / "logits.npy")])
+  assert result["max_abs_diff"] < 1e-4 and result["config"].rope.theta == 10000.0
+  (c / "config.json").write_text(json.dumps({**old, "rope_theta": None}))
+  with pytest.raises(SystemExit, match="config.json has no 'rope_theta'"):
+    EX.main(["--checkpoint", str(c), "--steps", "0"])
