@@ -34,3 +34,20 @@ def test_a_value_past_the_export_dtypes_range_is_refused_naming_the_leaf_and_wri
   got = load_file(tmp_path / "odd" / "model.safetensors")["w"]
   np.testing.assert_array_equal(got, odd.astype(np.float16))
   assert got[0, 0] == 65504  # rounded into the range
+
+
+def test_metadata_is_added_to_the_format_transformers_needs(tmp_path):
+  """transformers 4.x refuses a file whose __metadata__ has no "format" ("does not contain the
+  valid metadata"): metadata= adds to {"format": "pt"} instead of replacing it, and sets the
+  format only when it names one."""
+  from safetensors import safe_open
+  step = zj.make_sharded_train_step(lambda p, b: 0.0, optax.sgd(0.1),
+                                    mesh=jax.make_mesh((8,), ("data",)))
+  state = step.init({"w": np.ones((8, 2), np.float32)})
+  for metadata, want in [(None, {"format": "pt"}), ({}, {"format": "pt"}),
+                         ({"author": "me"}, {"format": "pt", "author": "me"}),
+                         ({"format": "flax"}, {"format": "flax"})]:
+    out = tmp_path / str(len(want)) / str(metadata)
+    zj.export_safetensors(step, state, out, metadata=metadata)
+    with safe_open(out / "model.safetensors", "np") as f:
+      assert f.metadata() == want, metadata

@@ -335,8 +335,9 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
       the devices; default: as ``get_params`` returns them. Other leaves keep theirs.
     max_shard_bytes: start a new file when the next tensor would pass this size
       (Hugging Face's 5 GB by default); a larger tensor gets a file of its own.
-    metadata: ``__metadata__`` of every file (str to str); default
-      ``{"format": "pt"}``, which Hugging Face ``transformers`` expects.
+    metadata: entries added to every file's ``__metadata__`` (str to str), which holds
+      ``{"format": "pt"}`` unless they set ``"format"``: ``transformers`` 4.x refuses a
+      file whose metadata has no ``"format"``.
     force: replace an earlier export in ``directory`` (its files, once the new
       ones are complete).
     chunk_bytes: the most bytes a device copies to the host at a time.
@@ -362,7 +363,7 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
   _check_range(leaves)
   files = fmt.split_files([l.tensor for l in leaves], max_shard_bytes)
   names = fmt.file_names(len(files))
-  meta = {"format": "pt"} if metadata is None else metadata
+  meta = {"format": "pt", **(metadata or {})}  # transformers 4.x needs "format"
   headers = [fmt.header(ts, meta) for ts in files]
   directory = writer.abs_path(directory)
   main = jax.process_index() == 0
