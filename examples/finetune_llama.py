@@ -84,9 +84,9 @@ def parse_args(argv=None):
   p.add_argument("--checkpoint", help="a Hugging Face Llama or Qwen2 directory: config.json "
                                       "and model.safetensors, or shards and their index "
                                       "(default: a tiny random one, written first)")
-  p.add_argument("--out", help="where to export (default: a temporary directory; the tiny "
-                               "checkpoint is written beside it). Required with several "
-                               "processes: a directory they share")
+  p.add_argument("--out", help="where to export, not the checkpoint's own directory (default: "
+                               "a temporary directory; the tiny checkpoint is written beside "
+                               "it). Required with several processes: a directory they share")
   p.add_argument("--steps", type=int, default=20,
                  help="fine-tuning steps; 0 loads and exports only (default: %(default)s)")
   p.add_argument("--batch-size", type=int, default=16,
@@ -243,6 +243,10 @@ def checkpoint_dir(args, jax) -> tuple[str, str]:
   work = tempfile.mkdtemp(prefix="finetune_llama_") if args.out is None else \
       os.path.dirname(os.path.abspath(args.out))
   checkpoint = args.checkpoint or os.path.join(work, "tiny-llama")
+  exports = not (args.logits_out or args.check_logits)
+  if exports and args.out and os.path.realpath(args.out) == os.path.realpath(checkpoint):
+    raise SystemExit(f"--out {args.out} is the checkpoint's own directory: the export would "
+                     f"replace the checkpoint it reads (and its config). Pass another --out.")
   if args.checkpoint is None:
     if jax.process_index() == 0:
       write_tiny_checkpoint(checkpoint, LlamaConfig())

@@ -102,3 +102,20 @@ def test_a_llama_2_config_without_rope_theta_reads_with_transformers_default_bas
   (c / "config.json").write_text(json.dumps({**old, "rope_theta": None}))
   with pytest.raises(SystemExit, match="config.json has no 'rope_theta'"):
     EX.main(["--checkpoint", str(c), "--steps", "0"])
+
+
+def test_out_in_the_checkpoints_own_directory_is_refused_before_anything_is_read(tmp_path):
+  """--out DIR with --checkpoint DIR exported over the checkpoint (14 shards replaced by 9)
+  and then died copying config.json onto itself (shutil.SameFileError, a traceback). Now
+  refused up front, the checkpoint untouched; the logit flags, which write no export, run."""
+  c = tmp_path / "c"
+  shutil.copytree(DATA / "llama2", c)
+  before = {f.name: f.read_bytes() for f in c.iterdir()}
+  for out in (c, tmp_path / "." / "c"):
+    with pytest.raises(SystemExit, match=r"--out \S+ is the checkpoint's own directory: the "
+                                         r"export would replace the checkpoint it reads"):
+      EX.main(["--checkpoint", str(c), "--out", str(out), "--steps", "0"])
+  assert {f.name: f.read_bytes() for f in c.iterdir()} == before
+  result = EX.main(["--checkpoint", str(c), "--out", str(c), "--check-logits",
+                    str(c / "tokens.npy"), str(c / "logits.npy")])
+  assert result["max_abs_diff"] < 1e-4
