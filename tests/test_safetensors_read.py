@@ -119,8 +119,10 @@ def test_a_float_past_the_leafs_range_is_refused_naming_it_not_made_inf(tmp_path
   themselves) still converts, and a widening conversion is unchecked."""
   path = str(tmp_path / "w.safetensors")
   big = np.array([[1.0, 2.0], [-1e5, 3.0]] * 4, np.float32)
-  save_file({"big": big, "fine": np.array([[1e-10, np.nan], [np.inf, -65504.0]] * 4, np.float32)},
-            path, metadata={"format": "pt"})
+  fine = np.array([[1e-10, np.nan], [np.inf, -65504.0]] * 4, np.float32)
+  fine_bf16 = np.array([[1e-10, np.nan], [np.inf, -6e4]] * 4, np.float32).astype(jnp.bfloat16)
+  save_file({"big": big, "fine": fine, "big_bf16": big.astype(jnp.bfloat16),
+             "fine_bf16": fine_bf16}, path, metadata={"format": "pt"})
   rename = (lambda name: (name, True)) if transpose else None
   shape = (2, 8) if transpose else (8, 2)
   for dtype, result in [(jnp.float16, "-inf"), (jnp.float8_e4m3fn, "nan")]:
@@ -130,10 +132,16 @@ def test_a_float_past_the_leafs_range_is_refused_naming_it_not_made_inf(tmp_path
                                          rf"{result}"):
       zj.load_safetensors(path, {"big": S(shape, dtype)}, step=step, cast=True, strict=False,
                           rename=rename)
-  got = zj.load_safetensors(path, {"fine": S(shape, jnp.float16)}, step=step, cast=True,
-                            strict=False, rename=rename)
-  want = np.array([[0.0, np.nan], [np.inf, -65504.0]] * 4, np.float16)
-  np.testing.assert_array_equal(np.asarray(got["fine"]), want.T if transpose else want)
+  with pytest.raises(ValueError, match=r"'big_bf16' in \S+ is bfloat16 and holds -99840.0, past "
+                                       r"the largest float16"):
+    zj.load_safetensors(path, {"big_bf16": S(shape, jnp.float16)}, step=step, cast=True,
+                        strict=False, rename=rename)
+  got = zj.load_safetensors(path, {"fine": S(shape, jnp.float16), "fine_bf16": S(
+      shape, jnp.float16)}, step=step, cast=True, strict=False, rename=rename)
+  for name, src in (("fine", fine), ("fine_bf16", fine_bf16)):
+    want = src.astype(np.float16)
+    assert want[0, 0] == 0 and np.isfinite(want[1, 1])
+    np.testing.assert_array_equal(np.asarray(got[name]), want.T if transpose else want)
   got = zj.load_safetensors(path, {"big": S(shape, jnp.bfloat16)}, step=step, cast=True,
                             strict=False, rename=rename)
   want = big.astype(jnp.bfloat16)

@@ -180,8 +180,14 @@ def _copy(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry) -> Non
 def _check_range(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry) -> None:
   """Raises naming the leaf when converting ``part`` into the floating dtype of ``out``, of a
   smaller range, made a finite value infinite or NaN (float32 1e5 into float16)."""
+  if part.dtype.kind == "f" and part.size:  # numpy's own float: its range in two passes
+    if max(part.max(), -part.min()) <= jnp.finfo(out.dtype).max:
+      return  # (NaN compares False: checked below)
   back = out.T if t.transpose else out
-  bad = np.isfinite(part) & ~np.isfinite(back)
+  nonfinite = _nonfinite(back)
+  if not nonfinite.any():
+    return
+  bad = nonfinite & np.isfinite(part)
   if bad.any():
     value = part[bad].flat[0].item()
     raise ValueError(f"tensor {t.name!r} in {e.file} is {part.dtype.name} and holds {value!r}, "
@@ -189,6 +195,17 @@ def _check_range(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry)
                      f", the dtype of the leaf {t.leaf} in `like`): cast=True would make it "
                      f"{back[bad].flat[0].item()!r}. Give `like` the file's dtype, "
                      f"{part.dtype.name}, for this leaf (or another that holds its values).")
+
+
+_EXPONENT = {np.dtype(np.float16): 0x7C00, np.dtype(jnp.bfloat16): 0x7F80}
+
+
+def _nonfinite(a: np.ndarray) -> np.ndarray:
+  """``~np.isfinite(a)``; for 16-bit floats from the exponent bits (3x quicker)."""
+  bits = _EXPONENT.get(a.dtype)
+  if bits is None:
+    return ~np.isfinite(a)
+  return (a.view(np.uint16) & bits) == bits
 
 
 def _narrows(src: np.dtype, dst: np.dtype) -> bool:
