@@ -146,3 +146,39 @@ def test_a_float_past_the_leafs_range_is_refused_naming_it_not_made_inf(tmp_path
                             strict=False, rename=rename)
   want = big.astype(jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(got["big"]), want.T if transpose else want)
+
+
+def test_a_0_d_tensor_is_converted_with_the_same_checks_as_any_other(tmp_path, step):
+  """A 0-d tensor was assigned straight into its leaf: -1 became 255 in a uint8 leaf and 1e5
+  inf in a float16 one without a word (numpy's overflow warning naming nothing). Now it goes
+  through the checks of every other tensor."""
+  path = str(tmp_path / "s.safetensors")
+  save_file({"i": np.array(2**40 + 7, np.int64), "n": np.array(-1, np.int8),
+             "f": np.array(1e5, np.float32), "ok": np.array(-3, np.int64)}, path,
+            metadata={"format": "pt"})
+  load = lambda name, dtype: zj.load_safetensors(path, {name: S((), dtype)}, step=step,
+                                                 cast=True, strict=False)[name]
+  for name, dtype, value in [("i", jnp.int32, "1099511627783"), ("n", jnp.uint8, "-1"),
+                             ("f", jnp.float16, "100000.0")]:
+    with pytest.raises(ValueError, match=rf"tensor '{name}' in \S+ is \w+ and holds {value}"):
+      load(name, dtype)
+  assert load("ok", jnp.int8) == -3 and load("f", jnp.bfloat16) == jnp.bfloat16(1e5)
+
+
+def test_an_integer_that_wraps_into_a_dtype_of_the_same_width_is_refused(tmp_path, step):
+  """cast=True checked integers by converting back: -1 into uint8 is 255, and 255 back into
+  int8 is -1 again, so int8 -1 loaded as 255 (uint32 3e9 as int32 -1294967296) without a
+  word. Now every value is checked against the leaf dtype's range."""
+  path = str(tmp_path / "i.safetensors")
+  save_file({"i8": np.array([3, -1] * 4, np.int8),
+             "u32": np.array([1, 3_000_000_000] * 4, np.uint32),
+             "i64": np.array([5, -2] * 4, np.int64), "fits": np.array([0, 127] * 4, np.uint8)},
+            path, metadata={"format": "pt"})
+  for name, dtype, value in [("i8", jnp.uint8, "-1"), ("u32", jnp.int32, "3000000000"),
+                             ("i64", jnp.uint32, "-2")]:
+    with pytest.raises(ValueError, match=rf"tensor '{name}' in \S+ is \w+ and holds {value}, "
+                                         rf"which {np.dtype(dtype).name} "):
+      zj.load_safetensors(path, {name: S((8,), dtype)}, step=step, cast=True, strict=False)
+  got = zj.load_safetensors(path, {"fits": S((8,), jnp.int8)}, step=step, cast=True,
+                            strict=False)["fits"]
+  np.testing.assert_array_equal(np.asarray(got), [0, 127] * 4)
