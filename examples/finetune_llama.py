@@ -17,8 +17,8 @@ never whole on a device or on the host:
   master copy);
 * ``zj.export_safetensors`` writes the result from the shards, in the layout and dtype it
   came in (one file, or as many as the checkpoint had: ``--max-shard-size``;
-  ``config.json`` and ``generation_config.json`` copied along), ready for ``transformers``'
-  ``from_pretrained``.
+  ``config.json``, ``generation_config.json`` and the tokenizer's files copied along), ready
+  for ``transformers``' ``from_pretrained``.
 
 Without ``--checkpoint`` a tiny random checkpoint in the Hugging Face layout is written
 first (nothing is downloaded). A real one is a directory with ``config.json`` and
@@ -54,7 +54,11 @@ from llama.model import build_model  # noqa: E402
 
 READABLE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # lossless into float32
 ATOL = {"fp32": 1e-4, "bf16": 1e-1}
-COPIED = ("config.json", "generation_config.json")  # copied beside the export when present
+# Copied beside the export when present: the config, and the tokenizer's files as
+# transformers' save_pretrained writes them (so that AutoTokenizer loads the export too).
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+          "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def text_batches(batch_size: int, seq_len: int, vocab: int, seed: int = 0):
@@ -80,9 +84,9 @@ def parse_args(argv=None):
   p.add_argument("--checkpoint", help="a Hugging Face Llama or Qwen2 directory: config.json "
                                       "and model.safetensors, or shards and their index "
                                       "(default: a tiny random one, written first)")
-  p.add_argument("--out", help="where to export (default: a temporary directory; the tiny "
-                               "checkpoint is written beside it). Required with several "
-                               "processes: a directory they share")
+  p.add_argument("--out", help="where to export, not the checkpoint's own directory (default: "
+                               "a temporary directory; the tiny checkpoint is written beside "
+                               "it). Required with several processes: a directory they share")
   p.add_argument("--steps", type=int, default=20,
                  help="fine-tuning steps; 0 loads and exports only (default: %(default)s)")
   p.add_argument("--batch-size", type=int, default=16,
@@ -239,6 +243,10 @@ def checkpoint_dir(args, jax) -> tuple[str, str]:
   work = tempfile.mkdtemp(prefix="finetune_llama_") if args.out is None else \
       os.path.dirname(os.path.abspath(args.out))
   checkpoint = args.checkpoint or os.path.join(work, "tiny-llama")
+  exports = not (args.logits_out or args.check_logits)
+  if exports and args.out and os.path.realpath(args.out) == os.path.realpath(checkpoint):
+    raise SystemExit(f"--out {args.out} is the checkpoint's own directory: the export would "
+                     f"replace the checkpoint it reads (and its config). Pass another --out.")
   if args.checkpoint is None:
     if jax.process_index() == 0:
       write_tiny_checkpoint(checkpoint, LlamaConfig())
@@ -246,23 +254,38 @@ def checkpoint_dir(args, jax) -> tuple[str, str]:
   return checkpoint, args.out or os.path.join(work, "finetuned")
 
 
+def ignored_tensors(cfg: LlamaConfig, names) -> list[str]:
+  """The tensors of a checkpoint that transformers' ``from_pretrained`` ignores, and so does
+  this example: ``lm_head.weight`` of a tied checkpoint (the head is the embedding), and the
+  ``rotary_emb.inv_freq`` buffers older checkpoints store (computed from the config)."""
+  return sorted(n for n in names if n.endswith("rotary_emb.inv_freq") or
+                cfg.tie_word_embeddings and n == "lm_head.weight")
+
+
 def read_checkpoint(checkpoint: str) -> tuple[LlamaConfig, dict, bool]:
   """``(config, its tensors, strict)`` of a checkpoint directory; exits with one message
   naming the file for a config.json or a .safetensors file it cannot read. ``strict`` is
-  False only for a tied checkpoint that also stores ``lm_head.weight``: transformers ignores
-  that tensor (the head is the embedding), and so does this example."""
+  False only when every tensor the model does not read is one transformers ignores too
+  (`ignored_tensors`): those are left unread, saying so."""
   try:
     cfg = LlamaConfig.from_json(os.path.join(checkpoint, "config.json"))
     tensors = checkpoint_tensors(checkpoint)
   except (ConfigError, OSError, ValueError) as e:
     raise SystemExit(str(e)) from None
-  if cfg.tie_word_embeddings and "lm_head.weight" in tensors and \
-      set(tensors) - set(hf_shapes(cfg)) == {"lm_head.weight"}:
-    import zero_jax as zj
+  extra = set(tensors) - set(hf_shapes(cfg))
+  ignored = ignored_tensors(cfg, extra)
+  if not extra or set(ignored) != extra:
+    return cfg, tensors, True
+  import zero_jax as zj
+  if "lm_head.weight" in ignored:
     zj.print_main(f"{checkpoint}: lm_head.weight is not read: tie_word_embeddings makes the "
                   f"head the embedding (transformers ignores it too); the export leaves it out.")
-    return cfg, tensors, False
-  return cfg, tensors, True
+  freqs = [n for n in ignored if n != "lm_head.weight"]
+  if freqs:
+    zj.print_main(f"{checkpoint}: {len(freqs)} rotary_emb.inv_freq tensor(s) are not read: the "
+                  f"rotary frequencies come from config.json (transformers ignores them too); "
+                  f"the export leaves them out.")
+  return cfg, tensors, False
 
 
 def main(argv=None) -> dict:

@@ -1,9 +1,11 @@
 """A Hugging Face ``config.json`` of a Llama or Qwen2 model, read field by field.
 
 Every field that changes the model's math is read, or refused by name when this model
-does not implement its value: nothing falls back to a default without a word. Both
-layouts of the rotary settings are read: transformers 4.x's top-level ``rope_theta`` and
-``rope_scaling``, and 5.x's ``rope_parameters`` (``{"rope_type", "rope_theta", ...}``).
+does not implement its value; a field left out takes transformers' own default only where
+that default does not depend on the checkpoint (``tie_word_embeddings``, the biases, and the
+``rope_theta`` that configs before transformers 4.33 leave out). Both layouts of the rotary
+settings are read: transformers 4.x's top-level ``rope_theta`` and ``rope_scaling``, and
+5.x's ``rope_parameters`` (``{"rope_type", "rope_theta", ...}``).
 Fields that do not change the math (token ids, ``initializer_range``, ``use_cache``,
 ``transformers_version``, ...) are not read.
 """
@@ -14,6 +16,7 @@ import dataclasses
 import json
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DEFAULT_THETA = 10000.0  # transformers' LlamaConfig and Qwen2Config rope_theta default
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
 # Fields with a value this model implements only as given (others are refused by name).
@@ -126,12 +129,16 @@ def rope_from_hf(raw: dict) -> Rope:
   ``rope_scaling``)."""
   params, legacy = raw.get("rope_parameters"), raw.get("rope_scaling")
   if params is None:  # 4.x: rope_theta, and rope_scaling (null: no scaling)
-    if "rope_theta" not in raw:
-      raise ConfigError("config.json has neither rope_parameters (transformers 5) nor "
-                        "rope_theta (transformers 4): the rotary base is not stated.")
     if legacy is not None and not isinstance(legacy, dict):
       raise ConfigError(f"config.json: rope_scaling is {legacy!r}; expected an object or null.")
-    params = {**(legacy or {"rope_type": "default"}), "rope_theta": raw["rope_theta"]}
+    if "rope_theta" not in raw and legacy is not None:
+      raise ConfigError("config.json has rope_scaling but neither rope_parameters "
+                        "(transformers 5) nor rope_theta (transformers 4): the rotary base is "
+                        "not stated.")
+    # Configs before transformers 4.33 (Llama 2's own: rope_scaling null) state no
+    # rope_theta; transformers reads them with its default base.
+    params = {**(legacy or {"rope_type": "default"}),
+              "rope_theta": raw.get("rope_theta", DEFAULT_THETA)}
   elif isinstance(legacy, dict) and isinstance(params, dict) and any(
       params.get(k) != v for k, v in legacy.items()):
     raise ConfigError(f"config.json has both rope_parameters ({params!r}) and rope_scaling "

@@ -19,6 +19,8 @@ import math
 import os
 from typing import Iterator
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.checkpoint import blocks
@@ -71,7 +73,8 @@ class OpenFiles:
 
     Raises:
       ValueError: the file ends before the tensor's bytes (it shrank during the load), or
-        converting an integer tensor would change a value (``t.dtype`` cannot hold it).
+        converting would change an integer or make a finite float infinite or NaN
+        (``t.dtype`` cannot hold it).
     """
     e = self.entries[t.name]
     outs = _blocks([tuple(b - a for a, b in box) for box in boxes], t.dtype)
@@ -101,8 +104,9 @@ class OpenFiles:
     """Goes through the rows the blocks of ``staged`` (``(out, box in the file)``) cover, a
     chunk at a time, copying each block's part of each chunk."""
     if not e.shape:  # a scalar
+      part = self._chunk(e, t, 0, 1).reshape(())
       for out, _ in staged:
-        out[...] = self._chunk(e, t, 0, 1)[0]
+        _copy(out, part, t, e, in_range=_in_range(part, t.dtype))
       return
     row = math.prod(e.shape[1:]) * e.dtype.itemsize
     step = max(1, CHUNK_BYTES // max(row, 1))
@@ -110,11 +114,13 @@ class OpenFiles:
     for r in range(first, last, step):
       stop = min(r + step, last)
       chunk = self._chunk(e, t, r, stop)
+      in_range = _in_range(chunk, t.dtype)  # once per chunk, contiguous: quicker than per part
       for out, f in staged:
         a, b = max(r, f[0][0]) - f[0][0], min(stop, f[0][1]) - f[0][0]
         if a < b:
           rows = (slice(f[0][0] + a - r, f[0][0] + b - r),) + tuple(slice(*d) for d in f[1:])
-          _copy(out[:, a:b] if t.transpose else out[a:b], chunk[rows], t, e)
+          _copy(out[:, a:b] if t.transpose else out[a:b], chunk[rows], t, e,
+                in_range=in_range)
 
   def _chunk(self, e: fmt.Entry, t: fmt.Tensor, r: int, stop: int) -> np.ndarray:
     """Rows ``[r, stop)`` of ``e`` (one element for a scalar), read into the staging
@@ -146,25 +152,72 @@ def _blocks(shapes: list[tuple[int, ...]], dtype) -> list[np.ndarray]:
   return out
 
 
-def _copy(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry) -> None:
+def _in_range(part: np.ndarray, dtype: np.dtype) -> bool:
+  """Every value of ``part`` converts to ``dtype`` without leaving its range: True for
+  any conversion but a floating one into a smaller range, then a quick test of numpy's own
+  floats (two passes; False, to be checked value by value, for NaN or other dtypes)."""
+  if not fmt.shrinks(part.dtype, dtype):
+    return True
+  return part.dtype.kind == "f" and bool(
+      not part.size or max(part.max(), -part.min()) <= jnp.finfo(dtype).max)
+
+
+def _copy(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry, *,
+          in_range: bool) -> None:
   """``out[...] = part`` (``part.T`` when ``t.transpose``), converting the dtype; an integer
-  conversion that would change a value is refused. A transposed copy goes a few rows of
-  ``part`` at a time, each row of ``out`` then written a cache line at a time (twice as fast
-  as numpy's copy of the whole transposed view)."""
-  if not t.transpose:
-    np.copyto(out, part, casting="unsafe")
-  else:
-    rows = max(1, ALIGN // out.dtype.itemsize)
-    for r in range(0, part.shape[0], rows):
-      np.copyto(out[:, r:r + rows], part[r:r + rows].T, casting="unsafe")
+  conversion that would change a value, or a floating one that would make a finite value
+  infinite or NaN (unless ``in_range``: `_in_range`), is refused. A transposed copy goes a
+  few rows of ``part`` at a time, each row of ``out`` then written a cache line at a time
+  (twice as fast as numpy's copy of the whole transposed view)."""
+  with np.errstate(over="ignore", invalid="ignore"):  # a value out of range is refused below
+    if not t.transpose:
+      np.copyto(out, part, casting="unsafe")
+    else:
+      rows = max(1, ALIGN // out.dtype.itemsize)
+      for r in range(0, part.shape[0], rows):
+        np.copyto(out[:, r:r + rows], part[r:r + rows].T, casting="unsafe")
+  if not in_range:
+    _check_range(out, part, t, e)
   if _narrows(part.dtype, out.dtype):
-    back = (out.T if t.transpose else out).astype(part.dtype)
-    if not np.array_equal(back, part):
-      bad = part[back != part].flat[0].item()
+    lo, hi = (0, 1) if out.dtype == np.bool_ else \
+        (int(np.iinfo(out.dtype).min), int(np.iinfo(out.dtype).max))
+    if part.size and (part.min() < lo or part.max() > hi):  # (a round trip would miss -1
+      bad = part[(part < lo) | (part > hi)].flat[0].item()  # into uint8: 255, back: -1)
+      x64 = (" and turn on jax.config.update('jax_enable_x64', True) (without it JAX makes "
+             "64-bit leaves 32-bit)"
+             if np.dtype(jax.dtypes.canonicalize_dtype(part.dtype)) != part.dtype else "")
       raise ValueError(f"tensor {t.name!r} in {e.file} is {part.dtype.name} and holds "
-                       f"{bad!r}, which {out.dtype.name} (the leaf {t.leaf} in `like`) cannot "
-                       f"hold: cast=True converts integers only when every value fits. Give "
-                       f"`like` the file's dtype, {part.dtype.name}, for this leaf.")
+                       f"{bad!r}, which {out.dtype.name} (the leaf {t.leaf} in `like`) "
+                       f"cannot hold: cast=True converts integers only when every value fits. "
+                       f"Give `like` the file's dtype, {part.dtype.name}, for this leaf{x64}.")
+
+
+def _check_range(out: np.ndarray, part: np.ndarray, t: fmt.Tensor, e: fmt.Entry) -> None:
+  """Raises naming the leaf when converting ``part`` into the floating dtype of ``out``, of a
+  smaller range, made a finite value infinite or NaN (float32 1e5 into float16)."""
+  back = out.T if t.transpose else out
+  nonfinite = _nonfinite(back)
+  if not nonfinite.any():
+    return
+  bad = nonfinite & np.isfinite(part)
+  if bad.any():
+    value = part[bad].flat[0].item()
+    raise ValueError(f"tensor {t.name!r} in {e.file} is {part.dtype.name} and holds {value!r}, "
+                     f"past the largest {out.dtype.name} ({float(jnp.finfo(out.dtype).max):g}"
+                     f", the dtype of the leaf {t.leaf} in `like`): cast=True would make it "
+                     f"{back[bad].flat[0].item()!r}. Give `like` the file's dtype, "
+                     f"{part.dtype.name}, for this leaf (or another that holds its values).")
+
+
+_EXPONENT = {np.dtype(np.float16): 0x7C00, np.dtype(jnp.bfloat16): 0x7F80}
+
+
+def _nonfinite(a: np.ndarray) -> np.ndarray:
+  """``~np.isfinite(a)``; for 16-bit floats from the exponent bits (3x quicker)."""
+  bits = _EXPONENT.get(a.dtype)
+  if bits is None:
+    return ~np.isfinite(a)
+  return (a.view(np.uint16) & bits) == bits
 
 
 def _narrows(src: np.dtype, dst: np.dtype) -> bool:

@@ -46,6 +46,13 @@ def dtype_code(dtype, where: str) -> str:
   return code
 
 
+def shrinks(src, dst) -> bool:
+  """A floating conversion into a smaller range, which large values do not survive (float32
+  into float16, bfloat16 or a float8 dtype)."""
+  return bool(jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)) and \
+      float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
+
+
 class Tensor(NamedTuple):
   """One tensor of an export or a file.
 
@@ -273,7 +280,8 @@ def parse_header(path: str, head: bytes, size: int, *,
   """The tensors of a safetensors file from its first bytes (``head``: at least the 8-byte
   length and the header) and its size in bytes, checked as the safetensors library checks
   them: every offset within the file, the tensors' bytes covering the data exactly (no
-  overlap, no gap), no name twice, the header at most ``max_header_bytes``."""
+  overlap, no gap), no name twice, ``__metadata__`` (if any) strings only, the header at
+  most ``max_header_bytes``."""
   if size < 8 or len(head) < 8:
     raise _bad(path, f"it has {size} bytes, fewer than the 8-byte header length")
   n = struct.unpack("<Q", head[:8])[0]
@@ -288,6 +296,10 @@ def parse_header(path: str, head: bytes, size: int, *,
     raise _bad(path, f"its header is not JSON ({e})") from None
   if not isinstance(raw, dict):
     raise _bad(path, "its header is not a JSON object")
+  meta = raw.get("__metadata__")
+  if meta is not None and not (isinstance(meta, dict) and
+                               all(isinstance(v, str) for v in meta.values())):
+    raise _invalid(path, f"its __metadata__ ({meta!r}) is not an object of strings")
   out = {name: _entry(path, name, e, 8 + n) for name, e in raw.items() if name != "__metadata__"}
   _check_coverage(path, out, 8 + n, size)
   return out
@@ -383,7 +395,8 @@ def check_index(index: str, weight_map: dict[str, str], held: dict[str, dict]) -
   wrong = []
   for name, f in weight_map.items():
     if name not in held.get(f, ()):
-      found = f"it is in {where[name]}" if name in where else "no file holds it"
+      found = f"it is in {where[name]}" if name in where else \
+          "none of the files the index lists holds it"
       wrong.append(f"{name!r} is placed in {f}, but {found}")
   wrong += [f"{name!r} is in {f}, which the index does not list for it"
             for name, f in where.items() if name not in weight_map]

@@ -27,6 +27,8 @@ from zero_jax.step.train_step import ShardedTrainStep
 
 def _listing(names, n: int = 6) -> str:
   names = list(names)
+  if not names:
+    return "no tensors"
   more = f" and {len(names) - n} more" if len(names) > n else ""
   return ", ".join(repr(x) for x in names[:n]) + more
 
@@ -148,7 +150,8 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     rename: as for `export_safetensors`: a leaf's default name -> the tensor's
       name, or ``(name, transpose)``.
     cast: convert a tensor whose dtype differs from its leaf's in ``like`` (else
-      that is an error): between floating dtypes, or between integer ones when
+      that is an error): between floating dtypes (rounding; a finite value past the
+      leaf dtype's range is an error naming the leaf), or between integer ones when
       every value fits (a value that does not is an error naming the leaf).
     strict: a tensor of the files that no leaf reads is an error; False leaves
       it unread.
@@ -167,7 +170,8 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
       truncated (also while it is read), its header points past its end, its
       tensors' bytes overlap or leave gaps, it names a tensor twice, an index's
       ``weight_map`` places a tensor in another file than the one holding it, or
-      an integer value does not fit the leaf's dtype (``cast``).
+      a value does not fit the leaf's dtype (``cast``: an integer, or a finite
+      float past its range).
     TypeError: a dtype differs and ``cast`` is False, or a leaf of ``like`` is
       big-endian.
   """
@@ -188,12 +192,14 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
                      f"Pass the function that makes the module (lambda: Model(nnx.Rngs(0))): "
                      f"those variables are then made by it, under jit.")
   with files_lib.open_files(path, max_header_bytes=max_header_bytes) as files:
-    return _load(path, files, _tensors(params, rename), step, source,
+    return _load(path, files, _tensors(params, rename, cast), step, source,
                  cast=cast, strict=strict, progress=progress)
 
 
-def _tensors(params, rename) -> list[fmt.Tensor]:
-  """The tensor each leaf of ``params`` reads, as the file holds it."""
+def _tensors(params, rename, cast: bool) -> list[fmt.Tensor]:
+  """The tensor each leaf of ``params`` reads, as the file holds it, in the dtype JAX gives
+  the leaf (a 64-bit dtype is 32-bit with ``jax_enable_x64`` off: refused unless ``cast``,
+  then read as a conversion, integers only when every value fits)."""
   variable = nnx_lib.holds_variables(params)
   tensors = []
   for p, x in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -209,12 +215,26 @@ def _tensors(params, rename) -> list[fmt.Tensor]:
                       f"{np.dtype(x.dtype).name}, not this machine's byte order. JAX arrays are "
                       f"in the machine's byte order (safetensors files are little-endian): "
                       f"give `like` native-order dtypes, x.astype(x.dtype.newbyteorder('=')).")
+    dtype = _jax_dtype(x.dtype, leaf, cast)
     name, transpose = fmt.apply_rename(rename, fmt.default_name(p, variable=variable), leaf,
                                        len(shape))
-    tensors.append(fmt.Tensor(name, shape[::-1] if transpose else shape, np.dtype(x.dtype),
-                              leaf, transpose))
+    tensors.append(fmt.Tensor(name, shape[::-1] if transpose else shape, dtype, leaf,
+                              transpose))
   fmt.check_unique(tensors)
   return tensors
+
+
+def _jax_dtype(dtype, leaf: str, cast: bool) -> np.dtype:
+  """The dtype of the array JAX makes of a leaf of ``dtype``; one that JAX makes narrower
+  (64 bits with ``jax_enable_x64`` off) is refused unless ``cast``, naming the leaf."""
+  got = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+  if got != np.dtype(dtype) and not cast:
+    raise TypeError(f"`like` holds {leaf} of dtype {np.dtype(dtype).name}, which JAX makes "
+                    f"{got.name} (jax_enable_x64 is off): the loaded leaf would not hold the "
+                    f"file's {np.dtype(dtype).name} values. Turn on "
+                    f"jax.config.update('jax_enable_x64', True), or pass cast=True to read "
+                    f"the leaf as {got.name} (integers only when every value fits).")
+  return got
 
 
 def _load(path, files: files_lib.OpenFiles, tensors, step, source, *, cast, strict,

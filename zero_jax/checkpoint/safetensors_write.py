@@ -77,6 +77,33 @@ def _file_dtype(leaf_dtype, dtype, leaf: str) -> np.dtype:
   return np.dtype(dtype)
 
 
+@jax.jit
+def _largest(arrays: list) -> list:
+  """The largest magnitude of each array's finite values (0 for an empty one)."""
+  return [jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0)), initial=0) for x in arrays]
+
+
+def _check_range(leaves: list[_Leaf]) -> None:
+  """Raises naming the leaf when converting it to its file dtype would make a finite value
+  infinite or NaN (one program over every such leaf, before anything is written)."""
+  narrowed = [l for l in leaves if fmt.shrinks(l.array.dtype, l.tensor.dtype)]
+  arrays = [l.array if getattr(l.array.sharding, "memory_kind", None) in (None, "device") else
+            jax.device_put(l.array, l.array.sharding.with_memory_kind("device"))
+            for l in narrowed]
+  for l, big in zip(narrowed, _largest(arrays) if arrays else []):
+    big = np.asarray(big)
+    with np.errstate(over="ignore", invalid="ignore"):
+      written = big.astype(l.tensor.dtype).item()
+    big = big.item()
+    if not np.isfinite(written):
+      raise ValueError(
+          f"export_safetensors(dtype={l.tensor.dtype.name}): {l.tensor.leaf} holds {big:g} "
+          f"(in magnitude), past the largest {l.tensor.dtype.name} "
+          f"({float(jnp.finfo(l.tensor.dtype).max):g}): it would be written as {written}. "
+          f"Export in a dtype of larger range (jnp.bfloat16, float32, or None for the "
+          f"leaves' own); nothing was written.")
+
+
 # ------------------------------------------------------------------ the data
 @functools.lru_cache(maxsize=256)
 def _slicer(sizes: tuple[int, ...], transpose: bool, dtype: np.dtype) -> Callable:
@@ -308,8 +335,9 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
       the devices; default: as ``get_params`` returns them. Other leaves keep theirs.
     max_shard_bytes: start a new file when the next tensor would pass this size
       (Hugging Face's 5 GB by default); a larger tensor gets a file of its own.
-    metadata: ``__metadata__`` of every file (str to str); default
-      ``{"format": "pt"}``, which Hugging Face ``transformers`` expects.
+    metadata: entries added to every file's ``__metadata__`` (str to str), which holds
+      ``{"format": "pt"}`` unless they set ``"format"``: ``transformers`` 4.x refuses a
+      file whose metadata has no ``"format"``.
     force: replace an earlier export in ``directory`` (its files, once the new
       ones are complete).
     chunk_bytes: the most bytes a device copies to the host at a time.
@@ -323,6 +351,8 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
     ValueError: ``rename`` maps two leaves to one name, or transposes a leaf
       that is not 2-D.
     TypeError: ``dtype`` is not floating (a floating leaf would be truncated).
+    ValueError: a leaf holds a finite value past ``dtype``'s range (it would be written as
+      inf or NaN); nothing is written.
     FileExistsError: ``directory`` holds an export and ``force`` is False.
     OSError: ``directory`` cannot be written (nothing is left behind).
   """
@@ -330,9 +360,10 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
   progress_lib.check(progress, "export_safetensors")
   state = step._prepare(state, "export_safetensors")  # pylint: disable=protected-access
   leaves = _plan(state, rename, dtype)
+  _check_range(leaves)
   files = fmt.split_files([l.tensor for l in leaves], max_shard_bytes)
   names = fmt.file_names(len(files))
-  meta = {"format": "pt"} if metadata is None else metadata
+  meta = {"format": "pt", **(metadata or {})}  # transformers 4.x needs "format"
   headers = [fmt.header(ts, meta) for ts in files]
   directory = writer.abs_path(directory)
   main = jax.process_index() == 0

@@ -114,39 +114,51 @@ class Loop(NamedTuple):
 
 def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
   """Layer i+1 gathered while layer i computes; with ``lin``, each layer's residuals kept
-  for the backward pass. Returns ``((carry, ys, new states), saved residuals)``."""
+  for the backward pass. Returns ``((carry, ys, new states), saved)``: ``saved`` is
+  ``(stacks, last)``, the stacked residuals, and with ``prefetch=1`` the last layer's apart
+  (it runs after the loop; stored into the stacks too, XLA would keep both copies)."""
   conv, stack, length, (c_s, y_s, new_s) = loop
+  kept = length - 1 if stack.ahead else length
   bufs = ([zeros(s, (length,)) for s in y_s], [zeros(s, (length,)) for s in new_s],
-          residuals.buffers(lin, length) if lin is not None else [])
+          residuals.buffers(lin, kept) if lin is not None else [])
 
-  def compute(i, c, w, bufs):
+  def compute(i, c, w, bufs, last=False):
     ys, news, saved = bufs
     args = [list(c), stack.use(sp, i, w), [at(x, i) for x in xs], list(ks)]
+    res = None
     if lin is None:
       c, y, new = conv(*args[:3], *ks)
     else:
       outs, res = lin.forward(args)
       c, y, new = split(outs, [len(c_s), len(y_s), len(new_s)])
-      saved = [put(b, r, i) for b, r in zip(saved, res)]
+      saved = saved if last else [put(b, r, i) for b, r in zip(saved, res)]
     return c, ([put(b, v, i) for b, v in zip(ys, y)],
-               [put(b, v, i) for b, v in zip(news, new)], saved)
+               [put(b, v, i) for b, v in zip(news, new)], saved), res
 
   def step(i, st):
     c, w, bufs = st
     w_next = stack.fetch(sp, i + 1)  # issued before layer i's compute
-    c, bufs = compute(i, c, w, bufs)
+    c, bufs, _ = compute(i, c, w, bufs)
     w_next, c = barrier((w_next, c))
     return c, w_next, bufs
 
   if not stack.ahead:  # each layer gathered in its own iteration
-    c, bufs = jax.lax.fori_loop(0, length, lambda i, st: compute(i, st[0], None, st[1]),
+    c, bufs = jax.lax.fori_loop(0, length, lambda i, st: compute(i, st[0], None, st[1])[:2],
                                 (c, bufs))
-    return (c, *bufs[:2]), bufs[2]
+    return (c, *bufs[:2]), (bufs[2], None)
   w = stack.fetch(sp, 0)
   if length > 1:
     c, w, bufs = jax.lax.fori_loop(0, length - 1, step, (c, w, bufs))
-  c, (ys, news, saved) = compute(length - 1, c, w, bufs)
-  return (c, ys, news), saved
+  c, (ys, news, saved), last = compute(length - 1, c, w, bufs, last=True)
+  return (c, ys, news), (saved, last)
+
+
+def _residuals_at(saved, i, top: int) -> list:
+  """Layer ``i``'s saved residuals (``saved`` as `forward` returns it; ``top``: the last)."""
+  stacks, last = saved
+  if last is not None and isinstance(i, (int, np.integer)) and i == top:
+    return list(last)
+  return [at(b, i) for b in stacks]
 
 
 def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
@@ -162,7 +174,8 @@ def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
   def back(i, dc, w):  # layer i's pullback from its residuals
     args = [no_carry, stack.use(sp, i, w), [at(x, i) for x in xs], list(ks)]
     ct = lambda bufs: [None if b is None else at(b, i) for b in bufs]
-    return lin.backward(args, [at(b, i) for b in saved], list(dc) + ct(cts[1]) + ct(cts[2]))
+    return lin.backward(args, _residuals_at(saved, i, loop.length - 1),
+                        list(dc) + ct(cts[1]) + ct(cts[2]))
 
   def reduce(i, g, hop=scatter_many, later=False):  # gather's transpose for layer i's gradient
     layer = stack.at(sp, i)  # (a later hop's ``g``: the one before's, the reduced leaves only)
