@@ -63,3 +63,29 @@ def test_numbers_in_y_are_stacked_as_lax_scan_stacks_them(mesh):
   _, want = jax.lax.scan(layer, {"h": jnp.ones((2, W))}, params["layers"])
   assert jax.tree.map(lambda y: (y.shape, y.dtype), got["ys"]) == jax.tree.map(
       lambda y: (y.shape, y.dtype), want)
+
+
+def test_a_stage_3_step_without_stacked_warns_that_the_loop_gets_the_whole_gathered_stack(
+    mesh):
+  """Without ``stacked=`` a ZeRO-3 step gathers every parameter before the loss: the loop
+  still gives the right numbers (as lax.scan), but holds every layer at once. It says so,
+  once per trace; with the stack marked, or at stages 1-2, it does not."""
+  def loss_fn(p, b):
+    h, _ = zj.scan(lambda c, w: (jnp.tanh(c @ w), None), b["x"], p["layers"])
+    return jnp.mean(h ** 2)
+  params = {"layers": np.full((LAYERS, W, W), 0.1, np.float32)}
+  batch = {"x": np.ones((16, W), np.float32)}
+  states = {}
+  for name, kw in [("unmarked", dict(stage=3)), ("marked", dict(stage=3, stacked={"layers": True})),
+                   ("stage2", dict(stage=2))]:
+    step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, **kw)
+    if name == "unmarked":
+      with pytest.warns(UserWarning, match=r"zero_jax.scan inside a ZeRO-3 step got no stacked "
+                                           r"parameter.*stacked=\{'layers': True"):
+        states[name] = step(step.init(params), batch)[0]
+    else:
+      states[name] = step(step.init(params), batch)[0]  # filterwarnings=error: none
+    states[name] = step.get_params(states[name])["layers"]
+  np.testing.assert_allclose(states["unmarked"], states["marked"], rtol=1e-6)
+  assert zj.scan(lambda c, w: (c @ w, None), jnp.ones((2, W)),  # outside a step: quiet
+                 jnp.ones((LAYERS, W, W)))[0].shape == (2, W)

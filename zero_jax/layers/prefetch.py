@@ -13,7 +13,10 @@ stage 3 guide and "How it works".
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import threading
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -88,8 +91,31 @@ def scan(f: Callable, init: Any, stacked: Any, *, prefetch: int = 1,
   residuals.check_policy(policy, "zero_jax.scan")
   layers = Layers(stacked)
   if not layers.sharded or layers.length == 0:
+    if getattr(_step, "gathered_whole", False) and layers.length:
+      warnings.warn(
+          "zero_jax.scan inside a ZeRO-3 step got no stacked parameter: the step was made "
+          "without stacked=, so it gathered every parameter whole before the loss and this "
+          "loop runs as jax.lax.scan over the whole gathered stack (every layer's weights in "
+          "memory at once, nothing overlapped). Mark the stacked leaves in "
+          "make_sharded_train_step(..., stacked=...) (e.g. stacked={'layers': True, ...}) so "
+          "that zero_jax.scan gathers one layer at a time.", UserWarning, stacklevel=2)
     return _scan_plain(f, init, layers, policy)
   return _scan_sharded(f, init, layers, prefetch, policy)
+
+
+_step = threading.local()  # ``gathered_whole``: a ZeRO-3 step without stacked= runs the loss
+
+
+@contextlib.contextmanager
+def in_step_loss(*, gathered_whole: bool):
+  """Marks the loss being traced by a step (``gathered_whole``: a stage-3 step that gathered
+  every parameter whole, so a `scan` inside gets no stacked parameter: it warns)."""
+  before = getattr(_step, "gathered_whole", False)
+  _step.gathered_whole = gathered_whole
+  try:
+    yield
+  finally:
+    _step.gathered_whole = before
 
 
 def check_prefetch(prefetch, where: str) -> None:

@@ -264,7 +264,8 @@ def _objective(spec: StepSpec, meta, loss_fn, params, frozen, leaves, scale):
     p = _loss_params(spec, meta, treedef, paths, frozen, dict(zip(meta.train_idx, train_leaves)),
                      leaves)
     out = call_loss(loss_fn, p, mb, model_state=ms, rng=key, has_aux=spec.has_aux,
-                    batch_axes=axes, mesh_axes=tuple(spec.mesh.axis_names))
+                    batch_axes=axes, mesh_axes=tuple(spec.mesh.axis_names),
+                    gathered_whole=spec.param_stage == 3 and not any(meta.stacked))
     if out.weight is None:
       denom, w = spec.n_batch * k, None
     else:

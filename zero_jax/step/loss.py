@@ -18,6 +18,7 @@ from flax import nnx, struct
 
 from zero_jax.comm.axes import varying_axes
 from zero_jax.layers import nnx as nnx_lib
+from zero_jax.layers import prefetch
 
 
 @struct.dataclass
@@ -130,7 +131,8 @@ def _axis_error(e: AssertionError, batch_axes, mesh_axes):
 
 
 def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_axes,
-              mesh_axes, check_averaged: bool = True) -> LossOutput:
+              mesh_axes, check_averaged: bool = True, gathered_whole: bool = False
+              ) -> LossOutput:
   """Calls ``loss_fn`` on one device's values and checks what it returns.
 
   Args:
@@ -143,6 +145,7 @@ def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_
     batch_axes: the manual axes the batch is split over (for the checks).
     mesh_axes: all axes of the mesh (for messages).
     check_averaged: check that the loss is not already averaged over devices.
+    gathered_whole: a stage-3 step without stacked leaves (`zero_jax.scan` warns inside).
 
   Returns:
     A `LossOutput`.
@@ -154,7 +157,8 @@ def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_
     kwargs["rng"] = rng
   check_keywords(loss_fn, kwargs)
   try:
-    out = loss_fn(params, batch, **kwargs)
+    with prefetch.in_step_loss(gathered_whole=gathered_whole):
+      out = loss_fn(params, batch, **kwargs)
   except AssertionError as e:
     err = _axis_error(e, batch_axes, mesh_axes)
     if err is None:
