@@ -89,3 +89,9 @@ def test_a_stage_3_step_without_stacked_warns_that_the_loop_gets_the_whole_gathe
   np.testing.assert_allclose(states["unmarked"], states["marked"], rtol=1e-6)
   assert zj.scan(lambda c, w: (c @ w, None), jnp.ones((2, W)),  # outside a step: quiet
                  jnp.ones((LAYERS, W, W)))[0].shape == (2, W)
+  # A loop over what is not a parameter (a sequence, per-layer inputs) is quiet too.
+  steps = lambda x: jnp.broadcast_to(x, (LAYERS, *x.shape))
+  over_time = lambda p, b: jnp.mean(zj.scan(lambda c, x: (jnp.tanh(c @ p["layers"][0] + x), None),
+                                            b["x"], steps(b["x"]))[0] ** 2)
+  step = zj.make_sharded_train_step(over_time, optax.sgd(0.1), mesh=mesh, stage=3)
+  step(step.init(params), batch)

@@ -91,7 +91,7 @@ def scan(f: Callable, init: Any, stacked: Any, *, prefetch: int = 1,
   residuals.check_policy(policy, "zero_jax.scan")
   layers = Layers(stacked)
   if not layers.sharded or layers.length == 0:
-    if getattr(_step, "gathered_whole", False) and layers.length:
+    if any(id(x) in getattr(_step, "whole", ()) for x in layers.leaves):
       warnings.warn(
           "zero_jax.scan inside a ZeRO-3 step got no stacked parameter: the step was made "
           "without stacked=, so it gathered every parameter whole before the loss and this "
@@ -103,19 +103,19 @@ def scan(f: Callable, init: Any, stacked: Any, *, prefetch: int = 1,
   return _scan_sharded(f, init, layers, prefetch, policy)
 
 
-_step = threading.local()  # ``gathered_whole``: a ZeRO-3 step without stacked= runs the loss
+_step = threading.local()  # ``whole``: ids of the parameters a ZeRO-3 step gathered whole
 
 
 @contextlib.contextmanager
-def in_step_loss(*, gathered_whole: bool):
-  """Marks the loss being traced by a step (``gathered_whole``: a stage-3 step that gathered
-  every parameter whole, so a `scan` inside gets no stacked parameter: it warns)."""
-  before = getattr(_step, "gathered_whole", False)
-  _step.gathered_whole = gathered_whole
+def in_step_loss(whole_params):
+  """Marks the loss being traced by a step: ``whole_params``, the parameters of a stage-3
+  step without stacked leaves (gathered whole), or None. A `scan` over one of them warns."""
+  before = getattr(_step, "whole", frozenset())
+  _step.whole = frozenset(map(id, jax.tree.leaves(whole_params)))
   try:
     yield
   finally:
-    _step.gathered_whole = before
+    _step.whole = before
 
 
 def check_prefetch(prefetch, where: str) -> None:

@@ -145,7 +145,8 @@ def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_
     batch_axes: the manual axes the batch is split over (for the checks).
     mesh_axes: all axes of the mesh (for messages).
     check_averaged: check that the loss is not already averaged over devices.
-    gathered_whole: a stage-3 step without stacked leaves (`zero_jax.scan` warns inside).
+    gathered_whole: a stage-3 step without stacked leaves (a `zero_jax.scan` over a
+      parameter warns).
 
   Returns:
     A `LossOutput`.
@@ -157,7 +158,7 @@ def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_
     kwargs["rng"] = rng
   check_keywords(loss_fn, kwargs)
   try:
-    with prefetch.in_step_loss(gathered_whole=gathered_whole):
+    with prefetch.in_step_loss(params if gathered_whole else None):
       out = loss_fn(params, batch, **kwargs)
   except AssertionError as e:
     err = _axis_error(e, batch_axes, mesh_axes)
