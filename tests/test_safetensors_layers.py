@@ -364,3 +364,18 @@ def test_layer_index_of_a_name_under_a_template():
   assert fmt.layer_of("h.{i}.w.{i}", "h.1.w.1") == 1
   assert fmt.layer_of("h.{i}.w.{i}", "h.1.w.2") is None
   assert fmt.layer_of("h.{i}.w", "h.1.w.x") is None
+
+
+def test_layers_sliced_on_their_devices_give_the_same_bytes(tmp_path, monkeypatch):
+  """The path for accelerators (each layer's piece sliced, transposed and converted on its
+  device), forced on CPU: the same files as through numpy views."""
+  from zero_jax.checkpoint import safetensors_write  # pylint: disable=g-import-not-at-top
+  step = make_step("stage3_hpz_2x4")
+  state = step.init(make_params())
+  for views in (True, False):
+    monkeypatch.setattr(safetensors_write, "HOST_VIEWS", views)
+    zj.export_safetensors(step, state, tmp_path / str(views), rename=rename, dtype=jnp.bfloat16,
+                          chunk_bytes=40)
+  assert (tmp_path / "True" / fmt.SINGLE).read_bytes() == \
+      (tmp_path / "False" / fmt.SINGLE).read_bytes()
+  assert_bitwise(read_files(tmp_path / "False"), hub_tensors(make_params(), jnp.bfloat16))
