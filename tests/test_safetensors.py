@@ -580,9 +580,9 @@ def test_an_index_that_places_a_tensor_in_another_file_than_its_header_is_named(
                                        rf"not list for it"):
     zj.load_safetensors(tmp_path, like, step=e["step"], rename=rename)
   edit({**index["weight_map"], name: ["a", "list"]})
-  with pytest.raises(ValueError, match=rf"maps '{name}' to \['a', 'list'\], an array; a weight_map "
-                                       rf"maps each tensor name to the name of its file, a "
-                                       rf"non-empty string"):
+  with pytest.raises(ValueError, match=rf"maps '{name}' to \['a', 'list'\], an array; a "
+                                       rf"weight_map maps each tensor name to the name of its "
+                                       rf"file, a non-empty string"):
     zj.load_safetensors(tmp_path, like, step=e["step"], rename=rename)
 
 

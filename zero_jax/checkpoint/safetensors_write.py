@@ -346,6 +346,18 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
     >>> load_file(os.path.join(path, "model.safetensors"))["dense.weight"].shape
     (5, 3)
 
+    A stacked leaf (``stacked=``: layers along its first dimension) under the Hub's
+    per-layer names, ``{i}`` the layer index:
+
+    >>> step = zj.make_sharded_train_step(lambda p, b: jnp.sum(p["w"]) * b, optax.sgd(0.1),
+    ...                                   mesh=mesh, stage=3, stacked={"w": True})
+    >>> state = step.init({"w": jnp.ones((2, 3, 5))})   # 2 layers of (3, 5)
+    >>> zj.export_safetensors(step, state, path, force=True,
+    ...                       rename=lambda name: ("model.layers.{i}.weight", True))
+    ['model.safetensors']
+    >>> {k: v.shape for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+    {'model.layers.0.weight': (5, 3), 'model.layers.1.weight': (5, 3)}
+
   Args:
     step: the `ShardedTrainStep` that made ``state``.
     state: its `TrainState`.
@@ -354,7 +366,11 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
       ``layers.0.attn.kernel``; NNX Variables without ``.value``) that returns the
       tensor's name, or ``(name, transpose)``: ``transpose=True`` writes a 2-D leaf
       transposed (Flax kernels are ``(in, out)``, PyTorch ``Linear`` weights
-      ``(out, in)``). `load_safetensors` takes the same function back.
+      ``(out, in)``). A name holding ``{i}`` writes a leaf the step holds as a stack of
+      layers (``stacked=``) as one tensor per layer, ``{i}`` the index along its first
+      dimension (``model.layers.{i}.mlp.up_proj.weight``); ``transpose`` then applies to
+      each layer. No other brace may appear in a name. `load_safetensors` takes the same
+      function back.
     dtype: write floating leaves in this dtype (e.g. ``jnp.bfloat16``), converted on
       the devices; default: as ``get_params`` returns them. Other leaves keep theirs.
     max_shard_bytes: start a new file when the next tensor would pass this size
@@ -372,8 +388,9 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
     The names of the files written in ``directory`` (the index last).
 
   Raises:
-    ValueError: ``rename`` maps two leaves to one name, or transposes a leaf
-      that is not 2-D.
+    ValueError: ``rename`` maps two leaves (or layers) to one name, transposes a leaf
+      (a layer) that is not 2-D, returns ``{i}`` for a leaf that is not stacked, or a
+      name with another brace.
     TypeError: ``dtype`` is not floating (a floating leaf would be truncated).
     ValueError: a leaf holds a finite value past ``dtype``'s range (it would be written as
       inf or NaN); nothing is written.
