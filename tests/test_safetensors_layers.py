@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -94,6 +95,10 @@ CONFIGS = {
                                replica_axis="replica"),
     "stage3_hpz_2x4": dict(mesh=((2, 4), ("host", "data")), stage=3,
                            axis_name=("host", "data"), hpz_axis="data"),
+    "stage3_model_4x2": dict(mesh=((4, 2), ("data", "model")), stage=3,  # layers' rows on
+                             param_specs={"embed": P(), "head": P(),     # "model" too
+                                          "layers": {"w": P(None, "model", None), "b": P(),
+                                                     "scale": P()}}),
 }
 
 
