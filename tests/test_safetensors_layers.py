@@ -384,3 +384,27 @@ def test_layers_sliced_on_their_devices_give_the_same_bytes(tmp_path, monkeypatc
   assert (tmp_path / "True" / fmt.SINGLE).read_bytes() == \
       (tmp_path / "False" / fmt.SINGLE).read_bytes()
   assert_bitwise(read_files(tmp_path / "False"), hub_tensors(make_params(), jnp.bfloat16))
+
+
+def test_an_offloaded_master_is_brought_to_each_device_once_for_all_its_layers(
+    tmp_path, monkeypatch):
+  """offload="optimizer" keeps the float32 master in pinned_host: the path for accelerators
+  brings a device's block to the device to slice it, once for all the layers of a leaf (not
+  once per layer), and writes the same bytes."""
+  from zero_jax.checkpoint import safetensors_write  # pylint: disable=g-import-not-at-top
+  params = make_params()
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=jax.make_mesh((8,), ("data",)),
+                                    stage=3, precision="bf16", offload="optimizer",
+                                    stacked=STACKED)
+  state = step.init(params)
+  assert {m.sharding.memory_kind for m in state.master if m is not None} == {"pinned_host"}
+  moves = []
+  put = jax.device_put
+  monkeypatch.setattr(jax, "device_put",
+                      lambda x, *a, **k: (moves.append(x), put(x, *a, **k))[1])
+  monkeypatch.setattr(safetensors_write, "HOST_VIEWS", False)
+  zj.export_safetensors(step, state, tmp_path, rename=rename)
+  assert_bitwise(read_files(tmp_path), hub_tensors(params))
+  # Each block moved once, whatever its layers (the stacked leaves' blocks among them).
+  assert moves and len({id(x) for x in moves}) == len(moves), len(moves)
+  assert any(x.ndim == 3 for x in moves)
