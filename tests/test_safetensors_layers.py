@@ -408,3 +408,21 @@ def test_an_offloaded_master_is_brought_to_each_device_once_for_all_its_layers(
   # Each block moved once, whatever its layers (the stacked leaves' blocks among them).
   assert moves and len({id(x) for x in moves}) == len(moves), len(moves)
   assert any(x.ndim == 3 for x in moves)
+
+
+def test_a_stack_of_no_layers_writes_no_tensor_and_refuses_layers_in_the_files(tmp_path):
+  params = {"s": np.zeros((0, 8), np.float32), "w": np.arange(64, dtype=np.float32).reshape(8, 8)}
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=jax.make_mesh((8,), ("data",)),
+                                    stage=3, stacked={"s": True, "w": False})
+  ren = lambda n: "l.{i}.s" if n == "s" else n
+  zj.export_safetensors(step, step.init(params), tmp_path / "a", rename=ren)
+  assert sorted(read_files(tmp_path / "a")) == ["w"]
+  back = zj.load_safetensors(tmp_path / "a", like_of(params), step=step, rename=ren)
+  assert back["s"].shape == (0, 8) and back["s"].dtype == np.float32
+  np.testing.assert_array_equal(np.asarray(back["w"]), params["w"])
+  _rewrite(tmp_path / "a", tmp_path / "b", lambda t: t.update({"l.0.s": np.zeros(8, np.float32)}))
+  with pytest.raises(ValueError, match=r"holds layers past the 0 of the stacked leaf "
+                                       r"params\['s'\] \(its first dimension\), which reads no "
+                                       r"tensor of 'l.\{i\}.s' \(its first dimension is 0\): "
+                                       r"'l.0.s'. Give `like` a leaf of 1 layers"):
+    zj.load_safetensors(tmp_path / "b", like_of(params), step=step, rename=ren)

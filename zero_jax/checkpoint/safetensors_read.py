@@ -78,7 +78,8 @@ def _check_layers(path, t: fmt.Tensor, ts: list[fmt.Tensor], entries: dict[str, 
   """The per-layer tensors ``ts`` of a stacked leaf (``t``: a layer's tensor, named with
   ``{i}``) all present, of one shape and dtype, and no layer past the leaf's in the files
   (an error with ``strict``, else a warning)."""
-  layers = f"one tensor per layer, {t.name!r} for {{i}} = 0..{len(ts) - 1}"
+  layers = (f"one tensor per layer, {t.name!r} for {{i}} = 0..{len(ts) - 1}" if ts else
+            f"no tensor of {t.name!r} (its first dimension is 0)")
   missing = [u for u in ts if u.name not in entries]
   if missing:
     raise KeyError(
@@ -87,7 +88,7 @@ def _check_layers(path, t: fmt.Tensor, ts: list[fmt.Tensor], entries: dict[str, 
         f"Check that rename= returns the files' per-layer names (the files hold "
         f"{_listing(sorted(entries))}).")
   for what, key in (("shape", lambda e: list(e.shape)), ("dtype", lambda e: e.code)):
-    first = key(entries[ts[0].name])
+    first = key(entries[ts[0].name]) if ts else None
     odd = [u for u in ts if key(entries[u.name]) != first]
     if odd:
       raise ValueError(
