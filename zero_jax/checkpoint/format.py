@@ -26,6 +26,10 @@ GROUPS = ("step", "params", "master", "opt_state", "loss_scale", "model_state", 
 # its group, so the saved leaves keep their keys.
 ADDED_LEAVES = (("loss_scale", ".skipped_in_a_row"),)
 _MAX_LISTED = 12
+_MAY_CHANGE = ("its hyperparameters may change (learning rate, betas, eps, weight decay, int or "
+               "float, a schedule for another schedule), the transformations and the layout of "
+               "their state may not (a schedule in place of a constant learning rate adds a "
+               "step count to the state).")
 
 
 # --------------------------------------------------------------- description
@@ -256,18 +260,13 @@ def check_compatible(saved: dict, mine: dict, where: str) -> None:
                      f"Build the step with the precision= of the saved run (and pass "
                      f"params_like with the dtypes the saved run was initialised with).")
   if saved["opt_signature"] != mine["opt_signature"]:
+    leaves = _leaf_differences("opt_state", sg["opt_state"], mg["opt_state"])
+    listing = f" The leaves that differ:\n{_listing(leaves)}\n" if leaves else " "
     raise ValueError(
         f"{where} was written with a different optimizer: its optimizer state is "
-        f"{saved['opt_signature']}, this step's optimizer makes {mine['opt_signature']}. Build "
-        f"the step with the optimizer the checkpoint was trained with (hyperparameters such as "
-        f"the learning rate may change).")
-  if saved.get("optimizer") and mine.get("optimizer") and saved["optimizer"] != mine["optimizer"]:
-    raise ValueError(
-        f"{where} was written with a different optimizer: its update rule is "
-        f"{saved['optimizer']}, this step's optimizer is {mine['optimizer']} (their states "
-        f"have the same types, as adam, nadam, radam and yogi do, but they update "
-        f"differently). Build the step with the optimizer the checkpoint was trained with "
-        f"(hyperparameters such as the learning rate may change).")
+        f"{saved['opt_signature']}, this step's optimizer makes {mine['opt_signature']}."
+        f"{listing}Build the step with the optimizer the checkpoint was trained with: "
+        f"{_MAY_CHANGE}")
   added = {(g, int(k)) for g, k in added_since(saved, mine)}
   diffs = []
   for g in GROUPS:
@@ -277,5 +276,15 @@ def check_compatible(saved: dict, mine: dict, where: str) -> None:
     if any(d.startswith(("model_state", "rng")) for d in diffs):
       hint = ("\nPass model_state= and rng= to restore shaped like the ones given to "
               "step.init in the saved run (None where it had none).")
+    if any(d.startswith("opt_state") for d in diffs):
+      hint += (f"\nThe optimizer's state has another layout: build the step with the "
+               f"optimizer the checkpoint was trained with: {_MAY_CHANGE}")
     raise ValueError(f"{where} does not match this step's state ({len(diffs)} "
                      f"difference(s)):\n{_listing(diffs)}{hint}")
+  if saved.get("optimizer") and mine.get("optimizer") and saved["optimizer"] != mine["optimizer"]:
+    raise ValueError(
+        f"{where} was written with a different optimizer: its update rule is "
+        f"{saved['optimizer']}, this step's optimizer is {mine['optimizer']} (their states "
+        f"have the same types, as adam, nadam, radam and yogi do, but they update "
+        f"differently). Build the step with the optimizer the checkpoint was trained with: "
+        f"{_MAY_CHANGE}")

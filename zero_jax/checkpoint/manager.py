@@ -329,7 +329,8 @@ class CheckpointManager:
     self._check_open("restore")
     hyperparams_lib.check_choice(hyperparams)
     target = train_step.abstract_state(params_like, model_state=model_state, rng=rng)
-    optimizer = optimizer_signature(_step_optimizer(train_step))
+    optimizer = (optimizer_signature(_step_optimizer(train_step)),
+                 optimizer_signature(_step_optimizer(train_step), legacy=True))
     self._finish()
     self._store.refresh()
     damaged = []
@@ -357,14 +358,19 @@ class CheckpointManager:
         "; ".join(f"step {d} is damaged ({why})" for d, why in damaged) +
         ". Restore from a copy of the directory, or start from step.init(params).")
 
-  def _restore_step(self, step: int, target: TrainState, optimizer: str):
-    """``(state, None)``, or ``(None, what is damaged)``: the same on every process."""
+  def _restore_step(self, step: int, target: TrainState, optimizer: tuple[str, str]):
+    """``(state, None)``, or ``(None, what is damaged)``: the same on every process.
+
+    ``optimizer``: the step's update rule's signature, and the one an older zero_jax gave it.
+    """
     state, (meta, problem) = None, (None, self._problem(step))
     if problem is None:
       meta, problem = store_lib.description_or_problem(self._store, step)
     if problem is None:
       where = f"the checkpoint of step {step} in {self.directory}"
-      into, mine = whole_leaf.read_target(meta, target, optimizer, where)
+      # A checkpoint written before integers were hyperparameters records the older name.
+      rule = optimizer[1] if meta.get("optimizer") == optimizer[1] else optimizer[0]
+      into, mine = whole_leaf.read_target(meta, target, rule, where)
       check_compatible(meta, mine, where)
       if not meta.get("optimizer"):
         warnings.warn(f"{where} does not record its optimizer's update rule (it was written "
