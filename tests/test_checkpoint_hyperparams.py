@@ -107,6 +107,44 @@ def test_resume_with_other_hyperparameters_continues_as_optax_would(tmp_path, ch
   np.testing.assert_allclose(got, want, rtol=0, atol=_tol(lr_max))
 
 
+@pytest.mark.parametrize("choice", ["step", "checkpoint"])
+def test_injected_hyperparameters_saved_as_integers_restore_into_floats(tmp_path, choice):
+  """``inject_hyperparams`` keeps ``learning_rate=1`` and ``b1=0`` as int32 in the state;
+  the step resumed with 0.5 and 0.9 keeps float32 ones. The saved values are read and cast:
+  with ``hyperparams="step"`` the step's are in force, with ``"checkpoint"`` the saved ones
+  (as floats), as optax continues from a state holding those values."""
+  inject = optax.inject_hyperparams(optax.adam)
+  saved_opt, new_opt = inject(learning_rate=1, b1=0), inject(learning_rate=0.5, b1=0.9)
+  step = zj.make_sharded_train_step(loss_fn, saved_opt, mesh=_mesh())
+  state = step.init(params())
+  for i in range(STEPS_BEFORE):
+    state, _ = step(state, batch(i))
+  assert state.opt_state.hyperparams["learning_rate"].dtype == jnp.int32
+  new = zj.make_sharded_train_step(loss_fn, new_opt, mesh=_mesh())
+  with zj.CheckpointManager(tmp_path, async_save=False) as mngr:
+    mngr.save(state)
+    restored = mngr.restore(new, params(), hyperparams=choice)
+  hps = restored.opt_state.hyperparams
+  assert hps["learning_rate"].dtype == hps["b1"].dtype == jnp.float32
+  want_hps = {"step": (0.5, 0.9), "checkpoint": (1.0, 0.0)}[choice]
+  assert (float(hps["learning_rate"]), float(hps["b1"])) == (np.float32(want_hps[0]),
+                                                             np.float32(want_hps[1]))
+  for i in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+    restored, _ = new(restored, batch(i))
+  # Plain optax: the saved optimizer's steps, then the step's with the restored values.
+  p = jax.tree.map(jnp.asarray, params())
+  s = saved_opt.init(p)
+  grad = jax.jit(jax.grad(loss_fn))
+  for i in range(STEPS_BEFORE + STEPS_AFTER):
+    if i == STEPS_BEFORE:
+      s.hyperparams.update({k: jnp.asarray(v, jnp.float32) for k, v in s.hyperparams.items()})
+      s.hyperparams.update(learning_rate=jnp.float32(want_hps[0]), b1=jnp.float32(want_hps[1]))
+    u, s = jax.jit((saved_opt if i < STEPS_BEFORE else new_opt).update)(grad(p, batch(i)), s, p)
+    p = optax.apply_updates(p, u)
+  np.testing.assert_allclose(np.asarray(new.get_params(restored)["w"]), np.asarray(p["w"]),
+                             rtol=0, atol=_tol(1))
+
+
 def _saved(tmp_path, opt):
   step = zj.make_sharded_train_step(loss_fn, opt, mesh=_mesh())
   state, _ = step(step.init(params()), batch(0))

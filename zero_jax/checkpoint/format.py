@@ -209,9 +209,46 @@ def _listing(lines: list[str]) -> str:
   return "\n".join("  " + l for l in shown) + (f"\n  ... and {more} more" if more > 0 else "")
 
 
+def _number_cast(s: dict, e: dict) -> bool:
+  """A scalar ``optax.inject_hyperparams`` value saved as an integer and now a float, or the
+  other way (``learning_rate=1``, then ``0.5``): a hyperparameter, cast on restore."""
+  number = lambda d: (jnp.issubdtype(jnp.dtype(d), jnp.integer)
+                      or jnp.issubdtype(jnp.dtype(d), jnp.floating))
+  return (s["shape"] == e["shape"] == [] and ".hyperparams[" in e["path"]
+          and number(s["dtype"]) and number(e["dtype"]))
+
+
+def hyperparam_casts(saved: dict, mine: dict) -> dict[int, str]:
+  """``{i: dtype}``: the optimizer-state leaves ``i`` of ``mine`` that the checkpoint
+  ``saved`` holds in another dtype ``dtype``, as `_number_cast` allows."""
+  by_path = {e["path"]: e for e in saved["groups"]["opt_state"]}
+  out = {}
+  for i, e in enumerate(mine["groups"]["opt_state"]):
+    s = by_path.get(e["path"])
+    if s is not None and s["dtype"] != e["dtype"] and _number_cast(s, e):
+      out[i] = s["dtype"]
+  return out
+
+
+def with_opt_dtypes(state: TrainState, dtypes: dict) -> TrainState:
+  """``state`` with its optimizer-state leaves ``i`` in ``dtypes[i]`` (shape structs, or
+  arrays cast in place on their sharding)."""
+  if not dtypes:
+    return state
+  leaves, treedef = jax.tree.flatten(state.opt_state)
+
+  def one(x, dtype):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+    return jax.device_put(jnp.asarray(x).astype(dtype), x.sharding)
+  leaves = [one(x, dtypes[i]) if i in dtypes else x for i, x in enumerate(leaves)]
+  return state.replace(opt_state=jax.tree.unflatten(treedef, leaves))
+
+
 def _leaf_differences(group: str, saved: list[dict], mine: list[dict], *,
                       dtypes: bool = True) -> list[str]:
-  """Lines naming leaves missing, unexpected or of another shape (or dtype)."""
+  """Lines naming leaves missing, unexpected or of another shape (or dtype; in the
+  optimizer state, an injected hyperparameter may change between int and float)."""
   s_by = {e["path"]: e for e in saved}
   m_by = {e["path"]: e for e in mine}
   out = []
@@ -220,7 +257,8 @@ def _leaf_differences(group: str, saved: list[dict], mine: list[dict], *,
     if s is None:
       out.append(f"{_name(group, e['path'])}: in this step's state "
                  f"{tuple(e['shape'])} {e['dtype']}, not in the checkpoint")
-    elif s["shape"] != e["shape"] or (dtypes and s["dtype"] != e["dtype"]):
+    elif s["shape"] != e["shape"] or (dtypes and s["dtype"] != e["dtype"] and not (
+        group == "opt_state" and _number_cast(s, e))):
       out.append(f"{_name(group, e['path'])}: checkpoint {tuple(s['shape'])} {s['dtype']}, "
                  f"this step's state {tuple(e['shape'])} {e['dtype']}")
   for e in saved:

@@ -27,8 +27,8 @@ from zero_jax.checkpoint import whole_leaf
 from zero_jax.checkpoint import writer
 from zero_jax.checkpoint.export import export_params  # noqa: F401  (re-exported)
 from zero_jax.checkpoint.format import (  # noqa: F401  (FORMAT, describe: re-exported)
-    FORMAT, added_since, as_arrays, check_compatible, describe, from_items, to_items,
-    zeros_like)
+    FORMAT, added_since, as_arrays, check_compatible, describe, from_items, hyperparam_casts,
+    to_items, with_opt_dtypes, zeros_like)
 from zero_jax.checkpoint.integrity import (  # noqa: F401  (re-exported)
     DamagedCheckpointError, DamagedCheckpointWarning)
 from zero_jax.checkpoint.writer import DirectoryInUseError  # noqa: F401  (re-exported)
@@ -376,7 +376,14 @@ class CheckpointManager:
         warnings.warn(f"{where} does not record its optimizer's update rule (it was written "
                       f"by an older zero_jax, or saved without optimizer=): restoring it into "
                       f"a step with {mine['optimizer']} unchecked.", stacklevel=3)
-      state, problem = self._read_arrays(step, into, added_since(meta, mine))
+      # An injected hyperparameter saved as an int and now a float (or back): read as
+      # saved, then cast to the step's dtype.
+      casts = hyperparam_casts(meta, mine)
+      state, problem = self._read_arrays(step, with_opt_dtypes(into, casts),
+                                         added_since(meta, mine))
+      if state is not None:
+        state = with_opt_dtypes(state, {i: mine["groups"]["opt_state"][i]["dtype"]
+                                        for i in casts})
     if not all_processes_agree(problem is None):
       if problem is None:
         self._unreadable[step] = problem = "another process of the job could not read it"
