@@ -24,6 +24,8 @@ amplifies by at most 1/|g| relative, second order here. Over STEPS = 4 steps:
 |difference| <= STEPS * lr_max * A * 2 K u, with lr_max the larger learning rate.
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,19 +180,29 @@ def test_a_change_of_structure_is_refused_naming_what_differs(tmp_path, saved_op
       mngr.restore(new, params())
 
 
-def test_a_checkpoint_recording_the_older_signature_restores(tmp_path):
-  """Before issue 48, integers were identity: a checkpoint of ``adam(1)`` recorded that
-  name, and still restores into ``adam(1)``."""
-  from zero_jax.step.signature import optimizer_signature
-  with _saved(tmp_path, optax.adam(1)) as mngr:
-    mngr.close()
+def test_a_checkpoint_recording_the_older_signature_restores_and_says_how_to_change(
+    tmp_path):
+  """Before issue 48 integers were part of the recorded update rule: a checkpoint of
+  ``adam(1)`` written then restores into ``adam(1)``; into ``adam(0.5)`` it is refused
+  saying how to move it on (restore, save again), after which it restores into ``adam(0.5)``."""
+  from zero_jax.step.signature import optimizer_signature  # pylint: disable=g-import-not-at-top
+  _saved(tmp_path, optax.adam(1)).close()
   old = optimizer_signature(optax.adam(1), legacy=True)
   assert old != optimizer_signature(optax.adam(1))
-  import json
-  for f in tmp_path.rglob("*.json"):
-    text = f.read_text()
-    if optimizer_signature(optax.adam(1)) in text:
-      f.write_text(text.replace(optimizer_signature(optax.adam(1)), old))
+  (tmp_path / "1" / "zero_jax.files.json").unlink()  # as an older zero_jax wrote it
+  meta_file = tmp_path / "1" / "zero_jax" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  del meta["files_record"], meta["optimizer_record"]
+  meta["optimizer"] = old
+  meta_file.write_text(json.dumps(meta))
+  make = lambda opt: zj.make_sharded_train_step(loss_fn, opt, mesh=_mesh())
   with zj.CheckpointManager(tmp_path) as mngr:
-    assert int(mngr.restore(zj.make_sharded_train_step(loss_fn, optax.adam(1), mesh=_mesh()),
-                            params()).step) == 1
+    with pytest.raises(ValueError, match=r"update rule is scale_by_adam#\w+, this step's "
+                                         r"optimizer is scale_by_adam#.*written by an older "
+                                         r"zero_jax.*mngr.save\(state, force=True\)"):
+      mngr.restore(make(optax.adam(0.5)), params())
+    state = mngr.restore(make(optax.adam(1)), params())
+    assert int(state.step) == 1
+    assert mngr.save(state, force=True)
+    mngr.wait_until_finished()
+    assert int(mngr.restore(make(optax.adam(0.5)), params()).step) == 1

@@ -26,6 +26,14 @@ GROUPS = ("step", "params", "master", "opt_state", "loss_scale", "model_state", 
 # its group, so the saved leaves keep their keys.
 ADDED_LEAVES = (("loss_scale", ".skipped_in_a_row"),)
 _MAX_LISTED = 12
+# 2: integers and the user's own functions are hyperparameters in ``optimizer`` (issue 48);
+# a description without the key recorded them as part of the update rule.
+OPTIMIZER_RECORD = 2
+_OLDER_RECORD = (" This checkpoint was written by an older zero_jax, which counted integer "
+                 "hyperparameters (optax.adam(1)) and the user's own schedule functions as part "
+                 "of the update rule: if only those changed, restore it into a step with the "
+                 "values it was saved with and save it again (mngr.save(state, force=True)); "
+                 "it then restores into the new values.")
 _MAY_CHANGE = ("its hyperparameters may change (learning rate, betas, eps, weight decay, int or "
                "float, a schedule for another schedule), the transformations and the layout of "
                "their state may not (a schedule in place of a constant learning rate adds a "
@@ -131,6 +139,7 @@ def describe(state: TrainState) -> dict:
       "param_storage": _storage_kind(state),
       "opt_signature": _tree_signature(jax.tree.structure(state.opt_state)),
       "optimizer": _optimizer_signature_of_state(state),
+      "optimizer_record": OPTIMIZER_RECORD,
       "groups": groups,
   }
 
@@ -325,4 +334,4 @@ def check_compatible(saved: dict, mine: dict, where: str) -> None:
         f"{saved['optimizer']}, this step's optimizer is {mine['optimizer']} (their states "
         f"have the same types, as adam, nadam, radam and yogi do, but they update "
         f"differently). Build the step with the optimizer the checkpoint was trained with: "
-        f"{_MAY_CHANGE}")
+        f"{_MAY_CHANGE}{_OLDER_RECORD if saved.get('optimizer_record') is None else ''}")

@@ -9,7 +9,7 @@ different optimizers: ``adam``, ``nadam``, ``radam`` and ``yogi`` all keep a
 ``ScaleByAdamState``. A state (or a checkpoint) made by one and run by another
 trains on silently with the wrong update. `optimizer_signature` names the
 optimizer by what it *does*: the functions its ``init``/``update`` are built
-from (``scale_by_adam.<locals>.update_fn``, ...) and the flags and sizes they
+from (``scale_by_adam.<locals>.update_fn``, ...) and the flags they
 close over (``nesterov=True``, strings, dtypes), walking the
 closures of ``chain``, ``masked``, ``multi_transform`` and the like.
 
