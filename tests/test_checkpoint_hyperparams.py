@@ -16,12 +16,13 @@ get bit-identical gradients, and differ at most where the compiler evaluates the
 elementwise update formula differently (an FMA contraction, another association): each of
 the update's at most K = 16 roundings per element may then differ by one rounding, a
 relative difference of at most 2u (u = 2**-24) each, so each step's update differs by at
-most 2 K u |update|, and |update| <= lr * A with A = 4 bounding Adam's normalised step
-(|m_hat / (sqrt(v_hat) + eps)| <= 1 / sqrt(1 - b2) * (1 - b1) / (1 - b1 / sqrt(b2)) < 4 for
-the betas used; SGD's step is lr * |g| <= lr * A as |g| = 2/64 |w - y| < 4 here). A
-parameter difference d changes the next gradient by 2/64 d, which Adam's normalisation
-amplifies by at most 1/|g| relative, second order here. Over STEPS = 4 steps:
-|difference| <= STEPS * lr_max * A * 2 K u, with lr_max the larger learning rate.
+most 2 K u |update|, and |update| <= lr * A with A = 4. For Adam, Kingma & Ba (sec. 2.1)
+bound the step by lr * max(1, (1 - b1) / sqrt(1 - b2)): 3.2 for (0.9, 0.999), 1.5 for
+(0, 0.5); weight decay 0.01 adds lr * 0.01 |w| < 0.1 lr. SGD's step is lr times the trace
+of gradients, at most |g| / (1 - momentum) = 10 |g| with |g| = 2/64 |w - y| < 0.25 (|w|,
+|y| < 4: normal draws of 64 values). A parameter difference d changes the next gradient by
+only 2/64 d (second order in u). Over the 4 steps: |difference| <= 4 * lr_max * A * 2 K u,
+with lr_max the larger learning rate (3e-5 for lr_max 1).
 """
 
 import json
