@@ -153,7 +153,8 @@ def check_stacked_selects(value, stacks, params, *, param_stage: int) -> None:
   shown = ", ".join(paths[:_SHOWN_PATHS]) + (
       f", ... ({len(paths)} leaves)" if len(paths) > _SHOWN_PATHS else "")
   head = (f"stacked={option_repr(value)} marks no parameter as a stack of layers: none of the "
-          f"{len(paths)} leaves is selected. The parameters are: {shown}.")
+          f"{len(paths)} {'leaf' if len(paths) == 1 else 'leaves'} is selected. The "
+          f"parameters are: {shown}.")
   fix = ("Fix it to select the stacked leaves among these paths (a function gets (path, leaf) "
          "for each leaf; nnx.PathContains matches a whole key of the path), or leave stacked= "
          "out if no leaf is a stack of per-layer weights.")
