@@ -203,6 +203,20 @@ def test_export_into_an_existing_path_or_with_empty_leaves_is_refused(tmp_path):
     zj.export_params(tmp_path / "other", {**tree, "e": np.zeros((0, 2), np.float32)})
 
 
+def test_export_of_shapes_without_values_is_refused_naming_the_leaf(tmp_path):
+  """Issue 48: ShapeDtypeStruct leaves failed inside Orbax ("TypeHandler lookup failed")."""
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=_mesh())
+  abstract = jax.eval_shape(step.get_params, step.abstract_state(params()))
+  with pytest.raises(TypeError, match=r"params\['b'\] is a jax.ShapeDtypeStruct \(3,\) float32: "
+                                      r"a shape without values, and export_params writes "
+                                      r"values. Pass arrays, e.g. step.get_params\(state\)"):
+    zj.export_params(tmp_path / "params", abstract)
+  with pytest.raises(TypeError, match=r"params\['w'\]\[1\] is a str, not an array or a "
+                                      r"number.*leave it out"):
+    zj.export_params(tmp_path / "params", {"w": [np.ones(2, np.float32), "kernel"]})
+  assert not (tmp_path / "params").exists()  # refused before anything is written
+
+
 def test_a_state_with_leaves_without_elements_is_saved_and_restored(tmp_path):
   with_empty = {**params(), "e": np.zeros((0, 3), np.float32)}
   loss = lambda p, b: loss_fn(p, b) + jnp.sum(p["e"])

@@ -484,3 +484,33 @@ def _raised(fn):
   except Exception as e:  # pylint: disable=broad-except
     return e
   return None
+
+
+@pytest.mark.parametrize("given", ["SIGUSR1", "USR1", "usr1", signal.SIGUSR1, int(signal.SIGUSR1),
+                                   ["SIGUSR1", signal.SIGTERM], ("USR1",)],
+                         ids=["name", "short_name", "lower_case", "member", "number", "list",
+                              "tuple"])
+def test_signals_are_taken_by_name_number_member_or_a_list_of_them(fresh_watch, given):
+  """Issue 48: ``watch_preemption("SIGUSR1")`` said "'S' is not a signal" (the string was
+  iterated)."""
+  zj.watch_preemption(given)
+  assert signal.getsignal(signal.SIGUSR1) is preemption._on_signal
+  os.kill(os.getpid(), signal.SIGUSR1)
+  time.sleep(0.05)  # the handler runs in this thread, between two bytecodes
+  assert preemption._watch.notice == "SIGUSR1"
+
+
+@pytest.mark.parametrize("given,error,message", [
+    ("SIGFOO", ValueError, r"'SIGFOO' is not a signal name of this platform; pass a "
+                           r"signal.Signals member \(signal.SIGUSR1\), its number \(\d+\), its "
+                           r"name \('SIGUSR1' or 'USR1', any case\), or a list of these"),
+    (["USR1", "TERMINATE"], ValueError, r"'TERMINATE' is not a signal name"),
+    ("KILL", ValueError, r"SIGKILL cannot be caught"),
+    (1.5, TypeError, r"signals=1.5 \(float\) is not a signal; pass a signal.Signals member"),
+    ([None], TypeError, r"None \(NoneType\) is not a signal; pass a signal.Signals member"),
+    ([True], TypeError, r"True \(bool\) is not a signal"),
+    ([], ValueError, r"signals= is empty"),
+], ids=["unknown_name", "unknown_in_list", "uncatchable_name", "float", "none", "bool", "empty"])
+def test_bad_signal_names_say_which_forms_are_taken(fresh_watch, given, error, message):
+  with pytest.raises(error, match=message):
+    zj.watch_preemption(given)

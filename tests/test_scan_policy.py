@@ -115,6 +115,35 @@ def test_a_policy_equals_the_reference_at_every_stage_and_mesh(case):
   check("dots_saveable", case)
 
 
+def odd_calls_policy():
+  """Saves what it is asked about on odd calls only: its answers depend on how often it has
+  been asked, and zj.scan asks about each layer in several traces."""
+  calls = [0]
+
+  def policy(prim, *avals, **params):  # pylint: disable=unused-argument
+    calls[0] += 1
+    return calls[0] % 2 == 1
+  return policy
+
+
+@pytest.mark.parametrize("case", ["s3_sgd_5layers", "s3_adam_prefetch0", "s2_sgd_accum"])
+def test_a_policy_whose_answers_depend_on_call_order_gives_the_reference(case, full_compile):
+  """Issue 48: such a policy failed inside the loop ("dynamic_update_slice update shape must
+  be smaller", an index out of range) where lax.scan over jax.checkpoint runs it. zj.scan
+  asks it once per kind of operation: the numbers are the reference's (lax.scan over
+  jax.checkpoint(policy=) on one device, to this module's tolerance) and policy=None's bit
+  for bit, as for every policy (a recomputed value has the same bits)."""
+  layers, opt, kw = CASES[case]
+  got, losses = run(odd_calls_policy(), layers=layers, opt=opt(), **kw)
+  ref, ref_losses, _ = reference_run(make_loss(odd_calls_policy()), opt(),
+                                     make_params(layers), make_batches())
+  assert_tree_close(got, ref[-1], what=f"odd calls {case} vs reference ")
+  np.testing.assert_allclose(losses, [float(x) for x in ref_losses], rtol=1e-5)
+  keep, keep_losses = run(None, layers=layers, opt=opt(), **kw)
+  assert_tree_close(got, keep, rtol=0, atol=0, what=f"odd calls {case} vs policy=None ")
+  assert losses == keep_losses
+
+
 # ------------------------------------------------------- what the program keeps
 DEEP, WIDE, ROWS = 6, 128, 16
 

@@ -274,6 +274,61 @@ def test_a_scalar_cannot_be_stacked(mesh):
     step.init({"s": np.float32(1.0)})
 
 
+# ------------------------------------------------- a stacked= that selects nothing
+_NO_MATCH = {  # name: (stacked= as the user wrote it, how the message names it)
+    "function": (lambda path, _: jax.tree_util.keystr(path).startswith("['layer']"),
+                 r"stacked=<function <lambda>>"),
+    "all_false_tree": ({"emb": False, "layers": False, "head": False},
+                       r"stacked=\{'emb': False, 'layers': False, 'head': False\}"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_NO_MATCH))
+def test_a_stacked_option_that_selects_nothing_is_an_error_at_stage_3(mesh, case):
+  """Issue 48: at stage 3 such a step gathered every parameter whole, silently."""
+  stacked, named = _NO_MATCH[case]
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3,
+                                    stacked=stacked)
+  message = (named + r" marks no parameter as a stack of layers: none of the 5 leaves is "
+             r"selected. The parameters are: params\['emb'\], params\['head'\], "
+             r"params\['layers'\]\['b'\], params\['layers'\]\['gain'\], "
+             r"params\['layers'\]\['w'\]\. At stage 3 .*memory stage 3 saves would be gone")
+  with pytest.raises(ValueError, match=message):
+    step.init(make_params())
+  with pytest.raises(ValueError, match=message):  # and before anything is allocated
+    step.abstract_state(make_params())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_stacked_option_that_selects_nothing_warns_at_stages_1_and_2(mesh, stage):
+  stacked, named = _NO_MATCH["function"]
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=stage,
+                                    stacked=stacked)
+  with pytest.warns(UserWarning, match=named + r" marks no parameter.*params\['layers'\]\['w'\]"
+                                               r".*at stage 3 it is an error"):
+    step.init(make_params())
+  quiet = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=stage)
+  quiet.init(make_params())  # stacked=None (not given): no warning (filterwarnings=error)
+
+
+def test_an_nnx_filter_that_selects_nothing_is_named_as_written(mesh):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.blocks = nnx.Param(jnp.ones((LAYERS, 4, 4)))
+      self.head = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+
+  step = zj.make_sharded_train_step(lambda m, b: jnp.mean(b["x"] @ m.head.kernel[...]),
+                                    optax.sgd(0.1), mesh=mesh, stage=3,
+                                    stacked=nnx.PathContains("block"))
+  with pytest.raises(ValueError, match=r"stacked=nnx.PathContains\('block', exact=True\) marks "
+                                       r"no parameter.*params\['blocks'\], "
+                                       r"params\['head'\]\['bias'\].*Did you mean "
+                                       r"nnx.PathContains\('blocks'\)\?"):
+    step.init(Model())
+
+
 # -------------------------------------------------------------------- Flax
 class Block(nn.Module):
   @nn.compact

@@ -24,6 +24,23 @@ def _export_registry():
       (jax.Array, th.ArrayHandler(enable_write_sharding_file=False)))
 
 
+_WRITABLE = (jax.Array, np.ndarray, np.number, int, float)
+
+
+def _check_writable(where: str, x) -> None:
+  """Refuses a leaf that holds no values Orbax can write, naming it (``where``)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    raise TypeError(
+        f"{where} is a jax.ShapeDtypeStruct {tuple(x.shape)} {x.dtype}: a shape without "
+        f"values, and export_params writes values. Pass arrays, e.g. step.get_params(state) "
+        f"or a restored state's parameters (an abstract tree such as step.abstract_state's "
+        f"or jax.eval_shape's output is what restore and load_safetensors take as a target).")
+  if not isinstance(x, _WRITABLE):
+    raise TypeError(f"{where} is a {type(x).__name__}, not an array or a number: "
+                    f"export_params writes arrays (jax or NumPy) and numbers. Convert it, or "
+                    f"leave it out of the exported tree.")
+
+
 def _check_export(path: epath.Path, params, force: bool) -> None:
   """Refuses a `TrainState`, a stage-3 state's padded storage (``state.params``, or its host
   copy from ``jax.device_get``), an existing ``path`` (unless ``force``) and leaves Orbax
@@ -51,6 +68,7 @@ def _check_export(path: epath.Path, params, force: bool) -> None:
           f"{tuple(layout.shape)}; exported as it is it would be silently wrong. Pass "
           f"step.get_params(state), or write safetensors from the shards with "
           f"zj.export_safetensors(step, state, directory).")
+    _check_writable(where, x)
     if not np.prod(np.shape(x)):
       raise ValueError(f"{where} has shape {np.shape(x)}, no elements, and an Orbax "
                        f"checkpoint holds no zero-size array. Leave it out of the exported "
@@ -88,7 +106,8 @@ def export_params(directory, params, *, force: bool = False) -> None:
     force: replace an existing directory.
 
   Raises:
-    TypeError: ``params`` is a `TrainState`.
+    TypeError: ``params`` is a `TrainState`, or a leaf is not an array or a number
+      (a ``jax.ShapeDtypeStruct``: a shape without values).
     FileExistsError: ``directory`` exists and ``force`` is False.
     ValueError: a leaf is a stage-3 state's padded storage (``state.params``'s own
       arrays, or the host copies ``jax.device_get(state.params)`` returns for them while

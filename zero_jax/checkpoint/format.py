@@ -26,6 +26,18 @@ GROUPS = ("step", "params", "master", "opt_state", "loss_scale", "model_state", 
 # its group, so the saved leaves keep their keys.
 ADDED_LEAVES = (("loss_scale", ".skipped_in_a_row"),)
 _MAX_LISTED = 12
+# 2: integers and the user's own functions are hyperparameters in ``optimizer`` (issue 48);
+# a description without the key recorded them as part of the update rule.
+OPTIMIZER_RECORD = 2
+_OLDER_RECORD = (" This checkpoint was written by an older zero_jax, which counted integer "
+                 "hyperparameters (optax.adam(1)) and the user's own schedule functions as part "
+                 "of the update rule: if only those changed, restore it into a step with the "
+                 "values it was saved with and save it again (mngr.save(state, force=True)); "
+                 "it then restores into the new values.")
+_MAY_CHANGE = ("its hyperparameters may change (learning rate, betas, eps, weight decay, int or "
+               "float, a schedule for another schedule), the transformations and the layout of "
+               "their state may not (a schedule in place of a constant learning rate adds a "
+               "step count to the state).")
 
 
 # --------------------------------------------------------------- description
@@ -127,6 +139,7 @@ def describe(state: TrainState) -> dict:
       "param_storage": _storage_kind(state),
       "opt_signature": _tree_signature(jax.tree.structure(state.opt_state)),
       "optimizer": _optimizer_signature_of_state(state),
+      "optimizer_record": OPTIMIZER_RECORD,
       "groups": groups,
   }
 
@@ -205,9 +218,46 @@ def _listing(lines: list[str]) -> str:
   return "\n".join("  " + l for l in shown) + (f"\n  ... and {more} more" if more > 0 else "")
 
 
+def _number_cast(s: dict, e: dict) -> bool:
+  """A scalar ``optax.inject_hyperparams`` value saved as an integer and now a float, or the
+  other way (``learning_rate=1``, then ``0.5``): a hyperparameter, cast on restore."""
+  number = lambda d: (jnp.issubdtype(jnp.dtype(d), jnp.integer)
+                      or jnp.issubdtype(jnp.dtype(d), jnp.floating))
+  return (s["shape"] == e["shape"] == [] and ".hyperparams[" in e["path"]
+          and number(s["dtype"]) and number(e["dtype"]))
+
+
+def hyperparam_casts(saved: dict, mine: dict) -> dict[int, str]:
+  """``{i: dtype}``: the optimizer-state leaves ``i`` of ``mine`` that the checkpoint
+  ``saved`` holds in another dtype ``dtype``, as `_number_cast` allows."""
+  by_path = {e["path"]: e for e in saved["groups"]["opt_state"]}
+  out = {}
+  for i, e in enumerate(mine["groups"]["opt_state"]):
+    s = by_path.get(e["path"])
+    if s is not None and s["dtype"] != e["dtype"] and _number_cast(s, e):
+      out[i] = s["dtype"]
+  return out
+
+
+def with_opt_dtypes(state: TrainState, dtypes: dict) -> TrainState:
+  """``state`` with its optimizer-state leaves ``i`` in ``dtypes[i]`` (shape structs, or
+  arrays cast in place on their sharding)."""
+  if not dtypes:
+    return state
+  leaves, treedef = jax.tree.flatten(state.opt_state)
+
+  def one(x, dtype):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+    return jax.device_put(jnp.asarray(x).astype(dtype), x.sharding)
+  leaves = [one(x, dtypes[i]) if i in dtypes else x for i, x in enumerate(leaves)]
+  return state.replace(opt_state=jax.tree.unflatten(treedef, leaves))
+
+
 def _leaf_differences(group: str, saved: list[dict], mine: list[dict], *,
                       dtypes: bool = True) -> list[str]:
-  """Lines naming leaves missing, unexpected or of another shape (or dtype)."""
+  """Lines naming leaves missing, unexpected or of another shape (or dtype; in the
+  optimizer state, an injected hyperparameter may change between int and float)."""
   s_by = {e["path"]: e for e in saved}
   m_by = {e["path"]: e for e in mine}
   out = []
@@ -216,7 +266,8 @@ def _leaf_differences(group: str, saved: list[dict], mine: list[dict], *,
     if s is None:
       out.append(f"{_name(group, e['path'])}: in this step's state "
                  f"{tuple(e['shape'])} {e['dtype']}, not in the checkpoint")
-    elif s["shape"] != e["shape"] or (dtypes and s["dtype"] != e["dtype"]):
+    elif s["shape"] != e["shape"] or (dtypes and s["dtype"] != e["dtype"] and not (
+        group == "opt_state" and _number_cast(s, e))):
       out.append(f"{_name(group, e['path'])}: checkpoint {tuple(s['shape'])} {s['dtype']}, "
                  f"this step's state {tuple(e['shape'])} {e['dtype']}")
   for e in saved:
@@ -256,18 +307,13 @@ def check_compatible(saved: dict, mine: dict, where: str) -> None:
                      f"Build the step with the precision= of the saved run (and pass "
                      f"params_like with the dtypes the saved run was initialised with).")
   if saved["opt_signature"] != mine["opt_signature"]:
+    leaves = _leaf_differences("opt_state", sg["opt_state"], mg["opt_state"])
+    listing = f" The leaves that differ:\n{_listing(leaves)}\n" if leaves else " "
     raise ValueError(
         f"{where} was written with a different optimizer: its optimizer state is "
-        f"{saved['opt_signature']}, this step's optimizer makes {mine['opt_signature']}. Build "
-        f"the step with the optimizer the checkpoint was trained with (hyperparameters such as "
-        f"the learning rate may change).")
-  if saved.get("optimizer") and mine.get("optimizer") and saved["optimizer"] != mine["optimizer"]:
-    raise ValueError(
-        f"{where} was written with a different optimizer: its update rule is "
-        f"{saved['optimizer']}, this step's optimizer is {mine['optimizer']} (their states "
-        f"have the same types, as adam, nadam, radam and yogi do, but they update "
-        f"differently). Build the step with the optimizer the checkpoint was trained with "
-        f"(hyperparameters such as the learning rate may change).")
+        f"{saved['opt_signature']}, this step's optimizer makes {mine['opt_signature']}."
+        f"{listing}Build the step with the optimizer the checkpoint was trained with: "
+        f"{_MAY_CHANGE}")
   added = {(g, int(k)) for g, k in added_since(saved, mine)}
   diffs = []
   for g in GROUPS:
@@ -277,5 +323,15 @@ def check_compatible(saved: dict, mine: dict, where: str) -> None:
     if any(d.startswith(("model_state", "rng")) for d in diffs):
       hint = ("\nPass model_state= and rng= to restore shaped like the ones given to "
               "step.init in the saved run (None where it had none).")
+    if any(d.startswith("opt_state") for d in diffs):
+      hint += (f"\nThe optimizer's state has another layout: build the step with the "
+               f"optimizer the checkpoint was trained with: {_MAY_CHANGE}")
     raise ValueError(f"{where} does not match this step's state ({len(diffs)} "
                      f"difference(s)):\n{_listing(diffs)}{hint}")
+  if saved.get("optimizer") and mine.get("optimizer") and saved["optimizer"] != mine["optimizer"]:
+    raise ValueError(
+        f"{where} was written with a different optimizer: its update rule is "
+        f"{saved['optimizer']}, this step's optimizer is {mine['optimizer']} (their states "
+        f"have the same types, as adam, nadam, radam and yogi do, but they update "
+        f"differently). Build the step with the optimizer the checkpoint was trained with: "
+        f"{_MAY_CHANGE}{_OLDER_RECORD if saved.get('optimizer_record') is None else ''}")

@@ -27,8 +27,8 @@ from zero_jax.checkpoint import whole_leaf
 from zero_jax.checkpoint import writer
 from zero_jax.checkpoint.export import export_params  # noqa: F401  (re-exported)
 from zero_jax.checkpoint.format import (  # noqa: F401  (FORMAT, describe: re-exported)
-    FORMAT, added_since, as_arrays, check_compatible, describe, from_items, to_items,
-    zeros_like)
+    FORMAT, added_since, as_arrays, check_compatible, describe, from_items, hyperparam_casts,
+    to_items, with_opt_dtypes, zeros_like)
 from zero_jax.checkpoint.integrity import (  # noqa: F401  (re-exported)
     DamagedCheckpointError, DamagedCheckpointWarning)
 from zero_jax.checkpoint.writer import DirectoryInUseError  # noqa: F401  (re-exported)
@@ -329,7 +329,8 @@ class CheckpointManager:
     self._check_open("restore")
     hyperparams_lib.check_choice(hyperparams)
     target = train_step.abstract_state(params_like, model_state=model_state, rng=rng)
-    optimizer = optimizer_signature(_step_optimizer(train_step))
+    optimizer = (optimizer_signature(_step_optimizer(train_step)),
+                 optimizer_signature(_step_optimizer(train_step), legacy=True))
     self._finish()
     self._store.refresh()
     damaged = []
@@ -357,20 +358,32 @@ class CheckpointManager:
         "; ".join(f"step {d} is damaged ({why})" for d, why in damaged) +
         ". Restore from a copy of the directory, or start from step.init(params).")
 
-  def _restore_step(self, step: int, target: TrainState, optimizer: str):
-    """``(state, None)``, or ``(None, what is damaged)``: the same on every process."""
+  def _restore_step(self, step: int, target: TrainState, optimizer: tuple[str, str]):
+    """``(state, None)``, or ``(None, what is damaged)``: the same on every process.
+
+    ``optimizer``: the step's update rule's signature, and the one an older zero_jax gave it.
+    """
     state, (meta, problem) = None, (None, self._problem(step))
     if problem is None:
       meta, problem = store_lib.description_or_problem(self._store, step)
     if problem is None:
       where = f"the checkpoint of step {step} in {self.directory}"
-      into, mine = whole_leaf.read_target(meta, target, optimizer, where)
+      # A checkpoint written before integers were hyperparameters records the older name.
+      rule = optimizer[1] if meta.get("optimizer") == optimizer[1] else optimizer[0]
+      into, mine = whole_leaf.read_target(meta, target, rule, where)
       check_compatible(meta, mine, where)
       if not meta.get("optimizer"):
         warnings.warn(f"{where} does not record its optimizer's update rule (it was written "
                       f"by an older zero_jax, or saved without optimizer=): restoring it into "
                       f"a step with {mine['optimizer']} unchecked.", stacklevel=3)
-      state, problem = self._read_arrays(step, into, added_since(meta, mine))
+      # An injected hyperparameter saved as an int and now a float (or back): read as
+      # saved, then cast to the step's dtype.
+      casts = hyperparam_casts(meta, mine)
+      state, problem = self._read_arrays(step, with_opt_dtypes(into, casts),
+                                         added_since(meta, mine))
+      if state is not None:
+        state = with_opt_dtypes(state, {i: mine["groups"]["opt_state"][i]["dtype"]
+                                        for i in casts})
     if not all_processes_agree(problem is None):
       if problem is None:
         self._unreadable[step] = problem = "another process of the job could not read it"

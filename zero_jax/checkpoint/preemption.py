@@ -30,6 +30,8 @@ import signal
 import threading
 from typing import Iterable
 
+import numpy as np
+
 from zero_jax.processes import distributed
 from zero_jax.step.state import TrainState
 
@@ -95,19 +97,49 @@ def _publish() -> None:
   distributed.publish_preemption_notice()
 
 
+_FORMS = (f"a signal.Signals member (signal.SIGUSR1), its number ({int(signal.SIGUSR1)}), "
+          f"its name ('SIGUSR1' or 'USR1', any case), or a list of these")
+
+
 def _as_signal(s) -> signal.Signals:
-  try:
-    sig = signal.Signals(s)
-  except ValueError:
-    raise ValueError(f"watch_preemption: {s!r} is not a signal of this platform; pass "
-                     f"signal.SIGTERM, signal.SIGUSR1, ...") from None
+  """``s`` (a `signal.Signals`, a number or a name with or without ``SIG``) as a signal."""
+  if isinstance(s, str):
+    name = s.strip().upper()
+    name = name if name.startswith("SIG") else "SIG" + name
+    if name not in signal.Signals.__members__:
+      raise ValueError(f"watch_preemption: {s!r} is not a signal name of this platform; pass "
+                       f"{_FORMS}: e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT.")
+    sig = signal.Signals[name]
+  elif isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)):
+    raise TypeError(f"watch_preemption: {s!r} ({type(s).__name__}) is not a signal; pass "
+                    f"{_FORMS}.")
+  else:
+    try:
+      sig = signal.Signals(int(s))
+    except ValueError:
+      raise ValueError(f"watch_preemption: {s!r} is not a signal of this platform; pass "
+                       f"{_FORMS}.") from None
   if sig in (signal.SIGKILL, signal.SIGSTOP):
     raise ValueError(f"watch_preemption: {sig.name} cannot be caught; a preemption notice is "
                      f"a signal such as SIGTERM, SIGUSR1 or SIGINT.")
   return sig
 
 
-def watch_preemption(signals: int | Iterable[int] = (signal.SIGTERM,)) -> None:
+def _as_signals(signals) -> list[signal.Signals]:
+  """The signals of ``watch_preemption(signals)``: one signal, or an iterable of them."""
+  if isinstance(signals, (str, int, np.integer)):
+    return [_as_signal(signals)]
+  try:
+    given = list(signals)
+  except TypeError:
+    raise TypeError(f"watch_preemption: signals={signals!r} ({type(signals).__name__}) is "
+                    f"not a signal; pass {_FORMS}.") from None
+  if not given:
+    raise ValueError(f"watch_preemption: signals= is empty; pass {_FORMS} (default: SIGTERM).")
+  return [_as_signal(s) for s in given]
+
+
+def watch_preemption(signals: int | str | Iterable[int | str] = (signal.SIGTERM,)) -> None:
   """From now on, ``signals`` are a preemption notice instead of a kill.
 
   A notice on any process makes `CheckpointManager.reached_preemption` return
@@ -146,13 +178,15 @@ def watch_preemption(signals: int | Iterable[int] = (signal.SIGTERM,)) -> None:
 
   Args:
     signals: the signal, or signals, that give notice (default: SIGTERM, what
-      SLURM and Kubernetes send).
+      SLURM and Kubernetes send): `signal.Signals` members, numbers or names
+      (``"SIGUSR1"``, or ``"USR1"`` as SLURM's ``--signal=USR1@120`` writes it).
 
   Raises:
     ValueError: a signal cannot be caught (SIGKILL, SIGSTOP) or does not exist.
+    TypeError: a signal is neither a number nor a name.
     RuntimeError: called from another thread than the main thread.
   """
-  sigs = [_as_signal(s) for s in ([signals] if isinstance(signals, int) else signals)]
+  sigs = _as_signals(signals)
   if threading.current_thread() is not threading.main_thread():
     raise RuntimeError("watch_preemption (and the first reached_preemption) must run in the "
                        "main thread, where Python delivers signals; call "

@@ -93,8 +93,9 @@ def scan(f: Callable, init: Any, stacked: Any, *, prefetch: int = 1,
   if not layers.sharded or layers.length == 0:
     if any(id(x) in getattr(_step, "whole", ()) for x in layers.leaves):
       warnings.warn(
-          "zero_jax.scan inside a ZeRO-3 step got no stacked parameter: the step was made "
-          "without stacked=, so it gathered every parameter whole before the loss and this "
+          "zero_jax.scan inside a ZeRO-3 step got no stacked parameter: the step marks no "
+          "leaf stacked= (it was made without stacked=, or with one that selects no leaf), "
+          "so it gathered every parameter whole before the loss and this "
           "loop runs as jax.lax.scan over the whole gathered stack (every layer's weights in "
           "memory at once, nothing overlapped). Mark the stacked leaves in "
           "make_sharded_train_step(..., stacked=...) (e.g. stacked={'layers': True, ...}) so "

@@ -74,6 +74,39 @@ def _a_matmul():
   return eqn.primitive, [v.aval for v in eqn.invars], dict(eqn.params)
 
 
+def _hashable(x):
+  """``x`` if it can key a dict, else its ``repr`` (a jaxpr in a call's params)."""
+  try:
+    hash(x)
+    return x
+  except TypeError:
+    return ("repr", repr(x))
+
+
+class Decided:
+  """A ``jax.checkpoint`` policy asked once per kind of operation, its answer then reused.
+
+  `zero_jax.scan` traces each layer more than once (`plan`, the forward loop, the backward
+  loop), and each trace asks the policy about every operation again. A policy whose answers
+  depend on the order of the calls (one that counts them) would save other residuals in each
+  trace, and the buffers planned for them would not fit. Asked through this wrapper, a
+  policy answers the same for the same primitive, operand types and parameters in every
+  trace; a policy that depends only on those (every one of ``jax.checkpoint_policies``)
+  answers as it would alone.
+  """
+
+  def __init__(self, policy):
+    self.policy = policy
+    self.answers: dict = {}
+
+  def __call__(self, prim, *avals, **params):
+    key = (prim, tuple(map(_hashable, avals)),
+           tuple(sorted((k, _hashable(v)) for k, v in params.items())))
+    if key not in self.answers:
+      self.answers[key] = self.policy(prim, *avals, **params)
+    return self.answers[key]
+
+
 def split(flat: list, sizes: list[int]) -> list[list]:
   """``flat`` cut into consecutive lists of ``sizes``."""
   out, at = [], 0
@@ -176,7 +209,8 @@ class Linear(NamedTuple):
 def plan(fn: Callable, args: list[list], diff: list[list], policy) -> Linear:
   """`Linear` for ``fn`` at ``args`` (traced once, nothing computed): which residuals are
   inputs, carry-free or saved."""
-  lin = Linear(fn, tuple(map(len, args)), tuple(sum(diff, [])), policy)
+  lin = Linear(fn, tuple(map(len, args)), tuple(sum(diff, [])),
+               policy if policy is KEEP else Decided(policy))
   flat, n_carry = sum(args, []), len(args[0])
   found: dict = {}
 

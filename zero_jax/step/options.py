@@ -14,6 +14,7 @@ step's mesh, or boxed in Linen ``nn.Partitioned`` with mesh-axis names. Errors n
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -117,6 +118,58 @@ def stacked_flags(value, params) -> tuple:
                        f"layers along its first dimension. Mark it False.")
     flags.append(bool(f))
   return tuple(flags)
+
+
+_SHOWN_PATHS = 8
+
+
+def option_repr(value, limit: int = 120) -> str:
+  """A per-leaf option as the user wrote it: ``nnx.PathContains('block', exact=True)``, the
+  function's name, or the tree's ``repr`` (cut at ``limit`` characters)."""
+  if nnx_lib.is_nnx_filter(value):
+    text = nnx_lib.filter_repr(value)
+    return "nnx." + text if type(value).__module__ == nnx_lib.filterlib.__name__ else text
+  if callable(value) and hasattr(value, "__qualname__"):
+    return f"<function {value.__qualname__}>"
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_stacked_selects(value, stacks, params, *, param_stage: int) -> None:
+  """``stacked=`` given (not None) that marks no leaf: an error where the parameters are
+  gathered in the loss (``param_stage`` 3: the loop over layers is what it is for), a
+  warning otherwise. Both name the option as given and show the parameters' paths.
+
+  Args:
+    value: ``stacked=`` as the user gave it.
+    stacks: `stacked_flags` of it, one bool per params leaf.
+    params: the parameter tree (or a module's variables).
+    param_stage: the step's `zero_jax.step.spec.StepSpec.param_stage`.
+  """
+  if value is None or any(stacks):
+    return
+  keypaths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  paths = [f"params{jax.tree_util.keystr(p)}".removesuffix(".value") for p in keypaths]
+  shown = ", ".join(paths[:_SHOWN_PATHS]) + (
+      f", ... ({len(paths)} leaves)" if len(paths) > _SHOWN_PATHS else "")
+  head = (f"stacked={option_repr(value)} marks no parameter as a stack of layers: none of the "
+          f"{len(paths)} {'leaf' if len(paths) == 1 else 'leaves'} is selected. The "
+          f"parameters are: {shown}.")
+  fix = ("Fix it to select the stacked leaves among these paths (a function gets (path, leaf) "
+         "for each leaf; nnx.PathContains matches a whole key of the path), or leave stacked= "
+         "out if no leaf is a stack of per-layer weights.")
+  key = getattr(value, "key", None) if type(value).__name__ == "PathContains" else None
+  if isinstance(key, str):
+    names = {getattr(e, "key", getattr(e, "name", None)) for p in keypaths for e in p}
+    near = sorted(n for n in names if isinstance(n, str) and key in n and n != key)
+    if near:
+      fix = f"Did you mean nnx.PathContains({near[0]!r})? " + fix
+  if param_stage == 3:
+    raise ValueError(f"{head} At stage 3 the step would gather every parameter whole before "
+                     f"the loss, and zero_jax.scan would loop over the whole stack: the "
+                     f"memory stage 3 saves would be gone. {fix}")
+  warnings.warn(f"{head} At stages 1-2 this changes only how the optimizer state is split; "
+                f"at stage 3 it is an error. {fix}", UserWarning, stacklevel=4)
 
 
 def whole_leaf_flags(value, params, trainable) -> tuple:

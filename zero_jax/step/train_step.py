@@ -30,7 +30,7 @@ from zero_jax.step import state as st
 from zero_jax.step import update as update_lib
 from zero_jax.comm.collectives import DEFAULT_BUCKET_BYTES, Quantize
 from zero_jax.step.monitor import StallWatch
-from zero_jax.step.options import LeafOptions
+from zero_jax.step.options import LeafOptions, check_stacked_selects
 from zero_jax.step.spec import StepSpec, make_spec, parse_loss_scale
 from zero_jax.step.signature import as_transformation
 from zero_jax.step.state import StateMeta, TrainState
@@ -81,6 +81,8 @@ class ShardedTrainStep:
     layers.check_boxes(self.spec, params)
     treedef, meta = st.build_meta(self.spec, self.optimizer, params, self.leaf_options,
                                   module=module)
+    check_stacked_selects(self.leaf_options.stacked, meta.stacked, params,
+                          param_stage=self.spec.param_stage)
     self._metas[id(meta)] = meta
     return treedef, meta
 
