@@ -92,3 +92,193 @@ def test_stage3_lookup_equals_single_device_reference(name, loss_fn, opt):
   ref, ref_losses, _ = reference_run(loss_fn, OPTIMIZERS[opt](), make_params(), batches)
   assert_tree_close(step.get_params(state), ref[-1], what=f"{name} {opt}")
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def _bf16(loss_fn):
+  """The loss as the bf16 policy runs it on one device: parameters rounded to bf16."""
+  return lambda p, b: loss_fn(jax.tree.map(lambda x: x.astype(jnp.bfloat16), p), b)
+
+
+def test_stage3_lookup_in_bf16_equals_the_rounded_reference():
+  # bf16 rounds each value the loss computes to u = 2**-8 relative, and the step sums the
+  # rows' gradients (repeated ids: up to 19 times) and the devices' partial sums in another
+  # order than one device: a chain of ~10 roundings, so the update agrees to about 10u ~ 4%
+  # of its size; 6% of the largest change bounds it. A gradient summed twice (100%) or a
+  # wrong row fails. Plain SGD only: Adam divides each gradient by its own size, so a
+  # gradient element near zero whose rounding differs moves by up to the learning rate
+  # (fp32 Adam is tested above).
+  batches = make_batches(every_row=True)
+  step, state, losses = train(untied_loss, OPTIMIZERS["sgd"](), batches, stage=3,
+                              lookup=LOOKUP, precision="bf16")
+  ref, ref_losses, _ = reference_run(_bf16(untied_loss), OPTIMIZERS["sgd"](), make_params(),
+                                     batches)
+  got, p0 = step.get_params(state), make_params()
+  for k in p0:
+    moved = np.abs(ref[-1][k] - p0[k]).max()
+    np.testing.assert_allclose(got[k], ref[-1][k], rtol=0, atol=0.06 * moved, err_msg=k)
+  np.testing.assert_allclose(losses, [float(x) for x in ref_losses], rtol=2 ** -8 * 4)
+
+
+# ------------------------------------------------------------ what moves
+BIG_V = 1000  # the table (16000 elements) is far bigger than the rows looked up (192)
+
+
+def lookup_only_loss(p, b):
+  h = jnp.tanh(zj.take(p["embed"], b["ids"]) @ p["w"] + p["b"])
+  return jnp.mean((h - 1.0) ** 2)
+
+
+def indexing_loss(p, b):  # the same, with the table gathered whole for table[ids]
+  h = jnp.tanh(p["embed"][b["ids"]] @ p["w"] + p["b"])
+  return jnp.mean((h - 1.0) ** 2)
+
+
+def _compiled(loss_fn, **kw):
+  r = np.random.default_rng(2)
+  params = {"embed": r.normal(size=(BIG_V, D)).astype(np.float32),
+            "w": r.normal(size=(D, D)).astype(np.float32), "b": np.zeros(D, np.float32)}
+  batch = {"ids": r.integers(0, BIG_V, size=(BATCH, T)).astype(np.int32)}
+  step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=jax.make_mesh((8,), ("data",)),
+                                    stage=3, **kw)
+  return step.lower(step.abstract_state(params), batch).compile().as_text()
+
+
+def test_a_table_only_looked_up_never_moves_whole():
+  colls = collectives(_compiled(lookup_only_loss, lookup={"embed": True, "w": False,
+                                                          "b": False}))
+  size = lambda t: sum(int(np.prod(s)) for s in shapes_in(t))  # a tuple's parts together
+  # Each device's rows [2 examples, 6 ids, 16 features] travel as an all-to-all of
+  # 8 x [1, 2, 6, 2 features], once each way (rows, then their gradients), its ids as an
+  # all-gather of 8 x 12 ints; the largest other collective is the dense layer's bucket
+  # (16 x 16 + 16). Not the table's 16000 values, nor its block (2000).
+  assert [size(t) for o, t, _ in colls if o == "all-to-all"] == [BATCH // 8 * T * D] * 2
+  assert max(size(t) for _, t, _ in colls) <= D * (D + 1) < BIG_V * D // 8, colls
+  # Without lookup=, the table is gathered whole (and its gradient reduce-scattered).
+  plain = collectives(_compiled(indexing_loss))
+  assert any(o == "all-gather" and size(t) >= BIG_V * D for o, t, _ in plain), plain
+
+
+# ------------------------------------------------------------ every stage, every id
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lookup_is_accepted_at_stages_1_and_2_where_take_indexes(stage):
+  batches = make_batches(2, every_row=True)
+  step, state, losses = train(tied_loss, optax.sgd(0.5), batches, stage=stage, lookup=LOOKUP)
+  ref, ref_losses, _ = reference_run(tied_loss, optax.sgd(0.5), make_params(), batches)
+  assert_tree_close(step.get_params(state), ref[-1], what=f"stage {stage}")
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_out_of_range_and_negative_ids_read_as_table_ids():
+  # ids as table[ids] reads them: negative from the end, others clamped to the first or
+  # last row; the same rows (and gradients) at stage 3 as on one device.
+  table = jnp.arange(5.0 * 3).reshape(5, 3)
+  ids = jnp.array([[-1, -5, -6, -100], [0, 4, 5, 1 << 30]])
+  np.testing.assert_array_equal(zj.take(table, ids), table[ids])
+  np.testing.assert_array_equal(zj.take(np.asarray(table), np.asarray(ids)), table[ids])
+  batches = make_batches(2)
+  for b in batches:
+    b["ids"][:, 0], b["ids"][:, 1], b["ids"][:, 2] = -1, V + 3, -V - 4
+  step, state, losses = train(untied_loss, optax.sgd(0.5), batches, stage=3, lookup=LOOKUP)
+  ref, ref_losses, _ = reference_run(untied_loss, optax.sgd(0.5), make_params(), batches)
+  assert_tree_close(step.get_params(state), ref[-1], what="out of range")
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_a_feature_dimension_that_needs_padding_and_constant_ids():
+  # 12 features are padded to 16 on 8 devices; position ids are the same on every device
+  # (not device-varying), each device still gets its own rows.
+  def loss_fn(p, b):
+    pos = zj.take(p["pos"], jnp.arange(T))            # [T, 12], same ids everywhere
+    h = jnp.tanh(zj.take(p["embed"], b["ids"]) + pos) @ p["w"]
+    return optax.softmax_cross_entropy_with_integer_labels(h @ p["head"], b["y"]).mean()
+  r = np.random.default_rng(3)
+  params = {"embed": r.normal(size=(V, 12)).astype(np.float32),
+            "pos": r.normal(size=(T, 12)).astype(np.float32),
+            "w": r.normal(size=(12, 12)).astype(np.float32) * 0.3,
+            "head": r.normal(size=(12, V)).astype(np.float32) * 0.3}
+  batches = make_batches(2)
+  lookup = {"embed": True, "pos": True, "w": False, "head": False}
+  step, state, _ = train(loss_fn, optax.sgd(0.5), batches, stage=3, lookup=lookup,
+                         params=params)
+  assert state.meta.param_layouts[0] == zj.Layout((V, 12), 1, 16)  # rows whole
+  ref, _, _ = reference_run(loss_fn, optax.sgd(0.5), params, batches)
+  assert_tree_close(step.get_params(state), ref[-1], what="padded")
+
+
+# ------------------------------------------------------------ NNX
+class TinyLM(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    self.lin = nnx.Linear(D, D, rngs=rngs)
+
+
+def nnx_loss(model, b):
+  h = jnp.tanh(model.lin(zj.take(model.embed.embedding, b["ids"])))
+  logits = h @ zj.gather(model.embed.embedding).T     # tied, as nnx.Embed.attend
+  return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+
+def test_nnx_embed_marked_by_a_filter():
+  batches = make_batches(2, every_row=True)
+  mesh = jax.make_mesh((8,), ("data",))
+  step = zj.make_sharded_train_step(nnx_loss, optax.sgd(0.5), mesh=mesh, stage=3,
+                                    lookup=nnx.PathContains("embed"))
+  state = step.init(TinyLM(nnx.Rngs(0)))
+  for b in batches:
+    state, _ = step(state, b)
+  got = nnx.state(step.get_model(state), nnx.Param)
+  model = TinyLM(nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  ref, _, _ = reference_run(lambda p, b: nnx_loss(nnx.merge(graphdef, p), b), optax.sgd(0.5),
+                            params, batches)
+  assert_tree_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, ref[-1]),
+                    what="nnx")
+
+
+# ------------------------------------------------------------ errors
+def _step(loss_fn, **kw):
+  kw.setdefault("stage", 3)
+  return zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=jax.make_mesh((8,), ("data",)),
+                                    **kw)
+
+
+def _run(step, params=None):
+  state = step.init(make_params() if params is None else params)
+  return step(state, make_batches(1)[0])
+
+
+def test_lookup_selecting_nothing_names_the_option_as_written():
+  none = {"embed": False, "w": False, "b": False, "head": False}
+  with pytest.raises(ValueError, match=r"lookup=\{'embed': False, .* selects no parameter"):
+    _step(untied_loss, lookup=none).init(make_params())
+  with pytest.raises(ValueError, match=r"lookup=PathContains.*selects no parameter"):
+    _step(nnx_loss, lookup=nnx.PathContains("embd")).init(TinyLM(nnx.Rngs(0)))
+
+
+def test_take_on_a_leaf_not_marked_lookup_names_it():
+  with pytest.raises(TypeError, match=r"params\['embed'\], which is not marked lookup="):
+    _run(_step(untied_loss))
+  with pytest.raises(TypeError, match=r"params\['embed'\]\['embedding'\].*not marked lookup"):
+    step = _step(nnx_loss)
+    step(step.init(TinyLM(nnx.Rngs(0))), make_batches(1)[0])
+
+
+def test_a_lookup_table_used_as_an_array_or_indexed_names_the_fix():
+  with pytest.raises(TypeError, match=r"params\['embed'\] is a lookup table.*zj.take"):
+    _run(_step(indexing_loss, lookup={"embed": True, "w": False, "b": False}),
+         {k: v for k, v in make_params().items() if k != "head"})
+  with pytest.raises(TypeError, match=r"params\['embed'\] is a lookup table.*zj.gather"):
+    _run(_step(lambda p, b: jnp.mean(p["embed"] @ p["w"]), lookup=LOOKUP))
+
+
+def test_ids_that_are_not_integers_are_refused():
+  with pytest.raises(TypeError, match=r"zj.take\(params\['embed'\], ids\).*float32"):
+    _run(_step(lambda p, b: untied_loss(p, {**b, "ids": b["ids"].astype(jnp.float32)}),
+               lookup=LOOKUP))
+  with pytest.raises(TypeError, match=r"bool.*must be integers"):
+    zj.take(jnp.zeros((4, 2)), jnp.array([True, False]))
+
+
+def test_a_leaf_both_stacked_and_lookup_is_refused():
+  with pytest.raises(ValueError, match=r"lookup and stacked both mark params\['embed'\]"):
+    _step(untied_loss, lookup=LOOKUP, stacked=LOOKUP).init(make_params())
