@@ -282,3 +282,18 @@ def test_ids_that_are_not_integers_are_refused():
 def test_a_leaf_both_stacked_and_lookup_is_refused():
   with pytest.raises(ValueError, match=r"lookup and stacked both mark params\['embed'\]"):
     _step(untied_loss, lookup=LOOKUP, stacked=LOOKUP).init(make_params())
+
+
+def test_quantize_leaves_the_looked_up_rows_exact():
+  # qwZ/qgZ round what weight gathers and gradient reduce-scatters carry (1/127 of a block's
+  # largest value); take moves rows and their gradients by all-to-all, exact: a table that
+  # is only looked up trains as on one device, to fp32 rounding.
+  def loss_fn(p, b):
+    return jnp.mean((zj.take(p["embed"], b["ids"]) - 1.0) ** 2)
+  params = {"embed": make_params()["embed"]}
+  batches = make_batches(2, every_row=True)
+  step, state, losses = train(loss_fn, optax.sgd(0.5), batches, stage=3, params=params,
+                              lookup={"embed": True}, quantize=zj.Quantize(block_size=8))
+  ref, ref_losses, _ = reference_run(loss_fn, optax.sgd(0.5), params, batches)
+  assert_tree_close(step.get_params(state), ref[-1], what="quantize")
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
