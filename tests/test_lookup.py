@@ -297,3 +297,12 @@ def test_quantize_leaves_the_looked_up_rows_exact():
   ref, ref_losses, _ = reference_run(loss_fn, optax.sgd(0.5), params, batches)
   assert_tree_close(step.get_params(state), ref[-1], what="quantize")
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_an_nnx_embed_called_directly_names_take():
+  def loss(model, b):
+    return jnp.mean(jnp.tanh(model.lin(model.embed(b["ids"]))) ** 2)
+  step = _step(loss, lookup=nnx.PathContains("embed"))
+  with pytest.raises(TypeError, match=r"\['embed'\]\['embedding'\].*is a lookup table.*"
+                                      r"zj.take\(model.embed.embedding, ids\)"):
+    step(step.init(TinyLM(nnx.Rngs(0))), make_batches(1)[0])

@@ -29,7 +29,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from zero_jax.comm.axes import axes_size, make_varying
+from zero_jax.comm.axes import axes_size
 from zero_jax.comm.layout import unpad
 from zero_jax.layers.stacked import ShardedParam
 
@@ -56,7 +56,9 @@ class LookupTable(ShardedParam):
     raise TypeError(
         f"params{self.path} is a lookup table (lookup=) and was indexed (table[...]); at "
         f"stage 3 it stays split: look rows up with zj.take(table, ids) (it equals "
-        f"table[ids]), or index zj.gather(table).")
+        f"table[ids]), or index zj.gather(table). An nnx.Embed indexes its table when called "
+        f"(model.embed(ids), model.embed.attend(x)): call zj.take(model.embed.embedding, ids) "
+        f"and use zj.gather(model.embed.embedding) for attend.")
 
   def __repr__(self):
     return f"LookupTable(params{self.path}, shape={self.shape}, layout={self.layout})"
@@ -159,7 +161,6 @@ def _split_take(table: LookupTable, ids):
   block, layout, axes = table.block, table.layout, table.comm.gather_axes
   if layout.dim is None or axes_size(axes) == 1:  # the whole leaf is here
     return unpad(jnp.take(block, ids, axis=0), _shifted(layout, ids.ndim))
-  ids = make_varying(ids, axes)  # constant ids (positions) too: each device's own
   every = jax.lax.all_gather(ids, axes, axis=0, tiled=False)  # [n, *ids.shape]
   rows = jnp.take(block, every, axis=0)  # [n, *ids.shape, *block.shape[1:]]
   dim = ids.ndim + layout.dim  # the split dimension in ``rows``
