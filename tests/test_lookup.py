@@ -26,6 +26,7 @@ from _feature_helpers import assert_tree_close, collectives, reference_run, shap
 V, D, T, BATCH, STEPS = 37, 16, 6, 16, 3
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.5), "adam": lambda: optax.adam(1e-2)}
 LOOKUP = {"embed": True, "w": False, "b": False, "head": False}
+ALL = {"embed": True, "w": True, "b": True, "head": True}
 
 
 def make_params(d=D):
@@ -306,3 +307,51 @@ def test_an_nnx_embed_called_directly_names_take():
   with pytest.raises(TypeError, match=r"\['embed'\]\['embedding'\].*is a lookup table.*"
                                       r"zj.take\(model.embed.embedding, ids\)"):
     step(step.init(TinyLM(nnx.Rngs(0))), make_batches(1)[0])
+
+
+# ------------------------------------------------------------ with the step's other options
+@pytest.mark.parametrize("kw", [{"stage": 3, "gather_once": True, "grad_accum_steps": 2},
+                                {"stage": 3, "trainable": {**ALL, "embed": False}},
+                                {"stage": 3, "trainable": {**ALL, "w": False}}],
+                         ids=["gather_once", "frozen_table", "frozen_dense"])
+def test_lookup_with_gather_once_and_frozen_leaves(kw):
+  batches = make_batches(2, every_row=True)
+  step, state, losses = train(tied_loss, optax.sgd(0.5), batches, lookup=LOOKUP, **kw)
+  mask = kw.get("trainable")
+  ref, ref_losses, _ = reference_run(tied_loss, optax.sgd(0.5), make_params(), batches,
+                                     mask=mask)
+  assert_tree_close(step.get_params(state), ref[-1], what=str(kw))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_a_checkpoint_moves_between_lookup_and_plain_steps(tmp_path):
+  # The table is split along another dimension with lookup= than without: a checkpoint
+  # restores across (the logical leaf is what is saved), and training continues alike.
+  batches = make_batches(3, every_row=True)
+  step3, state3, _ = train(untied_loss, optax.adam(1e-2), batches[:2], stage=3, lookup=LOOKUP)
+  with zj.CheckpointManager(tmp_path / "ck") as mngr:
+    mngr.save(state3, force=True)
+  plain = zj.make_sharded_train_step(untied_loss, optax.adam(1e-2), stage=2,
+                                     mesh=jax.make_mesh((8,), ("data",)))
+  with zj.CheckpointManager(tmp_path / "ck") as mngr:
+    restored = mngr.restore(plain, make_params())
+  assert_tree_close(plain.get_params(restored), step3.get_params(state3), rtol=0, atol=0)
+  restored, _ = plain(restored, batches[2])
+  state3, _ = step3(state3, batches[2])
+  assert_tree_close(plain.get_params(restored), step3.get_params(state3), what="continued")
+
+
+def test_a_state_made_without_lookup_is_refused_naming_the_leaf():
+  step = _step(untied_loss, lookup=LOOKUP)
+  other = _step(untied_loss).init(make_params())
+  with pytest.raises(ValueError, match=r"lookup= differs for params\['embed'\]"):
+    step(other, make_batches(1)[0])
+
+
+def test_memory_report_takes_lookup():
+  shapes = {"embed": jax.ShapeDtypeStruct((50257, 12), jnp.float32)}
+  plain = zj.memory_report(shapes, optax.sgd(0.1), n_devices=8, stages=(3,))
+  looked = zj.memory_report(shapes, optax.sgd(0.1), n_devices=8, stages=(3,),
+                            lookup={"embed": True})
+  # 12 features padded to 16 with lookup= (rows whole); 12 exactly without (rows split, 50264)
+  assert looked[3].params == 50257 * 2 * 4 and plain[3].params == 50264 // 8 * 12 * 4
