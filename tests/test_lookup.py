@@ -185,23 +185,28 @@ def test_out_of_range_and_negative_ids_read_as_table_ids():
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
-def test_a_feature_dimension_that_needs_padding_and_constant_ids():
+def test_a_feature_dimension_that_needs_padding_constant_ids_and_a_1d_table():
   # 12 features are padded to 16 on 8 devices; position ids are the same on every device
-  # (not device-varying), each device still gets its own rows.
+  # (not device-varying), each device still gets its own rows; a table of one dimension (a
+  # bias per token) has nothing to split: it is whole on every device.
   def loss_fn(p, b):
     pos = zj.take(p["pos"], jnp.arange(T))            # [T, 12], same ids everywhere
     h = jnp.tanh(zj.take(p["embed"], b["ids"]) + pos) @ p["w"]
-    return optax.softmax_cross_entropy_with_integer_labels(h @ p["head"], b["y"]).mean()
+    logits = h @ p["head"] + zj.take(p["bias"], b["ids"])[..., None]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
   r = np.random.default_rng(3)
   params = {"embed": r.normal(size=(V, 12)).astype(np.float32),
             "pos": r.normal(size=(T, 12)).astype(np.float32),
+            "bias": r.normal(size=(V,)).astype(np.float32),
             "w": r.normal(size=(12, 12)).astype(np.float32) * 0.3,
             "head": r.normal(size=(12, V)).astype(np.float32) * 0.3}
   batches = make_batches(2)
-  lookup = {"embed": True, "pos": True, "w": False, "head": False}
+  lookup = {"embed": True, "pos": True, "bias": True, "w": False, "head": False}
   step, state, _ = train(loss_fn, optax.sgd(0.5), batches, stage=3, lookup=lookup,
                          params=params)
-  assert state.meta.param_layouts[0] == zj.Layout((V, 12), 1, 16)  # rows whole
+  layouts = dict(zip(sorted(params), state.meta.param_layouts))
+  assert layouts["embed"] == zj.Layout((V, 12), 1, 16)  # rows whole
+  assert layouts["bias"].dim is None
   ref, _, _ = reference_run(loss_fn, optax.sgd(0.5), params, batches)
   assert_tree_close(step.get_params(state), ref[-1], what="padded")
 
