@@ -192,8 +192,8 @@ def test_a_feature_dimension_that_needs_padding_constant_ids_and_a_1d_table():
   def loss_fn(p, b):
     pos = zj.take(p["pos"], jnp.arange(T))            # [T, 12], same ids everywhere
     h = jnp.tanh(zj.take(p["embed"], b["ids"]) + pos) @ p["w"]
-    logits = h @ p["head"] + zj.take(p["bias"], b["ids"])[..., None]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    h = h * zj.take(p["bias"], b["ids"])[..., None]   # a scale per token
+    return optax.softmax_cross_entropy_with_integer_labels(h @ p["head"], b["y"]).mean()
   r = np.random.default_rng(3)
   params = {"embed": r.normal(size=(V, 12)).astype(np.float32),
             "pos": r.normal(size=(T, 12)).astype(np.float32),
