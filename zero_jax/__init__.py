@@ -20,6 +20,7 @@ from zero_jax.numerics.loss_scale import (LossScaleState, adjust_loss_scale, all
                                  static_loss_scale, unscale_grads)
 from zero_jax.step.memory import CompiledMemory, MemoryReport, compiled_memory, memory_report
 from zero_jax.numerics.precision import POLICIES, Policy
+from zero_jax.layers.lookup import take
 from zero_jax.layers.prefetch import scan
 from zero_jax.layers.stacked import ShardedParam, gather
 from zero_jax.step.state import StateMeta, TrainState
@@ -75,6 +76,7 @@ __all__ = [
     "scan",
     "stack_layers",
     "static_loss_scale",
+    "take",
     "unscale_grads",
     "unstack_layers",
     "watch_preemption",

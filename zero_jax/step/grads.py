@@ -23,6 +23,7 @@ from zero_jax.numerics import loss_scale as ls
 from zero_jax.step.loss import call_loss
 from zero_jax.step.home_update import device_index
 from zero_jax.step.spec import StepSpec
+from zero_jax.layers import lookup
 from zero_jax.layers.stacked import ShardedParam
 
 _GATHERED = "zero_jax_gathered_param"
@@ -32,7 +33,8 @@ def _bucket_shapes(spec: StepSpec, meta) -> set:
   """Shapes of the intermediate values of stage 3's bucketed gathers (see collectives)."""
   shapes, n = set(), math.prod(spec.mesh.shape[a] for a in spec.gather_axes)
   for frozen in (False, True):
-    idx = [i for i, t in enumerate(meta.trainable) if t != frozen and not meta.stacked[i]]
+    idx = [i for i, t in enumerate(meta.trainable)
+           if t != frozen and not meta.stacked[i] and not meta.is_lookup(i)]
     for g in _gather_groups(spec, meta, idx):
       if len(g) < 2:
         continue
@@ -159,8 +161,9 @@ def _gather_all(spec: StepSpec, meta, blocks) -> list:
 
 
 def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
-  """The parameter tree ``loss_fn`` sees: stage 3 gathers (or wraps stacked leaves);
-  stage 2 wraps the stacked leaves whose gradient is reduced in the loop."""
+  """The parameter tree ``loss_fn`` sees: stage 3 gathers (or wraps stacked leaves, and
+  ``lookup=`` tables as `zero_jax.layers.lookup.LookupTable`s); stage 2 wraps the stacked
+  leaves whose gradient is reduced in the loop."""
   in_loop = reduced_in_loop(spec, meta)
   if spec.param_stage != 3:
     full = {**frozen, **train}
@@ -171,8 +174,12 @@ def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
     return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
   full = {}
   for part, to in ((frozen, "invarying"), (train, "varying")):
-    plain = {i: x for i, x in part.items() if not meta.stacked[i]}
+    plain = {i: x for i, x in part.items() if not meta.stacked[i] and not meta.is_lookup(i)}
     full.update(_gather(spec, meta, plain, to))
+    # A table's gradient is reduced over the gather axes by `take`'s transpose (and over
+    # the other axes by `reduce_some`, as a gathered leaf's): no sink, as for a plain leaf.
+    full.update({i: lookup.LookupTable(x, meta.param_layouts[i], spec.comm, paths[i])
+                 for i, x in part.items() if meta.is_lookup(i)})
     full.update({i: ShardedParam(leaves[i], meta.param_layouts[i], spec.comm, paths[i],
                                  sink=x) if in_loop[i] else
                  ShardedParam(x, meta.param_layouts[i], spec.comm, paths[i])
@@ -187,6 +194,10 @@ def outer_reduced(spec: StepSpec) -> bool:
   gradient, before the reduce-scatter: N times the bytes across hosts.)"""
   comm = spec.comm
   return spec.param_stage == 3 and bool(comm.outer_axes or comm.replica_axes)
+
+
+def _is_sharded(x) -> bool:
+  return isinstance(x, ShardedParam)
 
 
 def _differentiated(spec: StepSpec, meta, leaves) -> tuple[list, list]:
@@ -263,9 +274,13 @@ def _objective(spec: StepSpec, meta, loss_fn, params, frozen, leaves, scale):
   def objective(train_leaves, mb, ms, key):
     p = _loss_params(spec, meta, treedef, paths, frozen, dict(zip(meta.train_idx, train_leaves)),
                      leaves)
-    out = call_loss(loss_fn, p, mb, model_state=ms, rng=key, has_aux=spec.has_aux,
-                    batch_axes=axes, mesh_axes=tuple(spec.mesh.axis_names),
-                    gathered_whole=spec.param_stage == 3 and not any(meta.stacked))
+    whole = {} if spec.param_stage != 3 else {  # `zero_jax.take` on one of them raises
+        id(x): path for x, path in zip(jax.tree.leaves(p, is_leaf=_is_sharded), paths)
+        if not _is_sharded(x)}
+    with lookup.in_stage3_loss(whole):
+      out = call_loss(loss_fn, p, mb, model_state=ms, rng=key, has_aux=spec.has_aux,
+                      batch_axes=axes, mesh_axes=tuple(spec.mesh.axis_names),
+                      gathered_whole=spec.param_stage == 3 and not any(meta.stacked))
     if out.weight is None:
       denom, w = spec.n_batch * k, None
     else:

@@ -171,7 +171,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
                   param_specs=None, precision: str = "fp32", stages=(0, 1, 2, 3),
                   trainable=None, stacked=None, wrt=nnx.Param, comm_dtype=None,
                   offload: str | None = None, hpz_axis=None, prefetch: int = 0,
-                  whole_leaf_update=None) -> MemoryReport:
+                  whole_leaf_update=None, lookup=None) -> MemoryReport:
   """Per-device bytes of params, gradients, optimizer state and master copy.
 
   Computed from shapes only, with the exact layouts (and padding) the step
@@ -214,6 +214,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
       (or a prefix) or a function ``(path, leaf) -> bool``; an NNX filter for
       a module.
     stacked: as for `make_sharded_train_step` (changes only the padding).
+    lookup: as for `make_sharded_train_step` (changes only the padding).
     wrt: as for `make_sharded_train_step`: which variables of a module train.
     comm_dtype: as for `make_sharded_train_step`; the dtype gradients are
       reduced in (default: the parameter dtype).
@@ -250,7 +251,7 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   shapes = [_shape_dtype(p, x) for p, x in paths_leaves]
   structs = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes])
   _, meta = build_meta(spec, optimizer, structs, LeafOptions(trainable, stacked, param_specs,
-                                                             wrt, whole_leaf_update))
+                                                             wrt, whole_leaf_update, lookup))
   n, pol = spec.n_data, spec.policy
   src = [jax.ShapeDtypeStruct(s, prec.optimizer_dtype(pol, dt) if t else dt)
          for (s, dt), t in zip(shapes, meta.trainable)]

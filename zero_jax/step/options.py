@@ -1,6 +1,6 @@
 """Per-leaf options resolved to one value per parameter leaf.
 
-``trainable=`` and ``stacked=`` are None, a pytree of bools matching the
+``trainable=``, ``stacked=`` and ``lookup=`` are None, a pytree of bools matching the
 params (or a prefix of them), or a function ``(path, leaf) -> bool``; for a
 module (``step.init(model)``) they are NNX filters, as ``nnx.Optimizer``'s
 ``wrt`` (``nnx.Param``, ``nnx.PathContains("head")``, ``nnx.All(...)``, a
@@ -42,12 +42,14 @@ class LeafOptions:
     wrt: ``wrt=``, the NNX filter of the variables that are parameters.
     whole_leaf_update: ``whole_leaf_update=`` (None: no leaf; see
       `zero_jax.step.whole_leaf`).
+    lookup: ``lookup=`` (None: no leaf; see `zero_jax.layers.lookup`).
   """
   trainable: Any = None
   stacked: Any = None
   param_specs: Any = None
   wrt: Any = None
   whole_leaf_update: Any = None
+  lookup: Any = None
 
 
 def _is_bool(m) -> bool:
@@ -170,6 +172,39 @@ def check_stacked_selects(value, stacks, params, *, param_stage: int) -> None:
                      f"memory stage 3 saves would be gone. {fix}")
   warnings.warn(f"{head} At stages 1-2 this changes only how the optimizer state is split; "
                 f"at stage 3 it is an error. {fix}", UserWarning, stacklevel=4)
+def lookup_flags(value, params, stacked, models) -> tuple:
+  """One bool per params leaf: is it a table ``loss_fn`` looks rows up in (``lookup=``,
+  `zero_jax.take`), which stage 3 leaves split.
+
+  Raises:
+    ValueError: ``lookup=`` selects no leaf (a typo would silently gather the table), or
+      selects a scalar, a ``stacked=`` leaf or one split over model axes (``param_specs=``).
+  """
+  flags = []
+  for (f, _), (path, x), s, m in zip(leaf_flags(value, params, "lookup"),
+                                     jax.tree_util.tree_flatten_with_path(params)[0],
+                                     stacked, models):
+    where = f"params{jax.tree_util.keystr(path)}"
+    if f and not np.shape(x):
+      raise ValueError(f"lookup marks {where}, a scalar; a lookup table has its rows along "
+                       f"its first dimension (zj.take(table, ids) reads table[ids]). Mark it "
+                       f"False.")
+    if f and s:
+      raise ValueError(f"lookup and stacked both mark {where}: a stack of layers is gathered "
+                       f"one layer at a time (zj.gather), a lookup table is read by rows "
+                       f"(zj.take). Mark it in one of them.")
+    if f and m:
+      raise ValueError(f"lookup marks {where}, which param_specs= splits over model axes "
+                       f"{m}; a split lookup table over model axes is not supported. Leave it "
+                       f"out of lookup= (it is then gathered whole at stage 3), or unsplit it.")
+    flags.append(bool(f))
+  if value is not None and not any(flags):
+    written = nnx_lib.filter_repr(value) if nnx_lib.is_nnx_filter(value) else repr(value)
+    raise ValueError(f"lookup={written} selects no parameter leaf, so every table would be "
+                     f"gathered whole at stage 3. Check its keys (the params' paths, e.g. "
+                     f"{{'embed': True}}) or filter (e.g. nnx.PathContains('embed')), or drop "
+                     f"lookup=.")
+  return tuple(flags)
 
 
 def whole_leaf_flags(value, params, trainable) -> tuple:

@@ -24,8 +24,8 @@ from zero_jax.numerics import loss_scale as ls
 from zero_jax.step import placement
 from zero_jax.numerics import precision as prec
 from zero_jax.step import whole_leaf
-from zero_jax.step.options import (LeafOptions, model_axes_per_leaf, stacked_flags,
-                              trainable_flags, whole_leaf_flags)
+from zero_jax.step.options import (LeafOptions, lookup_flags, model_axes_per_leaf,
+                                   stacked_flags, trainable_flags, whole_leaf_flags)
 from zero_jax.step.signature import optimizer_signature
 from zero_jax.step.spec import StepSpec
 
@@ -77,6 +77,8 @@ class StateMeta:
       optimizer and the trainable leaves once, when the meta is built).
     whole: the `zero_jax.step.whole_leaf.Plan` of ``whole_leaf_update=`` (which
       units move to which home device), or None.
+    lookup: one bool per parameter leaf (``lookup=``): a table split along a dimension
+      after the first, looked up with `zero_jax.take` (``()``: none).
   """
   param_layouts: tuple
   trainable: tuple
@@ -88,10 +90,16 @@ class StateMeta:
   module: Any = None
   opt_treedef: Any = None
   whole: Any = None
+  lookup: tuple = ()
 
   def _key(self):
     return (self.param_layouts, self.trainable, self.opt_layouts, self.stacked, self.master,
-            self.param_dtypes, self.signature, self.module, self.opt_treedef, self.whole)
+            self.param_dtypes, self.signature, self.module, self.opt_treedef, self.whole,
+            self.lookup)
+
+  def is_lookup(self, i: int) -> bool:
+    """Whether parameter leaf ``i`` is marked ``lookup=``."""
+    return bool(self.lookup) and self.lookup[i]
 
   def __post_init__(self):  # jit hashes the meta on every call: compute it once
     object.__setattr__(self, "_hash", hash(self._key()))
@@ -219,11 +227,13 @@ def build_meta(spec: StepSpec, optimizer, params, options: LeafOptions,
   flags = trainable_flags(options.trainable, params)
   stacks = stacked_flags(options.stacked, params)
   models = model_axes_per_leaf(spec, params, options.param_specs)
+  looks = lookup_flags(options.lookup, params, stacks, models)
   sizes = spec.axis_sizes()
   layouts = []
-  for x, s, m in zip(leaves, stacks, models):
+  for x, s, m, k in zip(leaves, stacks, models, looks):
     msize = tuple(int(np.prod([sizes[a] for a in dim])) for dim in m) if m else None
-    layouts.append(lay.leaf_layout(np.shape(x), spec.n_data, stacked=s, model=m,
+    # a lookup table keeps its rows whole, as a stack its layers (`zero_jax.layers.lookup`)
+    layouts.append(lay.leaf_layout(np.shape(x), spec.n_data, stacked=s or k, model=m,
                                    model_size=msize))
   src = [jax.ShapeDtypeStruct(np.shape(x), prec.optimizer_dtype(spec.policy, d) if t else d)
          for x, d, t in zip(leaves, dtypes, flags)]
@@ -240,7 +250,7 @@ def build_meta(spec: StepSpec, optimizer, params, options: LeafOptions,
                  for t, d in zip(flags, dtypes))
   meta = StateMeta(tuple(layouts), flags, opt_layouts, stacks, master, stored,
                    step_signature(spec, optimizer), module, jax.tree.structure(opt_abstract),
-                   plan)
+                   plan, looks if any(looks) else ())
   return treedef, meta
 
 
@@ -373,7 +383,9 @@ def _differences(mine: StateMeta, theirs: StateMeta, paths) -> list[str]:
     if a != b:
       out.append(f"{name}: the state's {b!r}, this step's {a!r}")
   for what, a, b in (("trainable", mine.trainable, theirs.trainable),
-                     ("stacked", mine.stacked, theirs.stacked)):
+                     ("stacked", mine.stacked, theirs.stacked),
+                     ("lookup", mine.lookup or (False,) * len(paths),
+                      theirs.lookup or (False,) * len(paths))):
     if a != b:
       leaves = [p for p, x, y in zip(paths, a, b) if x != y][:6]
       out.append(f"{what}= differs for params{', params'.join(leaves)}")

@@ -296,6 +296,7 @@ def make_sharded_train_step(
     accumulate: str | None = None,
     trainable=None,
     stacked=None,
+    lookup=None,
     whole_leaf_update=None,
     wrt=nnx.Param,
     comm_dtype=None,
@@ -404,6 +405,12 @@ def make_sharded_train_step(
       stage 3 they reach ``loss_fn`` as `ShardedParam`s and ``loss_fn`` calls
       `zero_jax.gather` on each layer's slice (see `zero_jax.layers.stacked`; for an
       ``nnx.scan`` over a stacked NNX block, `zero_jax.layers.nnx`).
+    lookup: which leaves are tables ``loss_fn`` reads rows of with
+      `zero_jax.take` (embeddings); same forms as ``trainable``. At stage 3
+      they stay split (along a dimension after the first) and reach
+      ``loss_fn`` as `zero_jax.layers.lookup.LookupTable`s: ``zj.take(table,
+      ids)`` moves only the looked-up rows, ``zj.gather(table)`` the whole
+      table (tied output logits). At stages 1-2 ``take`` is plain indexing.
     whole_leaf_update: leaves (as ``trainable``) updated whole on a home device (Muon guide).
     wrt: with ``init(model)``, an NNX filter (as ``nnx.Optimizer``'s) for
       the variables that are parameters; every other variable is model
@@ -448,4 +455,4 @@ def make_sharded_train_step(
   return ShardedTrainStep(loss_fn, optimizer, spec,
                           loss_scale=parse_loss_scale(loss_scale, spec.policy),
                           leaf_options=LeafOptions(trainable, stacked, param_specs, wrt,
-                                                   whole_leaf_update))
+                                                   whole_leaf_update, lookup))
