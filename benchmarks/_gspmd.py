@@ -89,7 +89,9 @@ def lower_step(cfg, mesh, *, fsdp: tuple, batch_axes: tuple | None = None, polic
     h, y = body(constrain(h), p)
     return constrain(h), y
 
-  layer = layer if policy is None else jax.checkpoint(layer, policy=policy)
+  # prevent_cse=False inside the layer scan, as MaxText sets it with scan_layers (the scan
+  # already keeps XLA from merging the recomputation into the forward pass).
+  layer = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
   def blocks_fn(blocks, x):
     return jax.lax.scan(layer, x, blocks)[0]

@@ -47,6 +47,7 @@ class GPTConfig(NamedTuple):
   layers: int
   heads: int
   seq_len: int
+  attention: str = "written"  # `train_lm.causal_attention`'s implementation
 
   def n_params(self) -> int:
     d = self.d_model
@@ -67,7 +68,7 @@ def in_blocks(path, _) -> bool:
 
 
 def _block(cfg: GPTConfig):
-  return train_lm.Block(cfg.d_model, cfg.heads)
+  return train_lm.Block(cfg.d_model, cfg.heads, cfg.attention)
 
 
 def init_gpt(cfg: GPTConfig, key, dtype=jnp.float32) -> dict:
@@ -75,7 +76,8 @@ def init_gpt(cfg: GPTConfig, key, dtype=jnp.float32) -> dict:
   k_embed, k_pos, k_blocks = jax.random.split(key, 3)
   x = jnp.zeros((1, 4, cfg.d_model))
   keys = jax.random.split(k_blocks, cfg.layers)
-  blocks = jax.vmap(lambda k: _block(cfg).init(k, x, None)["params"])(keys)
+  plain = cfg._replace(attention="written")  # the same parameters; runs on float32 here
+  blocks = jax.vmap(lambda k: _block(plain).init(k, x, None)["params"])(keys)
   ln_f = nn.LayerNorm().init(k_pos, x)["params"]
   params = {"embed": 0.02 * jax.random.normal(k_embed, (cfg.vocab, cfg.d_model)),
             "pos": 0.02 * jax.random.normal(k_pos, (cfg.seq_len, cfg.d_model)),
@@ -151,6 +153,25 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
   return 3.0 * (cfg.layers * (24 * d * d + 4 * t * d) + 2 * d * cfg.vocab)
 
 
+def fused_attention(gpu: str = "h100") -> tuple[str, str]:
+  """``(implementation, why)``: ``"cudnn"`` where cuDNN's fused attention compiles for
+  compile-only ``gpu``s here (JAX's CUDA plugin and the ``nvidia-cudnn-cu12`` wheel), else
+  ``"written"`` and the compiler's reason, for the benchmark to print beside its rows."""
+  mesh = zj.compile_only_mesh((1,), ("data",), gpu=gpu, per_host=1)
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16,
+                           sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  try:
+    jax.jit(lambda q: train_lm.causal_attention(q, q, q, "cudnn")).lower(q).compile()
+  except Exception as e:  # pylint: disable=broad-except  (the reason is printed)
+    return "written", f"cuDNN attention does not compile here ({str(e).splitlines()[0][:200]})"
+  return "cudnn", "cuDNN fused attention"
+
+
+def with_attention(cfg, implementation: str):
+  """``cfg`` (a `GPTConfig` or `LlamaShape`) with its blocks' attention implementation."""
+  return cfg._replace(attention=implementation)
+
+
 # ---------------------------------------------------------------- Llama-like
 class LlamaShape(NamedTuple):
   """Shapes of a Llama-like decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP,
@@ -163,6 +184,7 @@ class LlamaShape(NamedTuple):
   kv_heads: int
   mlp: int
   seq_len: int
+  attention: str = "written"  # `train_lm.causal_attention`'s implementation
 
   def n_params(self) -> int:
     d, hd = self.d_model, self.d_model // self.heads
@@ -213,11 +235,7 @@ def llama_block(cfg: LlamaShape):
     q = _rope((h @ p["wq"]).reshape(b, t, cfg.kv_heads, group, hd).reshape(b, t, -1, hd))
     k = _rope((h @ p["wk"]).reshape(b, t, cfg.kv_heads, hd))
     v = (h @ p["wv"]).reshape(b, t, cfg.kv_heads, hd)
-    q = q.reshape(b, t, cfg.kv_heads, group, hd)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(hd)
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
-    w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    y = jnp.einsum("bkgqs,bskd->bqkgd", w, v).reshape(b, t, cfg.heads * hd)
+    y = train_lm.causal_attention(q, k, v, cfg.attention).reshape(b, t, cfg.heads * hd)
     x = x + y @ p["wo"]
     h = _rms(x, p["mlp_norm"])
     return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"], None

@@ -14,6 +14,9 @@ if [[ "${1:-all}" != test ]]; then
   .venv-gpu/bin/pip install -q pytest pytest-xdist chex -r <(python3 ci/requirements.py examples)
   JAX_VERSION="$(.venv-gpu/bin/python -c 'import importlib.metadata as m; print(m.version("jax"))')"
   .venv-gpu/bin/pip install -q "jax-cuda12-plugin==${JAX_VERSION}" "jax-cuda12-pjrt==${JAX_VERSION}"
+  # cuDNN (and the cuBLAS it needs), for jax.nn.dot_product_attention(implementation="cudnn"):
+  # the fused attention H100 users run, compiled for compile-only GPUs too (about 1.2 GB).
+  .venv-gpu/bin/pip install -q "nvidia-cudnn-cu12>=9.8,<10"
 fi
 if [[ "${1:-all}" != install ]]; then
   .venv-gpu/bin/pip install -q --no-deps -e .

@@ -55,6 +55,7 @@ RUN_FILE = "run.json"                         # their values, next to the checkp
 SCHEDULE_KEY = "schedule_steps"               # also there: the --steps the run started with
 
 REMAT = ("none", "dots", "full")  # --remat: zj.scan's policy= (`remat_policy`)
+ATTENTION = ("written", "xla", "cudnn")  # --attention: `causal_attention`'s implementations
 SIZES = {          # d_model, layers, heads
     "tiny": (64, 2, 2),
     "small": (128, 4, 4),
@@ -114,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --prefetch, what each block keeps for the backward pass "
                       "(zj.scan's policy=): none keeps every activation, dots the weight "
                       "matmuls' outputs, full only the block's input (recomputing the block)")
+  p.add_argument("--attention", default="auto", choices=("auto",) + ATTENTION,
+                 help="attention implementation: written out (jnp), jax.nn.dot_product_attention's "
+                      "xla or cudnn (fused; NVIDIA GPUs, bf16/fp16, needs nvidia-cudnn-cu12); auto: "
+                      "cudnn on GPUs in bf16/fp16, else written (default: auto)")
   p.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
   p.add_argument("--ckpt-dir", default=os.path.join("checkpoints", "train_lm"),
                  help="checkpoint directory (relative: under the current directory)")
@@ -338,10 +343,37 @@ def get_batch(data: np.ndarray, index: int, batch_size: int, seq_len: int, seed:
 
 
 # ---------------------------------------------------------------------- model
+def causal_attention(q, k, v, implementation: str = "written"):
+  """Causal self-attention of ``q`` ``[b, t, heads, d]`` over ``k``, ``v`` ``[b, t, kv_heads, d]``.
+
+  ``"written"``: the scores, mask and float32 softmax written out as jnp operations (runs
+  anywhere); ``"xla"`` or ``"cudnn"``: ``jax.nn.dot_product_attention`` with that
+  implementation (``"cudnn"``: cuDNN's fused flash attention on NVIDIA GPUs, bf16/fp16 only,
+  which needs the ``nvidia-cudnn-cu12`` wheel; the mask is built inside the kernel).
+  """
+  if implementation != "written":
+    if implementation not in ATTENTION:
+      raise ValueError(f"attention implementation {implementation!r}: expected one of "
+                       f"{ATTENTION}")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+  b, t, heads, d = q.shape
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  if k.shape[2] == heads:
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    scores = jnp.where(causal, scores / math.sqrt(d), -1e9)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in float32
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+  q = q.reshape(b, t, k.shape[2], heads // k.shape[2], d)  # grouped-query attention
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(d)
+  weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(b, t, heads, d)
+
+
 class Block(nn.Module):
-  """Pre-LayerNorm transformer block: causal self-attention and an MLP."""
+  """Pre-LayerNorm transformer block: causal self-attention (`causal_attention`) and an MLP."""
   d_model: int
   heads: int
+  attention: str = "written"
 
   @nn.compact
   def __call__(self, x, _):
@@ -349,11 +381,7 @@ class Block(nn.Module):
     h = nn.LayerNorm(name="ln1")(x)
     q, k, v = jnp.split(nn.Dense(3 * d, name="qkv")(h), 3, axis=-1)
     split = lambda a: a.reshape(b, t, self.heads, d // self.heads)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)).astype(jnp.float32)
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    scores = jnp.where(causal, scores / math.sqrt(d // self.heads), -1e9)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in float32
-    y = jnp.einsum("bhqk,bkhd->bqhd", weights, split(v)).reshape(b, t, d)
+    y = causal_attention(split(q), split(k), split(v), self.attention).reshape(b, t, d)
     x = x + nn.Dense(d, name="proj")(y)
     h = nn.LayerNorm(name="ln2")(x)
     return x + nn.Dense(d, name="down")(nn.gelu(nn.Dense(4 * d, name="up")(h))), None
@@ -381,6 +409,7 @@ class ByteLM(nn.Module):
   max_len: int
   prefetch: int | None = None
   remat: str = "full"
+  attention: str = "written"  # `causal_attention`'s implementation (``--attention``)
 
   @nn.compact
   def __call__(self, tokens):
@@ -393,14 +422,22 @@ class ByteLM(nn.Module):
                                init=self.is_initializing())
       blocks = nn.scan(nn.remat(block), variable_axes={"params": 0},
                        split_rngs={"params": True}, length=self.layers)
-      x, _ = blocks(self.d_model, self.heads, name="blocks")(x, None)
+      x, _ = blocks(self.d_model, self.heads, self.attention, name="blocks")(x, None)
     else:  # the parameters nn.scan made, one block applied to each layer's slice
-      one = Block(self.d_model, self.heads, parent=None)
+      one = Block(self.d_model, self.heads, self.attention, parent=None)
       x, _ = zj.scan(lambda h, p: one.apply({"params": p}, h, None), x,
                      self.variables["params"]["blocks"], prefetch=self.prefetch,
                      policy=remat_policy(self.remat))
     x = nn.LayerNorm(name="ln_f")(x)
     return embed.attend(x).astype(jnp.float32)  # logits in float32 for the loss
+
+
+def attention_for(args, platform: str) -> str:
+  """``--attention``'s implementation; ``auto``: cuDNN's fused attention on GPUs in bf16/fp16
+  (what GPU users run), the written-out one elsewhere (CPU, TPU, fp32)."""
+  if args.attention != "auto":
+    return args.attention
+  return "cudnn" if platform == "gpu" and args.precision != "fp32" else "written"
 
 
 def remat_policy(remat: str):
@@ -595,7 +632,8 @@ def plan_main(args) -> dict:
     fixed["hpz_axis"] = "data"
 
   def searched(params, batch, *, prefetch=0, policy=None):  # zj.scan's, which zj.plan tries
-    model = ByteLM(d_model, layers, heads, args.seq_len, prefetch, remat_name(policy))
+    model = ByteLM(d_model, layers, heads, args.seq_len, prefetch, remat_name(policy),
+                   attention_for(args, "gpu"))
     return make_loss_fn(model)(params, batch)
 
   given = {}
@@ -633,7 +671,7 @@ def main(argv=None) -> dict:
 
   d_model, layers, heads = SIZES[args.size]
   model = ByteLM(d_model, layers, heads, max_len=args.seq_len, prefetch=args.prefetch,
-                 remat=args.remat)
+                 remat=args.remat, attention=attention_for(args, devices[0].platform))
   dummy = jnp.zeros((1, args.seq_len), jnp.int32)
   params_shapes = jax.eval_shape(model.init, jax.random.key(args.seed), dummy)["params"]
   n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_shapes))

@@ -177,7 +177,7 @@ class Linear(NamedTuple):
       full = [next(it) if m else a for a, m in zip(flat, self.diff)]
       return sum(map(list, self.fn(*split(full, list(self.sizes)))), [])
     if self.policy is not KEEP:
-      part = jax.checkpoint(part, policy=self.policy)
+      part = jax.checkpoint(part, policy=self.policy, prevent_cse=False)
     return jax.vjp(part, *[a for a, m in zip(flat, self.diff) if m])
 
   def forward(self, args: list[list]) -> tuple[list, list]:
