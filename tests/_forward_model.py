@@ -85,6 +85,12 @@ def trained(step, params=None, steps=STEPS, **init):
   return state
 
 
+def trained_step(mesh, **kw):
+  """``(step, state)``: `make_step`'s step and its state after `trained`."""
+  step = make_step(mesh, **kw)
+  return step, trained(step)
+
+
 def host(tree):
   """Numpy copies of every leaf (key data for keys), to compare states bit for bit."""
   data = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x

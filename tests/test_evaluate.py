@@ -48,8 +48,7 @@ def check_evaluate(step, state, b, ref):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_evaluate_equals_the_single_device_loss_after_training(mesh, stage, opt):
-  step = M.make_step(mesh, stage=stage, opt=opt)
-  state = M.trained(step)
+  step, state = M.trained_step(mesh, stage=stage, opt=opt)
   b = M.batch(0)
   got = check_evaluate(step, state, b, reference_loss(step, state, b))
   # ... and the loss the training step itself reports for this state and batch.
@@ -59,8 +58,7 @@ def test_evaluate_equals_the_single_device_loss_after_training(mesh, stage, opt)
 
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_stage3_stacked_layers_stay_split_and_loop_one_layer_at_a_time(mesh, prefetch):
-  step = M.make_step(mesh, stage=3, opt="adam", prefetch=prefetch)
-  state = M.trained(step)
+  step, state = M.trained_step(mesh, stage=3, opt="adam", prefetch=prefetch)
   b = M.batch(0)
   check_evaluate(step, state, b, reference_loss(step, state, b))
   # The stacked leaves are gathered inside the layer loop, never whole before it.
@@ -76,8 +74,7 @@ def test_hpz_and_replica_axes_on_a_2d_mesh(kind):
   kw = {"hpz": dict(stage=3, axis_name=("replica", "data"), hpz_axis="data"),
         "replica_stage3": dict(stage=3, replica_axis="replica"),
         "replica_stage2": dict(stage=2, replica_axis="replica")}[kind]
-  step = M.make_step(mesh, opt="adam", **kw)
-  state = M.trained(step)
+  step, state = M.trained_step(mesh, opt="adam", **kw)
   b = M.batch(0)
   check_evaluate(step, state, b, reference_loss(step, state, b))
 
@@ -104,8 +101,7 @@ def test_weighted_loss_and_aux_are_reduced_as_the_step_reduces_them(mesh, stage,
 
 @pytest.mark.parametrize("stage,opt", [(1, "sgd"), (2, "adam"), (3, "sgd"), (3, "adam")])
 def test_micro_batches_as_grad_accum_steps_splits_them(mesh, stage, opt):
-  step = M.make_step(mesh, stage=stage, opt=opt, grad_accum_steps=2)
-  state = M.trained(step)
+  step, state = M.trained_step(mesh, stage=stage, opt=opt, grad_accum_steps=2)
   b = M.batch(0)
   check_evaluate(step, state, b, reference_loss(step, state, b))
   # A lax.scan over the micro-batches, as the step runs them.
@@ -122,8 +118,7 @@ def test_bf16_evaluates_the_compute_copy_as_the_step_forward_does(mesh):
   2^-9 relative; the two programs may round each of the ~6 bf16 values on an example's path
   differently by one unit (2^-8) -- at most 6 * 2^-8 = 2.3e-2 relative per example, before
   the float32 mean. RTOL_BF16 = 3e-2; the fp32 loss of the same master must be farther."""
-  step = M.make_step(mesh, stage=3, opt="adam", precision="bf16")
-  state = M.trained(step)
+  step, state = M.trained_step(mesh, stage=3, opt="adam", precision="bf16")
   b = M.batch(0)
   master = step.get_params(state)
   compute = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
@@ -138,8 +133,7 @@ def test_bf16_evaluates_the_compute_copy_as_the_step_forward_does(mesh):
 
 def test_quantized_weights_are_evaluated_as_the_step_sees_them(mesh):
   """qwZ: the forward pass sees block-quantized weights; evaluate gives the step's loss."""
-  step = M.make_step(mesh, stage=3, opt="sgd", quantize=zj.Quantize(block_size=8))
-  state = M.trained(step)
+  step, state = M.trained_step(mesh, stage=3, opt="sgd", quantize=zj.Quantize(block_size=8))
   b = M.batch(0)
   got = float(step.evaluate(state, b)["loss"])
   _, metrics = step(state, b)
