@@ -192,3 +192,23 @@ def test_compiled_once_per_function_and_shape(mesh):
   assert len(traces) == 1
   step.apply(state, fn, M.batch(0, rows=8)["x"])
   assert len(traces) == 2
+
+
+def test_explicit_axes_inside_the_users_mesh_context():
+  """Outputs on the user's Explicit mesh: replicated, or split as the args with split_args;
+  args already split on that mesh are taken as they are."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  step = M.make_step(mesh, stage=3, opt="sgd")
+  x = M.batch(0)["x"]
+  with jax.set_mesh(mesh):
+    state = M.trained(step)
+    out = step.apply(state, M.forward, x)
+    both = step.apply(state, lambda p, x: {"y": M.forward(p, x), "x": x}, x, split_args=True)
+    split_x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+    from_split = step.apply(state, M.forward, split_x)
+  ref = np.asarray(jax.jit(M.forward)(step.get_params(state), x))
+  for o in (out, both["y"], from_split):
+    np.testing.assert_allclose(np.asarray(o), ref, **TOL)
+    assert o.sharding.mesh.axis_types == (jax.sharding.AxisType.Explicit,)
+  assert out.sharding.is_fully_replicated and tuple(both["y"].sharding.spec)[:1] == ("data",)
+  np.testing.assert_array_equal(np.asarray(both["x"]), x)
