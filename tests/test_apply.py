@@ -212,3 +212,17 @@ def test_explicit_axes_inside_the_users_mesh_context():
     assert o.sharding.mesh.axis_types == (jax.sharding.AxisType.Explicit,)
   assert out.sharding.is_fully_replicated and tuple(both["y"].sharding.spec)[:1] == ("data",)
   np.testing.assert_array_equal(np.asarray(both["x"]), x)
+
+
+def test_an_output_that_varies_over_devices_comes_back_as_the_first_devices():
+  """Replicated args give every device the same output; one that differs anyway (it reads
+  the device's position) is returned replicated as the first device's."""
+  mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  step = M.make_step(mesh, stage=3, axis_name=("replica", "data"), hpz_axis="data")
+  state = step.init(M.init_params())
+  where = lambda p, x: (M.forward(p, x),
+                        1 + jax.lax.axis_index("data") + 10 * jax.lax.axis_index("replica"))
+  logits, first = step.apply(state, where, M.batch(0)["x"])
+  assert int(first) == 1 and first.sharding.is_fully_replicated
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(
+      jax.jit(M.forward)(step.get_params(state), M.batch(0)["x"])), **TOL)
