@@ -99,9 +99,12 @@ def test_weighted_loss_and_aux_are_reduced_as_the_step_reduces_them(mesh, stage,
                                rtol=RTOL)
 
 
-@pytest.mark.parametrize("stage,opt", [(1, "sgd"), (2, "adam"), (3, "sgd"), (3, "adam")])
-def test_micro_batches_as_grad_accum_steps_splits_them(mesh, stage, opt):
-  step, state = M.trained_step(mesh, stage=stage, opt=opt, grad_accum_steps=2)
+@pytest.mark.parametrize("stage,opt,once", [(1, "sgd", False), (2, "adam", False),
+                                            (3, "sgd", False), (3, "adam", False),
+                                            (3, "adam", True)])
+def test_micro_batches_as_grad_accum_steps_splits_them(mesh, stage, opt, once):
+  step, state = M.trained_step(mesh, stage=stage, opt=opt, grad_accum_steps=2,
+                               gather_once=once)
   b = M.batch(0)
   check_evaluate(step, state, b, reference_loss(step, state, b))
   # A lax.scan over the micro-batches, as the step runs them.
@@ -253,3 +256,51 @@ def test_a_batch_leaf_with_other_rows_is_named(mesh):
   b["y"] = b["y"][:8]
   with pytest.raises(ValueError, match=r"batch\['y'\]"):
     step.evaluate(state, b)
+
+
+class Block(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(9, 9, rngs=rngs)
+    self.bn = nnx.BatchNorm(9, momentum=0.5, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.drop(jnp.tanh(self.bn(self.lin(x))))
+
+
+class Deep(nnx.Module):
+  """nnx.vmap-stacked blocks looped with zj.scan (one layer gathered at a time at stage 3)."""
+
+  def __init__(self, rngs, layers=3):
+    self.embed = nnx.Linear(M.D_IN, 9, rngs=rngs)
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Block(rngs)
+    self.blocks = make(rngs)
+    self.head = nnx.Linear(9, M.D_OUT, rngs=rngs)
+
+  def __call__(self, x):
+    h, _ = zj.scan(lambda h, block: (block(h), None), self.embed(x), self.blocks)
+    return self.head(h)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stacked_nnx_blocks_with_dropout_and_batchnorm_in_eval_mode(mesh, stage):
+  step = zj.make_sharded_train_step(net_loss, M.OPTIMIZERS["adam"](), mesh=mesh, stage=stage,
+                                    stacked=nnx.PathContains("blocks"))
+  state = step.init(Deep(nnx.Rngs(0, dropout=1)))
+  for t in range(1, 3):
+    state, _ = step(state, M.batch(t))
+  b = M.batch(0)
+  before = M.host(state)
+  metrics = step.evaluate(state, b)
+  logits = step.apply(state, lambda m, x: m(x), b["x"])
+  M.assert_bitwise_equal(M.host(state), before)
+  model = step.get_model(state)
+  model.eval()
+  np.testing.assert_allclose(float(metrics["loss"]), float(jax.jit(net_loss)(model, b)),
+                             rtol=RTOL)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(jax.jit(lambda m, x: m(x))(
+      model, b["x"])), rtol=1e-5, atol=1e-5)
