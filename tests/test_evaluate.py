@@ -222,9 +222,7 @@ def net_loss(model, b):
 @pytest.mark.parametrize("stage,opt", [(1, "adam"), (2, "sgd"), (3, "sgd"), (3, "adam")])
 def test_nnx_module_runs_as_model_eval_sets_it(mesh, stage, opt):
   step = zj.make_sharded_train_step(net_loss, M.OPTIMIZERS[opt](), mesh=mesh, stage=stage)
-  state = step.init(Net(nnx.Rngs(0, dropout=1)))
-  for t in range(1, 4):
-    state, _ = step(state, M.batch(t))
+  state = M.trained(step, Net(nnx.Rngs(0, dropout=1)))
   b = M.batch(0)
   before = M.host(state)
   metrics = step.evaluate(state, b)
@@ -290,9 +288,7 @@ class Deep(nnx.Module):
 def test_stacked_nnx_blocks_with_dropout_and_batchnorm_in_eval_mode(mesh, stage):
   step = zj.make_sharded_train_step(net_loss, M.OPTIMIZERS["adam"](), mesh=mesh, stage=stage,
                                     stacked=nnx.PathContains("blocks"))
-  state = step.init(Deep(nnx.Rngs(0, dropout=1)))
-  for t in range(1, 3):
-    state, _ = step(state, M.batch(t))
+  state = M.trained(step, Deep(nnx.Rngs(0, dropout=1)), steps=2)
   b = M.batch(0)
   before = M.host(state)
   metrics = step.evaluate(state, b)
