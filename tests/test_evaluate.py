@@ -115,23 +115,43 @@ def test_micro_batches_as_grad_accum_steps_splits_them(mesh, stage, opt, once):
     step.evaluate(state, M.batch(0, rows=8))
 
 
-def test_bf16_evaluates_the_compute_copy_as_the_step_forward_does(mesh):
-  """The loss sees the bf16 compute copy: the reference is the same policy by hand (the fp32
-  master cast to bf16, the loss computing in bf16). Tolerance: each bf16 operation rounds to
-  2^-9 relative; the two programs may round each of the ~6 bf16 values on an example's path
-  differently by one unit (2^-8) -- at most 6 * 2^-8 = 2.3e-2 relative per example, before
-  the float32 mean. RTOL_BF16 = 3e-2; the fp32 loss of the same master must be farther."""
-  step, state = M.trained_step(mesh, stage=3, opt="adam", precision="bf16")
+def policy_probe(p, b):
+  """The loss, and what the loss sees of the parameters: their dtype's epsilon and the sum of
+  one leaf's values (which tells the rounded copy from the fp32 master)."""
+  return M.loss_fn(p, b), {"eps": jnp.asarray(jnp.finfo(p["w_in"].dtype).eps, jnp.float32),
+                           "w_in_sum": jnp.sum(p["w_in"].astype(jnp.float32))}
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", jnp.bfloat16), ("fp16", jnp.float16)])
+def test_mixed_precision_evaluates_the_compute_copy_as_the_step_forward_does(mesh, precision,
+                                                                             dtype):
+  """The loss sees the compute copy: the reference is the same policy by hand (the fp32 master
+  cast to the compute dtype, the loss computing in it).
+
+  What the loss sees is checked exactly through aux: the dtype, and the sum of w_in's 35
+  values, which two summation orders of the same float32 values give within
+  2 * gamma_35 * sum|x| (gamma_35 = 35 * 2^-24), while the fp32 master's values differ from
+  the rounded ones by up to 2^-9 (bf16) or 2^-12 (fp16) of each value. The loss: each bf16
+  (fp16) operation rounds to 2^-9 (2^-12) relative; the two programs may round each of the ~8
+  low-precision values on an example's path differently by one unit, at most 8 * 2^-8 = 3.1e-2
+  relative (bf16) per example before the float32 mean: rtol 3.2e-2 (4e-3 for fp16)."""
+  step, state = M.trained_step(mesh, stage=3, opt="adam", precision=precision,
+                               fn=policy_probe, has_aux=True)
   b = M.batch(0)
   master = step.get_params(state)
-  compute = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
-  M.assert_bitwise_equal(M.host(jax.tree.map(lambda x: x, compute)),
-                         M.host(jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)))
-  ref = float(jax.jit(M.loss_fn)(compute, b))
-  got = float(step.evaluate(state, b)["loss"])
-  np.testing.assert_allclose(got, ref, rtol=3e-2)
-  _, metrics = step(state, b)  # the step's own forward: the same program's numbers
-  np.testing.assert_allclose(got, float(metrics["loss"]), rtol=3e-2)
+  compute = jax.tree.map(lambda x: x.astype(dtype), master)
+  ref, ref_aux = jax.jit(policy_probe)(compute, b)
+  metrics = step.evaluate(state, b)
+  assert float(metrics["aux"]["eps"]) == float(jnp.finfo(dtype).eps)
+  w = np.asarray(master["w_in"], np.float64)
+  atol = 2 * 35 * 2.0 ** -24 * np.abs(w).sum()
+  np.testing.assert_allclose(float(metrics["aux"]["w_in_sum"]), float(ref_aux["w_in_sum"]),
+                             rtol=0, atol=atol)
+  assert abs(w.sum() - float(ref_aux["w_in_sum"])) > 2 * atol  # the probe tells them apart
+  rtol = 3.2e-2 if dtype == jnp.bfloat16 else 4e-3
+  np.testing.assert_allclose(float(metrics["loss"]), float(ref), rtol=rtol)
+  _, step_metrics = step(state, b)  # the step's own forward pass sees the same
+  np.testing.assert_allclose(float(metrics["loss"]), float(step_metrics["loss"]), rtol=rtol)
 
 
 def test_quantized_weights_are_evaluated_as_the_step_sees_them(mesh):
