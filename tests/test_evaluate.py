@@ -167,6 +167,24 @@ def test_quantized_weights_are_evaluated_as_the_step_sees_them(mesh):
   np.testing.assert_allclose(got, float(metrics["loss"]), rtol=RTOL)
 
 
+def test_stage3_evaluate_holds_a_layer_or_two_and_at_most_the_steps_memory():
+  width = 256
+  layer = (width * width + width) * 4
+  temp = {n: M.deep_compiled(n, width, "evaluate").memory_analysis().temp_size_in_bytes
+          for n in (8, 16)}
+  assert temp[16] - temp[8] < layer, (temp, layer)  # more layers: nothing more held
+  assert temp[16] < 4 * layer, (temp, layer)        # the 16-layer model is 16 layers
+  step = M.deep_compiled(16, width, "step").memory_analysis().temp_size_in_bytes
+  assert temp[16] <= step, (temp, step)
+
+
+def test_offloaded_optimizer_state_is_not_read():
+  step, state = M.trained_step(jax.make_mesh((8,), ("data",)), stage=3, opt="adam",
+                               offload="optimizer")
+  b = M.batch(0)
+  check_evaluate(step, state, b, reference_loss(step, state, b))
+
+
 def test_explicit_axes_inside_the_users_mesh_context():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   step = M.make_step(mesh, stage=3, opt="sgd", fn=M.weighted_loss, has_aux=True,
