@@ -307,8 +307,9 @@ class ShardedTrainStep:
     `zero_jax.scan` / `zero_jax.gather` to gather one layer at a time). A module
     (``init(model)``) comes as ``model.eval()`` sets it, and what ``fn`` changes in it is
     dropped; a params tree made with ``init(..., model_state=)`` comes with the keyword
-    ``model_state=``. ``state`` is left as it was. Compiled once per ``fn`` and shape: pass
-    the same function object to reuse the program.
+    ``model_state=``; the state's ``rng`` is not used (pass a key among ``args`` to sample).
+    ``state`` is left as it was. Compiled once per ``fn`` and shape: pass the same function
+    object to reuse the program.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
