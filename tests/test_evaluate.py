@@ -23,6 +23,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 import _forward_model as M
@@ -68,12 +69,15 @@ def test_stage3_stacked_layers_stay_split_and_loop_one_layer_at_a_time(mesh, pre
   assert not any("[4,7,7]" in s or "[4,8,7]" in s for s in shapes), shapes
 
 
-@pytest.mark.parametrize("kind", ["hpz", "replica_stage3", "replica_stage2"])
-def test_hpz_and_replica_axes_on_a_2d_mesh(kind):
+@pytest.mark.parametrize("kind", ["hpz", "replica_stage3", "replica_stage2", "model_axis"])
+def test_hpz_replica_and_model_axes_on_a_2d_mesh(kind):
   mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  split_layers = {"w_in": P(), "layers": {"w": P("replica"), "b": P("replica")}, "w_out": P()}
   kw = {"hpz": dict(stage=3, axis_name=("replica", "data"), hpz_axis="data"),
         "replica_stage3": dict(stage=3, replica_axis="replica"),
-        "replica_stage2": dict(stage=2, replica_axis="replica")}[kind]
+        "replica_stage2": dict(stage=2, replica_axis="replica"),
+        # "replica" as a model axis: the stacked layers split over it (param_specs=).
+        "model_axis": dict(stage=3, param_specs=split_layers)}[kind]
   step, state = M.trained_step(mesh, opt="adam", **kw)
   b = M.batch(0)
   check_evaluate(step, state, b, reference_loss(step, state, b))
