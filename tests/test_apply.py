@@ -209,3 +209,17 @@ def test_an_output_that_varies_over_devices_comes_back_as_the_first_devices():
   assert int(first) == 1 and first.sharding.is_fully_replicated
   np.testing.assert_allclose(np.asarray(logits), np.asarray(
       jax.jit(M.forward)(step.get_params(state), M.batch(0)["x"])), **TOL)
+
+
+def test_a_function_remade_in_the_loop_is_warned_once(mesh):
+  """A lambda written inside the loop is a new object each time: apply warns (once) that
+  each compiles again; the same object, or a functools.partial, is quiet."""
+  step = M.make_step(mesh, stage=3)
+  state = step.init(M.init_params())
+  x = M.batch(0)["x"]
+  step.apply(state, lambda p, x: M.forward(p, x), x)  # a function used once: quiet
+  with pytest.warns(UserWarning, match=r"new function object made from the same code"):
+    for _ in range(3):
+      step.apply(state, lambda p, x: M.forward(p, x), x)
+  for _ in range(2):
+    step.apply(state, functools.partial(M.forward, prefetch=0), x)

@@ -13,6 +13,7 @@ run as ``model.eval()`` sets them and whatever they or a loss change is dropped.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -88,6 +89,25 @@ def check_args(args) -> None:
           f"an array; every leaf of the arguments after fn is traced as an array. Pass arrays "
           f"(jnp.asarray(...)), and bind Python values that fix shapes or loop lengths into fn "
           f"instead (functools.partial(fn, max_len=16), or a closure).")
+
+
+def warn_if_remade(fn, seen: dict) -> None:
+  """Warns once per code object when ``fn`` is a new function object made from the code of
+  one `apply` compiled before (a lambda written in the loop that calls ``step.apply``): each
+  new object compiles again and its program is kept. ``seen``: code -> [function, warned]."""
+  code = getattr(fn, "__code__", None)
+  if code is None:
+    return
+  entry = seen.setdefault(code, [fn, False])
+  if entry[0] is fn or entry[1]:
+    return
+  entry[1] = True
+  warnings.warn(
+      f"step.apply got a new function object made from the same code as one it compiled "
+      f"before ({code.co_name} at {code.co_filename}:{code.co_firstlineno}): apply compiles "
+      f"once per function object, so each new one compiles again and its program is kept. "
+      f"Define the function once, outside the loop, and pass the same object each call "
+      f"(values that change go in *args).", UserWarning, stacklevel=3)
 
 
 def _check_outputs(out, split: bool) -> None:

@@ -69,6 +69,7 @@ class ShardedTrainStep:
     self._metas: dict[int, StateMeta] = {}
     self._batches: set = set()
     self._warned_nested = [False]
+    self._apply_fns: dict = {}  # code -> [first function, warned] (forward.warn_if_remade)
     q = spec.comm.quantize
     self._stall = StallWatch(q.block_size if q is not None and q.weights else None)
 
@@ -338,6 +339,7 @@ class ShardedTrainStep:
       raise TypeError(f"step.apply(state, fn, *args): fn must be callable, got "
                       f"{type(fn).__name__}; e.g. step.apply(state, lambda model, x: model(x), x).")
     forward.check_args(args)
+    forward.warn_if_remade(fn, self._apply_fns)
     if split_args:
       batching.check_batch(self.spec, args, name="args", micro=False)
       args = batching.place_batch(self.spec, args)
