@@ -15,12 +15,10 @@ and through the 6 matmuls of the model (tanh and the residual-free layers do not
 example's loss. Total < 1.1e-5: RTOL = 2e-5 holds on any IEEE float32 machine.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P

@@ -18,11 +18,12 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero_jax.comm.axes import make_varying, varying_axes
 from zero_jax.layers import nnx as nnx_lib
 from zero_jax.step import aux as aux_lib
+from zero_jax.step import batch as batching
 from zero_jax.step import context
 from zero_jax.step import grads as grads_lib
 from zero_jax.step.loss import check_keywords
@@ -80,6 +81,26 @@ def evaluate(spec: StepSpec, loss_fn, state, batch) -> dict:
 
 
 # ----------------------------------------------------------------------- apply
+def check_fn(fn) -> None:
+  """Raises TypeError for a ``step.apply`` function that is not callable."""
+  if not callable(fn):
+    raise TypeError(f"step.apply(state, fn, *args): fn must be callable, got "
+                    f"{type(fn).__name__}; e.g. step.apply(state, lambda model, x: model(x), x).")
+
+
+def place_args(spec: StepSpec, args: tuple, *, split_args: bool) -> tuple:
+  """``step.apply``'s args, checked (`check_args`; with ``split_args`` as a batch whose rows
+  split over the batch axes) and placed: split over the batch axes, or replicated (as they
+  are when traced, inside the user's jit)."""
+  check_args(args)
+  if split_args:
+    batching.check_batch(spec, args, name="args", micro=False)
+    return batching.place_batch(spec, args)
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+    return args
+  return context.device_put(args, NamedSharding(spec.working_mesh(), P()))
+
+
 def check_args(args) -> None:
   """Raises TypeError naming the first leaf of ``step.apply``'s ``args`` that is not an array."""
   for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:

@@ -335,16 +335,9 @@ class ShardedTrainStep:
       ``fn``'s output: replicated arrays (split over the batch axes with ``split_args``).
     """
     state = self._prepare(state, "apply")
-    if not callable(fn):
-      raise TypeError(f"step.apply(state, fn, *args): fn must be callable, got "
-                      f"{type(fn).__name__}; e.g. step.apply(state, lambda model, x: model(x), x).")
-    forward.check_args(args)
+    forward.check_fn(fn)
     forward.warn_if_remade(fn, self._apply_fns)
-    if split_args:
-      batching.check_batch(self.spec, args, name="args", micro=False)
-      args = batching.place_batch(self.spec, args)
-    elif not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-      args = context.device_put(args, st.sharding(self.spec, P()))
+    args = forward.place_args(self.spec, args, split_args=split_args)
     jitted = self._jitted(("apply", fn, split_args), state, lambda: (
         lambda s, a: forward.apply(self.spec, fn, s, a, split_args=split_args), {}))
     return context.run(self.spec, jitted, state, args)
