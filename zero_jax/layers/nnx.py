@@ -182,6 +182,13 @@ def merge(module: ModuleDef, params, model_state):
   return nnx.merge(module.graphdef, params, model_state, copy=True)
 
 
+def eval_mode(model) -> None:
+  """Sets ``model`` (a fresh copy, e.g. from `merge`) as ``model.eval()`` does: every
+  submodule with a ``deterministic`` attribute (``nnx.Dropout``) gets True, every one with
+  ``use_running_average`` (``nnx.BatchNorm``) True; modules without them are left alone."""
+  model.set_attributes(deterministic=True, use_running_average=True, raise_if_not_found=False)
+
+
 def gather_module(module, is_sharded: Callable, gather: Callable):
   """``module`` with the variables whose value ``is_sharded`` replaced by ``gather`` of them.
 

@@ -25,45 +25,49 @@ def _is_number_list(x) -> bool:
       isinstance(v, numbers.Number) for v in x)
 
 
-def check_batch(spec: StepSpec, batch) -> None:
-  """Raises an error naming the leaf for a batch the step cannot split correctly."""
+def check_batch(spec: StepSpec, batch, *, name: str = "batch", micro: bool = True) -> None:
+  """Raises an error naming the leaf for a batch the step cannot split correctly.
+
+  ``name``: what the message calls the tree (``step.apply``'s split ``args``); ``micro``:
+  whether the rows are also split into ``grad_accum_steps`` micro-batches."""
   lists = jax.tree_util.tree_flatten_with_path(batch, is_leaf=_is_number_list)[0]
   for path, x in lists:
     if _is_number_list(x):
-      raise TypeError(f"batch{jax.tree_util.keystr(path)} is a Python {type(x).__name__} of "
+      raise TypeError(f"{name}{jax.tree_util.keystr(path)} is a Python {type(x).__name__} of "
                       f"numbers, which JAX reads as {len(x)} separate scalar leaves; pass an "
                       f"array (np.asarray(...)) whose first dimension is the global batch.")
   leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
-    raise ValueError("the batch has no arrays; pass a pytree of arrays whose first dimension "
+    raise ValueError(f"the {name} has no arrays; pass a pytree of arrays whose first dimension "
                      "is the global batch size.")
-  div = spec.n_batch * spec.grad_accum_steps
+  k = spec.grad_accum_steps if micro else 1
+  div = spec.n_batch * k
   need = (f"{spec.n_batch} devices on the batch axes {spec.batch_axes}" +
-          (f" x grad_accum_steps={spec.grad_accum_steps}" if spec.grad_accum_steps > 1 else ""))
+          (f" x grad_accum_steps={k}" if k > 1 else ""))
   rows = {}
   for path, x in leaves:
-    name = f"batch{jax.tree_util.keystr(path)}"
+    where = f"{name}{jax.tree_util.keystr(path)}"
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(f"{name} is a {type(x).__name__}, not an array; every batch leaf must "
+      raise TypeError(f"{where} is a {type(x).__name__}, not an array; every batch leaf must "
                       f"be an array whose first dimension is the global batch size.")
     shape = tuple(np.shape(x))
     if not shape:
-      raise ValueError(f"{name} is a scalar (shape ()); every batch leaf's leading dimension "
+      raise ValueError(f"{where} is a scalar (shape ()); every batch leaf's leading dimension "
                        f"is the global batch size. Pass per-example values (one row per "
                        f"example), or close over a constant in loss_fn.")
-    rows[name] = shape
+    rows[where] = shape
   sizes = sorted({s[0] for s in rows.values()})
   if len(sizes) > 1:
-    raise ValueError(f"the batch's leaves have different leading sizes ({_by_size(rows)}); "
+    raise ValueError(f"the {name}'s leaves have different leading sizes ({_by_size(rows)}); "
                      f"the leading dimension of every leaf is the global batch size, so they "
                      f"must all be equal. Split or repeat the leaves so each has one row per "
                      f"example." + _rows_as_list(batch))
-  name, shape = next(iter(rows.items()))
+  where, shape = next(iter(rows.items()))
   if shape[0] == 0:
-    raise ValueError(f"{name} has no rows (shape {shape}): an empty batch has no loss to "
+    raise ValueError(f"{where} has no rows (shape {shape}): an empty batch has no loss to "
                      f"average. Skip the call for an empty batch.")
   if shape[0] % div:
-    raise ValueError(f"{name} has leading dimension {shape[0]} (shape {shape}), "
+    raise ValueError(f"{where} has leading dimension {shape[0]} (shape {shape}), "
                      f"but every batch leaf's leading dimension is the global batch size and "
                      f"must be divisible by {div} ({need}); use a global batch size that is "
                      f"a multiple of {div}, or drop the last incomplete batch." +

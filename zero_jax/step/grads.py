@@ -263,20 +263,43 @@ def _objective(spec: StepSpec, meta, loss_fn, params, frozen, leaves, scale):
   def objective(train_leaves, mb, ms, key):
     p = _loss_params(spec, meta, treedef, paths, frozen, dict(zip(meta.train_idx, train_leaves)),
                      leaves)
-    out = call_loss(loss_fn, p, mb, model_state=ms, rng=key, has_aux=spec.has_aux,
-                    batch_axes=axes, mesh_axes=tuple(spec.mesh.axis_names),
-                    gathered_whole=spec.param_stage == 3 and not any(meta.stacked))
-    if out.weight is None:
-      denom, w = spec.n_batch * k, None
-    else:
-      w = jax.lax.psum(out.weight, axes)  # this micro-batch's global weight
-      denom = k * _nonzero(w)
+    out, w = loss_call(spec, meta, loss_fn, p, mb, ms, key)
+    denom = spec.n_batch * k if w is None else k * _nonzero(w)
     return ls.scale_loss(scale, out.value) / denom, (out, w)
 
   if spec.param_stage == 3 and not any(meta.stacked):  # re-gather for the backward pass
     objective = jax.checkpoint(objective, policy=regather_policy(
         meta.param_layouts, _bucket_shapes(spec, meta)))
   return objective
+
+
+def loss_call(spec: StepSpec, meta, loss_fn, params, mb, ms, key):
+  """``loss_fn`` on one device's micro-batch (`zero_jax.step.loss.call_loss`, checked) ->
+  ``(LossOutput, w)``: ``w`` the micro-batch's global `WeightedLoss` weight (summed over the
+  batch axes), None for a mean loss. The step's objective and `zero_jax.step.forward` share it."""
+  axes = spec.batch_axes
+  out = call_loss(loss_fn, params, mb, model_state=ms, rng=key, has_aux=spec.has_aux,
+                  batch_axes=axes, mesh_axes=tuple(spec.mesh.axis_names),
+                  gathered_whole=spec.param_stage == 3 and not any(meta.stacked))
+  return out, None if out.weight is None else jax.lax.psum(out.weight, axes)
+
+
+def micro_inputs(state, ms, j, axes):
+  """This device's key and model state for micro-batch ``j`` (``ms``: the model state it
+  starts from; key leaves folded as `fold_key` says, from the state's own keys)."""
+  key = None if state.rng is None else fold_key(state.rng, state.step, j, axes)
+  ms_in = None if ms is None else _with_device_keys(ms, state.model_state, state.step, j, axes)
+  return key, ms_in
+
+
+def micro_results(spec: StepSpec, out, w, mb) -> tuple:
+  """What `micro_batches` sums and combines of one micro-batch's loss call besides the
+  gradient: ``(loss value in float32, (global weight, this device's negative weight) or
+  None, aux parts or None)``."""
+  ws = None if w is None else (w, jnp.minimum(out.weight, 0))
+  aux = None if not spec.has_aux else aux_lib.start(spec.aux_reduce, out.aux,
+                                                    jax.tree.leaves(mb)[0].shape[0])
+  return out.value.astype(jnp.float32), ws, aux
 
 
 def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
@@ -300,11 +323,10 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
                                           state.loss_scale), has_aux=True)
   diff, in_loop = _differentiated(spec, meta, leaves)
   reduce_here = [r and not in_loop[i] for i, r in zip(idx, reduce_here)]
-  rng, model_state, step = state.rng, state.model_state, state.step
+  model_state = state.model_state
 
   def micro(mb, ms, j):
-    key = None if rng is None else fold_key(rng, step, j, axes)
-    ms_in = None if ms is None else _with_device_keys(ms, model_state, step, j, axes)
+    key, ms_in = micro_inputs(state, ms, j, axes)
     (_, (out, w)), g = grad_fn(diff, mb, ms_in, key)
     reduce_now = sharded_acc or k == 1
     g = reduce_some(spec, layouts, g, [reduce_now and r for r in reduce_here], stacks)
@@ -312,13 +334,9 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
     # float32: an fp16 gradient of the sum overflows where that of the mean does not.
     if w is not None and k > 1:
       g = [x * (k * w).astype(x.dtype) for x in g]
-    # (global weight, this device's negative weight), summed over micro-batches
-    ws = None if w is None else (w, jnp.minimum(out.weight, 0))
-    aux = None if not spec.has_aux else aux_lib.start(spec.aux_reduce, out.aux,
-                                                      jax.tree.leaves(mb)[0].shape[0])
-    return g, out.value.astype(jnp.float32), ws, aux, out.model_state
+    return (g,) + micro_results(spec, out, w, mb) + (out.model_state,)
 
-  grads, total, ws, aux, ms = _micro_batches(micro, batch, model_state, k)
+  grads, total, ws, aux, ms = micro_batches(micro, batch, model_state, k)
   weight = None if ws is None else ws[0]
   if k > 1:
     if weight is not None:  # the global weight W of the whole step
@@ -327,14 +345,14 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
       grads = reduce_some(spec, layouts, grads, reduce_here, stacks)
   if ws is not None:
     ws = (weight, jax.lax.psum(ws[1], axes) < 0)
-  return _agreed(grads, total, ws, aux_lib.finish(aux, k, axes), ms, model_state, k, axes)
+  return agreed(grads, total, ws, aux_lib.finish(aux, k, axes), ms, model_state, k, axes)
 
 
 def _nonzero(w):
   return jnp.where(w > 0, w, 1.0)
 
 
-def _micro_batches(micro, batch, model_state, k: int):
+def micro_batches(micro, batch, model_state, k: int):
   """``micro`` over the ``k`` micro-batches of ``batch`` in order (a ``lax.scan``), summing
   its first three results, combining the aux (`zero_jax.step.aux.Parts`: per-example rows
   kept in order) and threading the model state; the first one runs before the scan so
@@ -356,7 +374,7 @@ def _micro_batches(micro, batch, model_state, k: int):
   return last[:3] + (aux_lib.joined(last[3], first[3], stacked), last[4])
 
 
-def _agreed(grads, total, weight, aux, ms, model_state, k: int, axes) -> Local:
+def agreed(grads, total, weight, aux, ms, model_state, k: int, axes) -> Local:
   """The values every device agrees on: the global loss (weighted or mean: NaN for a
   global weight of zero, as on one device) and model state averaged over the batch axes;
   the gradients and aux as they are."""
@@ -396,6 +414,43 @@ def reduce_model_split(spec: StepSpec, layouts, stacked_grads):
                        out_specs=out_specs)(stacked_grads)
 
 
+def loss_inputs(spec: StepSpec, state):
+  """What the loss's ``shard_map`` (manual over the batch axes) takes of ``state``, and its
+  in_specs: the parameters as stored (stage 3: split over the gather axes), the model state,
+  key, loss scale and step replicated; no optimizer state or master copy."""
+  stored = spec.gather_axes if spec.stage == 3 else None
+  param_specs = jax.tree.unflatten(jax.tree.structure(state.params), [
+      l.data_spec(stored) if stored else P() for l in state.meta.param_layouts])
+  inputs = state.replace(master=None, opt_state=None)
+  return inputs, inputs.replace(step=P(), params=param_specs, loss_scale=P(), model_state=P(),
+                                rng=P())
+
+
+def forward_params(spec: StepSpec, meta, params):
+  """Inside the loss's ``shard_map``: the parameter tree a forward pass without a gradient
+  sees, as the step's loss sees it. Stage 3: plain leaves gathered (bucketed, quantized as
+  the step's forward gathers them; over the hpZ axes only with ``hpz_axis``), stacked leaves
+  `ShardedParam`s that `zero_jax.gather` / `zero_jax.scan` gather a layer at a time; with
+  ``gather_once`` or at stages 1-2 the whole leaves."""
+  treedef, leaves = jax.tree.structure(params), jax.tree.leaves(params)
+  if spec.gather_once:
+    leaves = _gather_all(spec, meta, leaves)
+  if spec.param_stage != 3:
+    return jax.tree.unflatten(treedef, leaves)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  return _loss_params(spec, meta, treedef, paths, dict(enumerate(leaves)), {}, leaves)
+
+
+def with_aux_reduced(spec: StepSpec, out: Local) -> Local:
+  """The loss ``shard_map``'s `Local` with its aux parts combined over the devices
+  (`zero_jax.step.aux.reduce_devices`) and their specs set."""
+  if out.aux is None:
+    return out
+  axes = spec.batch_axes
+  return out._replace(aux=aux_lib.reduce_devices(out.aux, spec.constrain, axes),
+                      aux_specs=aux_lib.specs(out.aux, axes))
+
+
 def sharded_grads(spec: StepSpec, loss_fn, state, batch) -> Local:
   """The step's gradient: one reduced block (stage 2-3) or leaf (stage 1) per trainable leaf.
 
@@ -415,9 +470,6 @@ def sharded_grads(spec: StepSpec, loss_fn, state, batch) -> Local:
   layouts = [meta.param_layouts[i] for i in meta.train_idx]
   split_later = [l.has_model and spec.stage != 3 and spec.accumulate == "local"
                  for l in layouts]
-  stored = spec.gather_axes if spec.stage == 3 else None
-  param_specs = jax.tree.unflatten(jax.tree.structure(state.params), [
-      l.data_spec(stored) if stored else P() for l in meta.param_layouts])
   invariant = spec.stage == 1 and spec.n_batch > 1  # stage 1 all-reduces (unless one device)
   grad_specs = [P(axes) if later else (P() if invariant else l.data_spec(spec.data_axes))
                 for l, later in zip(layouts, split_later)]
@@ -428,16 +480,11 @@ def sharded_grads(spec: StepSpec, loss_fn, state, batch) -> Local:
     return out._replace(grads=[g[None] if later else g
                                for g, later in zip(out.grads, split_later)])
 
-  inputs = state.replace(master=None, opt_state=None)
-  in_specs = inputs.replace(step=P(), params=param_specs, loss_scale=P(), model_state=P(),
-                            rng=P())
+  inputs, in_specs = loss_inputs(spec, state)
   local = jax.shard_map(body, mesh=spec.auto_mesh, axis_names=set(axes),
                         in_specs=(in_specs, P(axes)),
                         out_specs=Local(grad_specs, P(), P(axes), P(), P()))
-  out = local(inputs, batch)
-  if out.aux is not None:
-    out = out._replace(aux=aux_lib.reduce_devices(out.aux, spec.constrain, axes),
-                       aux_specs=aux_lib.specs(out.aux, axes))
+  out = with_aux_reduced(spec, local(inputs, batch))
   if any(split_later):
     later = [j for j, s in enumerate(split_later) if s]
     reduced = reduce_model_split(spec, [layouts[j] for j in later],

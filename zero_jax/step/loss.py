@@ -268,8 +268,12 @@ def check_new_model_state(new_ms, model_state) -> None:
         f"step averages it over devices and feeds it back in). {fix}.")
 
 
-def module_loss(loss_fn: Callable, module: nnx_lib.ModuleDef, wrt, has_aux: bool) -> Callable:
+def module_loss(loss_fn: Callable, module: nnx_lib.ModuleDef, wrt, has_aux: bool, *,
+                evaluate: bool = False) -> Callable:
   """The pure-function loss for a module's ``loss_fn(model, batch)``.
+
+  ``evaluate``: the module is set as ``model.eval()`` sets it before the call (Dropout off,
+  BatchNorm reading its running statistics; `zero_jax.layers.nnx.eval_mode`).
 
   Returns:
     ``loss(params, batch, *, model_state, rng=None)`` returning ``(loss,
@@ -278,6 +282,8 @@ def module_loss(loss_fn: Callable, module: nnx_lib.ModuleDef, wrt, has_aux: bool
   """
   def loss(params, batch, *, model_state, rng=None):
     model = nnx_lib.merge(module, params, model_state)
+    if evaluate:
+      nnx_lib.eval_mode(model)
     check_keywords(loss_fn, {} if rng is None else {"rng": rng}, names=("rng",))
     out = loss_fn(model, batch) if rng is None else loss_fn(model, batch, rng=rng)
     value, aux, _ = split_output(out, has_aux, False)

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from zero_jax.step import batch as batching
 from zero_jax.step import compile_options
 from zero_jax.step import context
+from zero_jax.step import forward
 from zero_jax.step import grads as grads_lib
 from zero_jax.step import init as init_lib
 from zero_jax.step import loss as loss_lib
@@ -155,11 +156,13 @@ class ShardedTrainStep:
                    known=self._metas)
     ls_lib.check_same_policy(self.initial_loss_scale, state.loss_scale)
 
-  def _loss_fn(self, meta: StateMeta):
-    """The loss the step calls: ``loss_fn`` itself, or wrapped to take and give a module."""
+  def _loss_fn(self, meta: StateMeta, evaluate: bool = False):
+    """The loss the step calls: ``loss_fn`` itself, or wrapped to take and give a module
+    (``evaluate``: in eval mode, as `evaluate` runs it)."""
     if meta.module is None:
       return self.loss_fn
-    return loss_lib.module_loss(self.loss_fn, meta.module, self.wrt, self.spec.has_aux)
+    return loss_lib.module_loss(self.loss_fn, meta.module, self.wrt, self.spec.has_aux,
+                                evaluate=evaluate)
 
   def _place(self, batch):
     leaves, treedef = jax.tree.flatten(batch)
@@ -196,24 +199,35 @@ class ShardedTrainStep:
   def _run(self, fn, state, batch):
     return context.run(self.spec, fn, state, self._place(batch))
 
-  def _compiled(self, state: TrainState):
-    """The jitted step for this state's layout, its outputs pinned to the state's shardings."""
+  def _jitted(self, what, state: TrainState, make: Callable):
+    """The jit of ``make()``'s ``(fn, jit keywords)`` for ``what`` (the step, `evaluate`, an
+    `apply` function) and this state's layout, made once (each compiles once per shape)."""
     traced = isinstance(state.step, jax.core.Tracer)  # inside the user's jit: theirs compiles
-    key = (state.meta, self.spec.in_user_context(), traced)
+    key = (what, state.meta, self.spec.in_user_context(), traced)
     fn = self._jits.get(key)
     if fn is None:
-      specs = self._partition_specs(state.meta, jax.tree.structure(state.params), state.model_state,
-                          state.rng, state.loss_scale)
-      metrics = dict.fromkeys(_METRICS, st.sharding(self.spec, P()))
-      if self.spec.has_aux:
-        metrics["aux"] = None  # as the step made it (per-example leaves split over the batch)
-      fn = jax.jit(self._step_fn, donate_argnums=(0,) if self.spec.donate else (),
-                   out_shardings=(st.state_shardings(self.spec, specs), metrics),
-                   compiler_options=None if traced else self.compiler_options)
+      body, kwargs = make()
+      fn = jax.jit(body, compiler_options=None if traced else self.compiler_options, **kwargs)
       self._jits[key] = fn
     if traced:
       compile_options.warn_if_nested(self.mesh, self.compiler_options, self._warned_nested)
     return fn
+
+  def _metric_shardings(self, names) -> dict:
+    metrics = dict.fromkeys(names, st.sharding(self.spec, P()))
+    if self.spec.has_aux:
+      metrics["aux"] = None  # as the step made it (per-example leaves split over the batch)
+    return metrics
+
+  def _compiled(self, state: TrainState):
+    """The jitted step for this state's layout, its outputs pinned to the state's shardings."""
+    def make():
+      specs = self._partition_specs(state.meta, jax.tree.structure(state.params),
+                                    state.model_state, state.rng, state.loss_scale)
+      return self._step_fn, dict(
+          donate_argnums=(0,) if self.spec.donate else (),
+          out_shardings=(st.state_shardings(self.spec, specs), self._metric_shardings(_METRICS)))
+    return self._jitted("step", state, make)
 
   @property
   def compiler_options(self) -> dict:
@@ -243,6 +257,94 @@ class ShardedTrainStep:
     if not isinstance(new_state.step, jax.core.Tracer):  # not inside the user's jit or scan
       self._stall.observe(metrics, state, new_state)
     return new_state, metrics
+
+  def evaluate(self, state: TrainState, batch) -> dict:
+    """The step's metrics for ``batch`` without a gradient or an update; ``state`` is left
+    as it was (not donated).
+
+    The loss runs as in the step: ``batch`` split over the batch axes and into
+    ``grad_accum_steps`` micro-batches (a ``lax.scan``), the parameters as the loss sees
+    them (stage 3: gathered, stacked leaves one layer at a time by `zero_jax.scan` /
+    `zero_jax.gather`; hpZ, ``quantize`` and the compute dtype as in the step's forward
+    pass). Compiled once per shape. A module (``init(model)``) runs as ``model.eval()``
+    sets it (Dropout off, BatchNorm reading its running statistics); a new model state
+    from ``loss_fn`` (or the module's changes) is dropped, and every micro-batch starts
+    from the state's. With ``init(rng=)``, ``loss_fn`` gets the key the training step would
+    give it for this state's step (``metrics["step"]``), device and micro-batch.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> loss_fn = lambda p, b: jnp.mean((b @ p) ** 2)
+      >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3)
+      >>> state = step.init(jnp.ones((3, 2)))
+      >>> metrics = step.evaluate(state, jnp.ones((8, 3)))
+      >>> float(metrics["loss"]), int(metrics["step"])
+      (9.0, 0)
+
+    Args:
+      state: a `TrainState` of this step.
+      batch: a global batch, as for the step (its leading dimension divisible by the
+        batch devices times ``grad_accum_steps``).
+
+    Returns:
+      ``{"loss": global mean (or WeightedLoss mean), "step": the state's step}``, and
+      ``"aux"`` (combined by ``aux_reduce``) with ``has_aux``; replicated on every device
+      and process.
+    """
+    state = self._prepare(state, "evaluate")
+    fn = self._jitted("evaluate", state, lambda: (
+        lambda s, b: forward.evaluate(self.spec, self._loss_fn(s.meta, evaluate=True), s, b),
+        dict(out_shardings=self._metric_shardings(forward.METRICS))))
+    return self._run(fn, state, batch)
+
+  def apply(self, state: TrainState, fn: Callable, *args, split_args: bool = False):
+    """``fn(params_or_model, *args)`` on the split state, as the loss sees the parameters.
+
+    For logits, sampling or any other forward use of a model that need not fit one
+    device: ``fn`` runs on every device inside the step's ``shard_map`` with the
+    parameters the step's loss gets (stage 3: gathered; stacked leaves left split, for
+    `zero_jax.scan` / `zero_jax.gather` to gather one layer at a time). A module
+    (``init(model)``) comes as ``model.eval()`` sets it, and what ``fn`` changes in it is
+    dropped; a params tree made with ``init(..., model_state=)`` comes with the keyword
+    ``model_state=``. ``state`` is left as it was. Compiled once per ``fn`` and shape: pass
+    the same function object to reuse the program.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> step = zj.make_sharded_train_step(lambda p, b: jnp.mean((b @ p) ** 2),
+      ...                                   optax.sgd(0.1), mesh=mesh, stage=3)
+      >>> state = step.init(jnp.ones((3, 2)))
+      >>> step.apply(state, lambda p, x: x @ p, jnp.ones((1, 3))).tolist()
+      [[3.0, 3.0]]
+
+    Args:
+      state: a `TrainState` of this step.
+      fn: ``fn(params_or_model, *args) -> pytree of arrays``.
+      *args: pytrees of arrays (bind Python values into ``fn``). Replicated to every
+        device, which computes the whole output (the weights reach each device layer by
+        layer; the activations are whole).
+      split_args: split the args' leading dimension over the batch axes like a batch
+        (divisible by the batch devices): each device computes its rows, and every output
+        leaf is the devices' outputs concatenated in order along its leading dimension.
+
+    Returns:
+      ``fn``'s output: replicated arrays (split over the batch axes with ``split_args``).
+    """
+    state = self._prepare(state, "apply")
+    if not callable(fn):
+      raise TypeError(f"step.apply(state, fn, *args): fn must be callable, got "
+                      f"{type(fn).__name__}; e.g. step.apply(state, lambda model, x: model(x), x).")
+    forward.check_args(args)
+    if split_args:
+      batching.check_batch(self.spec, args, name="args", micro=False)
+      args = batching.place_batch(self.spec, args)
+    elif not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+      args = context.device_put(args, st.sharding(self.spec, P()))
+    jitted = self._jitted(("apply", fn, split_args), state, lambda: (
+        lambda s, a: forward.apply(self.spec, fn, s, a, split_args=split_args), {}))
+    return context.run(self.spec, jitted, state, args)
 
   def lower(self, state: TrainState, batch, *, lowering_platforms=None) -> jax.stages.Lowered:
     """The lowered step, for ``.compile().memory_analysis()`` or ``.as_text()``.
@@ -434,7 +536,7 @@ def make_sharded_train_step(
       state after passing it to the step).
 
   Returns:
-    A `ShardedTrainStep` with ``init``, ``__call__``, ``lower``,
+    A `ShardedTrainStep` with ``init``, ``__call__``, ``evaluate``, ``apply``, ``lower``,
     ``abstract_state``, ``get_params`` and ``get_model``.
   """
   spec = make_spec(mesh=mesh, axis_name=axis_name, replica_axis=replica_axis, stage=stage,

@@ -1,0 +1,148 @@
+"""The step's forward pass on the split state, without a gradient or an update.
+
+`evaluate` is ``step.evaluate(state, batch)``: the step's loss (and aux) for a batch, computed
+by the same pieces as the training step (`zero_jax.step.grads`): the batch split over the batch
+axes and into ``grad_accum_steps`` micro-batches in a ``lax.scan``, each micro-batch's parameters
+gathered as the step's loss gathers them (stage 3: stacked leaves left split for `zero_jax.scan`
+/ `zero_jax.gather`; hpZ and quantized gathers as configured; the compute-dtype copy under
+bf16/fp16), the loss reduced as the step reduces it (`WeightedLoss` over the global batch, aux by
+its rules). `apply` is ``step.apply(state, fn, *args)``: any other forward use (logits,
+sampling) on the parameters as the loss sees them. Both leave the state as it was: NNX modules
+run as ``model.eval()`` sets them and whatever they or a loss change is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from zero_jax.comm.axes import make_varying
+from zero_jax.layers import nnx as nnx_lib
+from zero_jax.step import aux as aux_lib
+from zero_jax.step import context
+from zero_jax.step import grads as grads_lib
+from zero_jax.step.loss import check_keywords
+from zero_jax.step.spec import StepSpec
+
+METRICS = ("loss", "step")
+
+
+def _local_metrics(spec: StepSpec, loss_fn, state, batch) -> grads_lib.Local:
+  """On each device inside the loss's ``shard_map``: the micro-batches' losses (every one
+  from the state's model state; the new model state is dropped), agreed over the devices."""
+  meta, k, axes = state.meta, spec.grad_accum_steps, spec.batch_axes
+
+  def micro(mb, _, j):
+    params = grads_lib.forward_params(spec, meta, state.params)  # per micro-batch, as the step
+    key, ms = grads_lib.micro_inputs(state, state.model_state, j, axes)
+    out, w = grads_lib.loss_call(spec, meta, loss_fn, params, mb, ms, key)
+    return ((),) + grads_lib.micro_results(spec, out, w, mb) + (None,)
+
+  _, total, ws, aux, _ = grads_lib.micro_batches(micro, batch, None, k)
+  out = grads_lib.agreed([], total, ws, aux_lib.finish(aux, k, axes), None, None, k, axes)
+  return out._replace(weight=None)
+
+
+def sharded_metrics(spec: StepSpec, loss_fn, state, batch) -> grads_lib.Local:
+  """The loss (replicated) and aux (combined as the step combines it) of ``loss_fn`` on
+  the global ``batch`` (split over the batch axes), with the parameters of ``state``."""
+  axes = spec.batch_axes
+  inputs, in_specs = grads_lib.loss_inputs(spec, state)
+  local = jax.shard_map(lambda s, b: _local_metrics(spec, loss_fn, s, b), mesh=spec.auto_mesh,
+                        axis_names=set(axes), in_specs=(in_specs, P(axes)),
+                        out_specs=grads_lib.Local([], P(), P(axes), P(), P()))
+  return grads_lib.with_aux_reduced(spec, local(inputs, batch))
+
+
+def evaluate(spec: StepSpec, loss_fn, state, batch) -> dict:
+  """``{"loss", "step"[, "aux"]}`` of ``loss_fn`` on ``batch`` (see the module docstring),
+  traced in Auto mode (`zero_jax.step.context.in_auto`)."""
+  aux_specs: dict = {}
+
+  def body(state, batch):
+    out = sharded_metrics(spec, loss_fn, state, batch)
+    metrics = {"loss": out.loss, "step": state.step}
+    if spec.has_aux:
+      metrics["aux"] = out.aux
+      if "metrics" in aux_specs:
+        aux_specs["metrics"]["aux"] = out.aux_specs
+    return metrics
+
+  def out_specs(state, batch):  # replicated scalars; aux's specs are set by body
+    del state, batch
+    aux_specs["metrics"] = dict.fromkeys(METRICS + (("aux",) if spec.has_aux else ()), P())
+    return aux_specs["metrics"]
+  return context.in_auto(spec, body, out_specs)(state, batch)
+
+
+# ----------------------------------------------------------------------- apply
+def check_args(args) -> None:
+  """Raises TypeError naming the first leaf of ``step.apply``'s ``args`` that is not an array."""
+  for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+      raise TypeError(
+          f"step.apply: args{jax.tree_util.keystr(path)} is a {type(x).__name__} ({x!r}), not "
+          f"an array; every leaf of the arguments after fn is traced as an array. Pass arrays "
+          f"(jnp.asarray(...)), and bind Python values that fix shapes or loop lengths into fn "
+          f"instead (functools.partial(fn, max_len=16), or a closure).")
+
+
+def _check_outputs(out, split: bool) -> None:
+  """Raises TypeError naming a leaf of ``fn``'s output that ``apply`` cannot return."""
+  for path, y in jax.tree_util.tree_flatten_with_path(out)[0]:
+    where = f"fn's output{jax.tree_util.keystr(path)}"
+    if not isinstance(y, (jax.Array, np.ndarray, np.generic)):
+      raise TypeError(
+          f"step.apply: {where} is a {type(y).__name__} ({y!r}), not an array; fn runs "
+          f"inside the step's compiled program, which returns arrays only. Return "
+          f"jnp.asarray(...) for numbers, and compute other values outside step.apply.")
+    if split and not np.shape(y):
+      raise ValueError(
+          f"step.apply(..., split_args=True): {where} is a scalar, but with split_args each "
+          f"device's outputs are concatenated along their leading dimension (one row per "
+          f"row of the args). Return per-row values (e.g. per-example losses, not their "
+          f"mean), or call step.apply without split_args (every device computes the whole "
+          f"output).")
+
+
+def _call(fn, params, model_state, module, args):
+  """``fn`` on the parameters as the loss sees them: a module (in eval mode, see the module
+  docstring) or the params tree (with ``model_state=`` where the state has one)."""
+  if module is not None:
+    model = nnx_lib.merge(module, params, model_state)
+    nnx_lib.eval_mode(model)
+    return fn(model, *args)
+  if model_state is None:
+    return fn(params, *args)
+  check_keywords(fn, {"model_state": model_state}, names=("model_state",))
+  return fn(params, *args, model_state=model_state)
+
+
+def apply(spec: StepSpec, fn: Callable, state, args: tuple, *, split_args: bool) -> Any:
+  """``fn(params_or_model, *args)`` on the split ``state`` (see `ShardedTrainStep.apply`):
+  inside a ``shard_map`` over the batch axes, ``args`` replicated (every device computes the
+  whole output, which comes back replicated) or, with ``split_args``, split along their
+  leading dimension over the batch axes (outputs concatenated back in order)."""
+  axes, meta = spec.batch_axes, state.meta
+  inputs, in_specs = grads_lib.loss_inputs(spec, state)
+
+  def local(inputs, args):
+    params = grads_lib.forward_params(spec, meta, inputs.params)
+    out = _call(fn, params, inputs.model_state, meta.module, args)
+    _check_outputs(out, split_args)
+    return jax.tree.map(lambda y: make_varying(y, axes) if split_args else
+                        make_varying(y, axes)[None], out)
+
+  def body(inputs, args):
+    stacked = jax.shard_map(local, mesh=spec.auto_mesh, axis_names=set(axes),
+                            in_specs=(in_specs, P(axes) if split_args else P()),
+                            out_specs=P(axes))(inputs, args)
+    if split_args:
+      return jax.tree.map(lambda y: spec.constrain(y, P(axes)), stacked)
+    # Every device computed the same output: keep the first device's, replicated.
+    return jax.tree.map(lambda y: spec.constrain(y[0], P()), stacked)
+
+  return context.in_auto(spec, body, lambda *_: P(axes) if split_args else P())(inputs, args)
