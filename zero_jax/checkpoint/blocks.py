@@ -29,6 +29,18 @@ def shard_box(index, storage_shape, logical_shape) -> Box | None:
   return tuple(box)
 
 
+def layer_box(box: Box | None, layer: int) -> Box | None:
+  """The part of ``box`` (of a stacked leaf, layers along its first dimension) in layer
+  ``layer``, as a box of that layer's dimensions; None when the box does not hold it.
+
+  >>> layer_box(((0, 3), (2, 4)), 1), layer_box(((0, 3), (2, 4)), 5)
+  (((2, 4),), None)
+  """
+  if box is None or not box[0][0] <= layer < box[0][1]:
+    return None
+  return box[1:]
+
+
 def transpose_box(box: Box, transpose: bool) -> Box:
   return tuple(reversed(box)) if transpose else box
 

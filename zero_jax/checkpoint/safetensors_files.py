@@ -76,8 +76,26 @@ class OpenFiles:
         converting would change an integer or make a finite float infinite or NaN
         (``t.dtype`` cannot hold it).
     """
-    e = self.entries[t.name]
     outs = _blocks([tuple(b - a for a, b in box) for box in boxes], t.dtype)
+    self._fill(t, boxes, outs)
+    return outs
+
+  def read_layers(self, ts: list[fmt.Tensor], boxes: list[blocks.Box]) -> list[np.ndarray]:
+    """The blocks ``boxes`` (non-empty) of a stacked leaf whose layers the per-layer tensors
+    ``ts`` hold (`safetensors_format.layer_tensors`, in order), in their dtype: each block's
+    part of each layer it spans read from that layer's tensor, as `read` reads it, straight
+    into the block."""
+    outs = _blocks([tuple(b - a for a, b in box) for box in boxes], ts[0].dtype)
+    for i, t in enumerate(ts):
+      mine = [(blocks.layer_box(box, i), out[i - box[0][0], ...])
+              for box, out in zip(boxes, outs) if box[0][0] <= i < box[0][1]]
+      if mine:
+        self._fill(t, [b for b, _ in mine], [o for _, o in mine])
+    return outs
+
+  def _fill(self, t: fmt.Tensor, boxes: list[blocks.Box], outs: list[np.ndarray]) -> None:
+    """Reads the blocks ``boxes`` of ``t`` into ``outs`` (C-contiguous, of their shapes)."""
+    e = self.entries[t.name]
     staged = []
     for out, box in zip(outs, boxes):
       fbox = blocks.transpose_box(box, t.transpose)
@@ -85,7 +103,6 @@ class OpenFiles:
         staged.append((out, fbox))
     if staged:
       self._staged(e, t, staged)
-    return outs
 
   def _direct(self, e: fmt.Entry, t: fmt.Tensor, out: np.ndarray, fbox) -> bool:
     """Reads ``fbox`` of ``e`` into ``out`` run by run when its runs are long; False when

@@ -9,6 +9,7 @@ the file, opened once for the whole load (`zero_jax.checkpoint.safetensors_files
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -19,6 +20,7 @@ from flax import nnx
 from zero_jax.step import init as init_lib
 from zero_jax.layers import nnx as nnx_lib
 from zero_jax.step import state as st
+from zero_jax.step.options import stacked_flags
 from zero_jax.checkpoint import progress as progress_lib
 from zero_jax.checkpoint import safetensors_format as fmt
 from zero_jax.checkpoint import safetensors_files as files_lib
@@ -71,21 +73,61 @@ def _check(path, tensors: list[fmt.Tensor], entries: dict[str, fmt.Entry], cast:
                      f"strict=False to leave them unread.")
 
 
+def _check_layers(path, t: fmt.Tensor, ts: list[fmt.Tensor], entries: dict[str, fmt.Entry],
+                  strict: bool) -> None:
+  """The per-layer tensors ``ts`` of a stacked leaf (``t``: a layer's tensor, named with
+  ``{i}``) all present, of one shape and dtype, and no layer past the leaf's in the files
+  (an error with ``strict``, else a warning)."""
+  layers = f"one tensor per layer, {t.name!r} for {{i}} = 0..{len(ts) - 1}"
+  missing = [u for u in ts if u.name not in entries]
+  if missing:
+    raise KeyError(
+        f"the stacked leaf {t.leaf} ({len(ts)} layers) reads {layers}, and {path} lacks "
+        f"layer(s) {[u.layer for u in missing][:8]}: {_listing([u.name for u in missing])}. "
+        f"Check that rename= returns the files' per-layer names (the files hold "
+        f"{_listing(sorted(entries))}).")
+  for what, key in (("shape", lambda e: list(e.shape)), ("dtype", lambda e: e.code)):
+    first = key(entries[ts[0].name])
+    odd = [u for u in ts if key(entries[u.name]) != first]
+    if odd:
+      raise ValueError(
+          f"the per-layer tensors of the stacked leaf {t.leaf} differ in {what}: "
+          f"{ts[0].name!r} is {first} and "
+          + ", ".join(f"{u.name!r} is {key(entries[u.name])}" for u in odd[:4])
+          + f" (in {entries[odd[0].name].file}); the layers of a stacked leaf are one "
+          f"{what}. Name tensors of one {what} with '{{i}}' in rename=.")
+  extra = sorted((k, n) for n in entries
+                 if (k := fmt.layer_of(t.name, n)) is not None and k >= len(ts))
+  if extra:
+    msg = (f"{path} holds layers past the {len(ts)} of the stacked leaf {t.leaf} (its first "
+           f"dimension), which reads {layers}: {_listing([n for _, n in extra])}.")
+    if strict:
+      raise ValueError(f"{msg} Give `like` a leaf of {extra[-1][0] + 1} layers, or pass "
+                       f"strict=False to leave the others unread.")
+    warnings.warn(f"{msg} They are left unread (strict=False).", stacklevel=4)
+
+
 def _kind(dtype) -> str:
   return "float" if jnp.issubdtype(dtype, jnp.inexact) else "other"
 
 
-def _reader(files: files_lib.OpenFiles, t: fmt.Tensor, shape, boxes) -> Callable:
+def _reader(files: files_lib.OpenFiles, ts: list[fmt.Tensor], shape, dtype, boxes) -> Callable:
   """The callback of ``jax.make_array_from_callback``: one device's block. The distinct
   blocks of this process's devices (``boxes``) are read from the file together, each once
-  (jax copies a block into each device that holds it)."""
+  (jax copies a block into each device that holds it); ``ts``: the leaf's tensor, or its
+  layers' (`OpenFiles.read_layers`; none for a stack of no layers)."""
   wanted = [b for b in boxes if math.prod(y - x for x, y in b)]
-  got = dict(zip(wanted, files.read(t, wanted))) if wanted else {}
+  if not wanted:
+    got = {}
+  elif ts[0].layer is None:
+    got = dict(zip(wanted, files.read(ts[0], wanted)))
+  else:
+    got = dict(zip(wanted, files.read_layers(ts, wanted)))
 
   def read(index) -> np.ndarray:
     b = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
     if b not in got:  # nothing to read
-      return np.zeros(tuple(y - x for x, y in b), t.dtype)
+      return np.zeros(tuple(y - x for x, y in b), dtype)
     return got[b]
   return read
 
@@ -191,18 +233,21 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
                      f"values ({', '.join(abstract[:4])}); the files hold parameters only. "
                      f"Pass the function that makes the module (lambda: Model(nnx.Rngs(0))): "
                      f"those variables are then made by it, under jit.")
+  leaves = _tensors(params, rename, cast, stacked_flags(step.leaf_options.stacked, params))
   with files_lib.open_files(path, max_header_bytes=max_header_bytes) as files:
-    return _load(path, files, _tensors(params, rename, cast), step, source,
-                 cast=cast, strict=strict, progress=progress)
+    return _load(path, files, leaves, step, source, cast=cast, strict=strict,
+                 progress=progress)
 
 
-def _tensors(params, rename, cast: bool) -> list[fmt.Tensor]:
-  """The tensor each leaf of ``params`` reads, as the file holds it, in the dtype JAX gives
-  the leaf (a 64-bit dtype is 32-bit with ``jax_enable_x64`` off: refused unless ``cast``,
-  then read as a conversion, integers only when every value fits)."""
+def _tensors(params, rename, cast: bool, stacked) -> list[tuple[fmt.Tensor, list]]:
+  """The tensors each leaf of ``params`` reads, as the file holds them, in the dtype JAX
+  gives the leaf (a 64-bit dtype is 32-bit with ``jax_enable_x64`` off: refused unless
+  ``cast``, then read as a conversion, integers only when every value fits): per leaf,
+  ``(its tensor, the tensors read)``: ``[tensor]``, or one per layer for a ``stacked``
+  leaf named with ``{i}`` (the tensor then a layer's, named with ``{i}``)."""
   variable = nnx_lib.holds_variables(params)
-  tensors = []
-  for p, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+  out = []
+  for (p, x), s in zip(jax.tree_util.tree_flatten_with_path(params)[0], stacked):
     leaf = f"params{jax.tree_util.keystr(p)}"
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
       raise TypeError(f"`like` holds {leaf} = {x!r}, a {type(x).__name__}; every leaf must be "
@@ -217,11 +262,13 @@ def _tensors(params, rename, cast: bool) -> list[fmt.Tensor]:
                       f"give `like` native-order dtypes, x.astype(x.dtype.newbyteorder('=')).")
     dtype = _jax_dtype(x.dtype, leaf, cast)
     name, transpose = fmt.apply_rename(rename, fmt.default_name(p, variable=variable), leaf,
-                                       len(shape))
-    tensors.append(fmt.Tensor(name, shape[::-1] if transpose else shape, dtype, leaf,
-                              transpose))
-  fmt.check_unique(tensors)
-  return tensors
+                                       len(shape), stacked=s)
+    layers = fmt.LAYER in name
+    part = shape[1:] if layers else shape
+    t = fmt.Tensor(name, part[::-1] if transpose else part, dtype, leaf, transpose)
+    out.append((t, fmt.layer_tensors(t, shape[0]) if layers else [t]))
+  fmt.check_unique([t for _, ts in out for t in ts])
+  return out
 
 
 def _jax_dtype(dtype, leaf: str, cast: bool) -> np.dtype:
@@ -237,23 +284,28 @@ def _jax_dtype(dtype, leaf: str, cast: bool) -> np.dtype:
   return got
 
 
-def _load(path, files: files_lib.OpenFiles, tensors, step, source, *, cast, strict,
+def _load(path, files: files_lib.OpenFiles, leaves, step, source, *, cast, strict,
           progress) -> Any:
-  """`load_safetensors` once the files are open and ``like`` read."""
+  """`load_safetensors` once the files are open and ``like`` read (``leaves``: `_tensors`)."""
   module, params = source.module, source.params
-  _check(path, tensors, files.entries, cast, strict)
+  for t, ts in leaves:
+    if fmt.LAYER in t.name:
+      _check_layers(path, t, ts, files.entries, strict)
+  _check(path, [u for _, ts in leaves for u in ts], files.entries, cast, strict)
   flat, treedef = jax.tree_util.tree_flatten(params)
   _, meta = st.build_meta(step.spec, step.optimizer, params, step.leaf_options)
   shardings = [st.sharding(step.spec, init_lib.input_spec(step.spec, layout))
                for layout in meta.param_layouts]
   shapes = [tuple(np.shape(x)) for x in flat]
+  dtypes = [np.dtype(jax.dtypes.canonicalize_dtype(x.dtype)) for x in flat]  # as `_tensors`
   held = [_held(sh, shape) for sh, shape in zip(shardings, shapes)]
-  mine = [sum(math.prod(b - a for a, b in box) for box in boxes) * t.dtype.itemsize
-          for t, boxes in zip(tensors, held)]  # a bar counts each distinct block once
+  mine = [sum(math.prod(b - a for a, b in box) for box in boxes) * dt.itemsize
+          for dt, boxes in zip(dtypes, held)]  # a bar counts each distinct block once
   arrays = []
   with progress_lib.bytes_bar(sum(mine), f"load {path}", progress) as done:
-    for t, sh, shape, boxes, n in zip(tensors, shardings, shapes, held, mine):
-      arrays.append(jax.make_array_from_callback(shape, sh, _reader(files, t, shape, boxes)))
+    for (_, ts), sh, shape, dt, boxes, n in zip(leaves, shardings, shapes, dtypes, held, mine):
+      arrays.append(jax.make_array_from_callback(shape, sh,
+                                                 _reader(files, ts, shape, dt, boxes)))
       done(n)
   loaded = jax.tree.unflatten(treedef, arrays)
   if module is None:

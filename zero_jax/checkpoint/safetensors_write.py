@@ -35,14 +35,21 @@ _SHARDS = re.compile(r"model-\d{5}-of-\d{5}\.safetensors$")
 
 
 class _Leaf:
-  """One parameter leaf to write: its tensor, its source array, its logical shape."""
+  """One tensor to write: the tensor, its source array, the leaf's logical shape (the
+  tensor is one layer of it when ``tensor.layer`` is not None)."""
 
   def __init__(self, tensor: fmt.Tensor, array: jax.Array, shape: tuple[int, ...]):
     self.tensor, self.array, self.shape = tensor, array, shape
 
+  @property
+  def part_shape(self) -> tuple[int, ...]:
+    """The logical shape of what the tensor holds: the leaf's, or one layer's."""
+    return self.shape if self.tensor.layer is None else self.shape[1:]
+
 
 def _plan(state: TrainState, rename, dtype) -> list[_Leaf]:
-  """The tensors to write, in the params' order: the master copy where there is one."""
+  """The tensors to write, in the params' order (a stacked leaf named with ``{i}``: one per
+  layer, in order): the master copy where there is one."""
   meta = state.meta
   paths = jax.tree_util.tree_flatten_with_path(state.params)[0]
   arrays = [x for _, x in paths]
@@ -51,14 +58,17 @@ def _plan(state: TrainState, rename, dtype) -> list[_Leaf]:
       arrays[i] = m
   variable = nnx_lib.holds_variables(state.params)
   out = []
-  for (path, _), x, layout in zip(paths, arrays, meta.param_layouts):
+  for (path, _), x, layout, stacked in zip(paths, arrays, meta.param_layouts, meta.stacked):
     leaf = f"params{jax.tree_util.keystr(path)}"
+    shape = tuple(layout.shape)
     name, transpose = fmt.apply_rename(rename, fmt.default_name(path, variable=variable), leaf,
-                                       len(layout.shape))
+                                       len(shape), stacked=stacked)
     dt = _file_dtype(x.dtype, dtype, leaf)
     fmt.dtype_code(dt, leaf)
-    shape = tuple(reversed(layout.shape)) if transpose else tuple(layout.shape)
-    out.append(_Leaf(fmt.Tensor(name, shape, dt, leaf, transpose), x, tuple(layout.shape)))
+    layers = fmt.LAYER in name
+    part = shape[1:] if layers else shape
+    t = fmt.Tensor(name, part[::-1] if transpose else part, dt, leaf, transpose)
+    out += [_Leaf(u, x, shape) for u in (fmt.layer_tensors(t, shape[0]) if layers else [t])]
   fmt.check_unique([l.tensor for l in out])
   return out
 
@@ -86,7 +96,8 @@ def _largest(arrays: list) -> list:
 def _check_range(leaves: list[_Leaf]) -> None:
   """Raises naming the leaf when converting it to its file dtype would make a finite value
   infinite or NaN (one program over every such leaf, before anything is written)."""
-  narrowed = [l for l in leaves if fmt.shrinks(l.array.dtype, l.tensor.dtype)]
+  narrowed = list({id(l.array): l for l in leaves  # a stacked leaf's layers: checked once
+                   if fmt.shrinks(l.array.dtype, l.tensor.dtype)}.values())
   arrays = [l.array if getattr(l.array.sharding, "memory_kind", None) in (None, "device") else
             jax.device_put(l.array, l.array.sharding.with_memory_kind("device"))
             for l in narrowed]
@@ -106,26 +117,33 @@ def _check_range(leaves: list[_Leaf]) -> None:
 
 # ------------------------------------------------------------------ the data
 @functools.lru_cache(maxsize=256)
-def _slicer(sizes: tuple[int, ...], transpose: bool, dtype: np.dtype) -> Callable:
+def _slicer(sizes: tuple[int, ...], transpose: bool, dtype: np.dtype,
+            layer: bool = False) -> Callable:
   def piece(x, starts):
     y = jax.lax.dynamic_slice(x, starts, sizes) if sizes else x
+    y = y[0] if layer else y
     return (y.T if transpose else y).astype(dtype)
   return jax.jit(piece)
 
 
-def _reader(x: jax.Array, transpose: bool, dtype: np.dtype) -> Callable:
-  """``piece(box) -> host array``: a box of one device's block, transposed and converted,
+def _reader(x: jax.Array, transpose: bool, dtype: np.dtype, layer: int | None = None) -> Callable:
+  """``piece(box) -> host array``: a box of one device's block (of its layer ``layer``, when
+  not None: the box then spans the dimensions after the first), transposed and converted,
   in the file's row-major order. CPU devices share their buffers with numpy (the box is
   a view; one copy makes it contiguous); elsewhere the box is sliced on its device (one
   small program per piece shape and device) and copied to the host alone."""
   if next(iter(x.devices())).platform == "cpu" and HOST_VIEWS:
-    block = np.asarray(x)
+    block = np.asarray(x) if layer is None else np.asarray(x)[layer]
     return lambda box: np.ascontiguousarray(
         _t(block[tuple(slice(a, b) for a, b in box)], transpose), dtype=dtype)
   if getattr(x.sharding, "memory_kind", None) not in (None, "device"):
     x = jax.device_put(x, x.sharding.with_memory_kind("device"))  # offloaded: one block
-  return lambda box: np.asarray(_slicer(tuple(b - a for a, b in box), transpose, dtype)(
-      x, tuple(np.int32(a) for a, _ in box)))
+  if layer is None:
+    return lambda box: np.asarray(_slicer(tuple(b - a for a, b in box), transpose, dtype)(
+        x, tuple(np.int32(a) for a, _ in box)))
+  return lambda box: np.asarray(_slicer((1,) + tuple(b - a for a, b in box), transpose, dtype,
+                                        True)(x, (np.int32(layer),) + tuple(np.int32(a)
+                                                                            for a, _ in box)))
 
 
 def _t(a: np.ndarray, transpose: bool) -> np.ndarray:
@@ -144,6 +162,8 @@ def _my_parts(leaf: _Leaf) -> list:
   x = leaf.array
   index = x.sharding.devices_indices_map(x.shape)
   boxes = {d: blocks.shard_box(i, x.shape, leaf.shape) for d, i in index.items()}
+  if leaf.tensor.layer is not None:
+    boxes = {d: blocks.layer_box(b, leaf.tensor.layer) for d, b in boxes.items()}
   parts = blocks.assign(boxes, 1 if leaf.tensor.transpose else 0)
   return [(s, parts[s.device]) for s in x.addressable_shards if s.device in parts]
 
@@ -158,10 +178,14 @@ def _write_leaf(fd: int, base: int, leaf: _Leaf, chunk_bytes: int, done) -> None
   """Writes the parts of ``leaf`` this process's devices are assigned; ``done(n)`` after
   each chunk of ``n`` bytes."""
   t, x = leaf.tensor, leaf.array
-  order = tuple(reversed(range(len(leaf.shape)))) if t.transpose else tuple(range(len(leaf.shape)))
+  ndim = len(leaf.part_shape)
+  order = tuple(reversed(range(ndim))) if t.transpose else tuple(range(ndim))
   for shard, part in _my_parts(leaf):
     origin = [s.indices(n)[0] for s, n in zip(shard.index, x.shape)]
-    piece = _reader(shard.data, t.transpose, t.dtype)
+    layer = None
+    if t.layer is not None:  # the box spans a layer's dimensions: the shard's from the second
+      layer, origin = t.layer - origin[0], origin[1:]
+    piece = _reader(shard.data, t.transpose, t.dtype, layer)
     max_elems = max(1, chunk_bytes // max(x.dtype.itemsize, t.dtype.itemsize))
     for c in blocks.chunks(part, max_elems, order):
       host = piece(tuple((a - o, b - o) for (a, b), o in zip(c, origin)))
