@@ -83,10 +83,12 @@ def lowered(row: str, cfg: LlamaConfig, mesh):
   batch = jax.ShapeDtypeStruct((GPUS * PER_GPU, SEQ + 1), jnp.int32)
   if program == "train step":
     return step.lower(state, batch)
+  # evaluate and apply inside step.jit (the step's compiler options): one program each,
+  # the same one the call compiles.
   if program == "evaluate":
-    return step.evaluate.lower(state, batch)
-  return step.apply.lower(state, EX.next_token_fn, replicated(mesh, (1, SEQ)),
-                          replicated(mesh, ()))
+    return step.jit(lambda s, b: step.evaluate(s, b)).lower(state, batch)
+  return step.jit(lambda s, w, n: step.apply(s, EX.next_token_fn, w, n)).lower(
+      state, replicated(mesh, (1, SEQ)), replicated(mesh, ()))
 
 
 def measure(row: str, cfg: LlamaConfig, mesh) -> dict:
