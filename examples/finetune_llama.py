@@ -456,8 +456,10 @@ def plan_main(args) -> dict:
   print(f"plan: {cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{n_params(cfg):,} parameters; {args.hosts} x {args.per_host} {args.gpu}; global batch "
         f"{args.batch_size} x {args.seq_len} tokens; ZeRO-3, precision {args.precision}")
-  logging.getLogger("zero_jax.plan").setLevel(logging.INFO)  # progress, on stderr
-  logging.getLogger("zero_jax.plan").addHandler(logging.StreamHandler())
+  log = logging.getLogger("zero_jax.plan")  # progress, on stderr, once
+  log.setLevel(logging.INFO)
+  log.addHandler(logging.StreamHandler())
+  log.propagate = False
   try:
     plan = zj.plan(functools.partial(loss_fn, **given) if given else loss_fn,
                    optax.adamw(args.lr), init, batch, gpu=args.gpu, hosts=args.hosts,
