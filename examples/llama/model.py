@@ -63,7 +63,8 @@ def build_model(cfg: LlamaConfig, rngs, *, dtype=None, stacked: bool = True, pre
   built, and every later layer computes in the dtype of its input and parameters.
   ``stacked``: the blocks built with ``nnx.vmap`` as one module whose variables have the
   layers first, looped over with ``zj.scan(..., prefetch=prefetch, policy=remat_policy(remat))``
-  (make the step with ``stacked=nnx.PathContains("layers")``); False: a list of blocks.
+  (make the step with ``stacked=nnx.PathContains("layers")``); False: a list of blocks, each
+  under ``nnx.remat`` with the same policy (unless ``remat="none"``).
   """
   import jax
   import jax.numpy as jnp
@@ -154,8 +155,11 @@ def build_model(cfg: LlamaConfig, rngs, *, dtype=None, stacked: bool = True, pre
         if scan:
           raise TypeError(f"zj.scan options {sorted(scan)} given to a model built with "
                           f"stacked=False, whose blocks are a list (no zj.scan).")
+        block = lambda layer, h: layer(h)
+        if remat != "none":  # each block keeps for the backward pass what zj.scan's would
+          block = nnx.remat(block, policy=policy)
         for layer in self.layers:
-          x = layer(x)
+          x = block(layer, x)
       x = self.norm(x)
       return self.embed_tokens.attend(x) if cfg.tie_word_embeddings else self.lm_head(x)
 
