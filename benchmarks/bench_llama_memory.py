@@ -53,6 +53,7 @@ from llama.config import LlamaConfig  # noqa: E402
 from llama.model import build_model  # noqa: E402
 
 CONFIG = ROOT / "tests" / "data" / "hf_configs" / "llama3_8b" / "config.json"
+CONFIG_70B = CONFIG.parent.parent / "llama3_70b" / "config.json"
 GPUS, SEQ, PER_GPU, REMAT = 8, 2048, 1, "full"  # 1 x 2048 tokens per GPU, each layer recomputed
 ROWS = [f"{layout} {program}" for layout in ("stacked", "unstacked")
         for program in ("train step", "evaluate", "apply")]
@@ -146,29 +147,33 @@ def render(cfg: LlamaConfig, out: dict) -> str:
       "their programs take that much of the state as arguments; the rest of the state (master "
       "copy, AdamW's moments) stays on the GPU while they run, and *state + temporaries* is "
       "what is then in use (the train step's arguments plus the program's temporaries)."]
+  big = LlamaConfig.from_json(CONFIG_70B)
   pair = lambda a, b: a in peaks and b in peaks
   if pair("stacked train step", "unstacked train step"):
     a, b = peaks["stacked train step"], peaks["unstacked train step"]
-    lines.append(
+    lines += [
+        "",
         f"The train step: stacked, {gib(a)} GiB per GPU; unstacked, {gib(b)} GiB "
         f"({gib(b - a)} GiB more: the whole model gathered, {gib(2 * n)} GiB in bf16, beside "
         f"the gradients of the gathered parameters). Stacked, the gathered part is one layer "
         f"and the one in flight (2 x {gib(2 * layer)} GiB), and the parameters that are not "
         f"blocks: the embedding and the head ({gib(2 * 2 * cfg.vocab_size * cfg.hidden_size)} "
-        f"GiB in bf16), gathered whole before the loss.")
+        f"GiB in bf16), gathered whole before the loss."]
   if pair("stacked evaluate", "unstacked evaluate"):
     a, b = peaks["stacked evaluate"], peaks["unstacked evaluate"]
-    lines.append(
+    lines += [
+        "",
         f"Without a backward pass the unstacked program does not hold the whole model either: "
         f"no gathered parameter is needed after its layer, and XLA's scheduler places each "
         f"all-gather next to its use ({gib(b)} GiB, against {gib(a)} stacked). The stacked "
         f"programs' {gib(a - b)} GiB more is about one embedding-sized matrix in bf16 "
-        f"({gib(2 * cfg.vocab_size * cfg.hidden_size)} GiB) live across the layer loop: the "
-        f"head, gathered with the other non-stacked parameters before the loss (not analysed "
-        f"further). Evaluating and sampling an 8B model thus fit in either layout; training "
-        f"is where stacking counts, and it is what lets the 70B's state (14 bytes x 70.6e9 "
-        f"parameters / 8 = 115 GiB per GPU, so 16 or more H100s) train with one layer "
-        f"gathered at a time.")
+        f"({gib(2 * cfg.vocab_size * cfg.hidden_size)} GiB), presumably the head, gathered "
+        f"with the other non-stacked parameters before the loss and live across the layer "
+        f"loop (not analysed further). Evaluating and sampling an 8B model thus fit in either "
+        f"layout; training is where stacking counts. (Llama-3-70B's state is 14 bytes x "
+        f"{EX.n_params(big) / 1e9:.1f}e9 parameters = {gib(14 * EX.n_params(big) / GPUS)} GiB "
+        f"per GPU on 8: it needs 16 or more H100s in either layout, and its whole model in "
+        f"bf16, {gib(2 * EX.n_params(big))} GiB, would not fit one.)"]
   return "\n".join(lines)
 
 
