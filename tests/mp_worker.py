@@ -72,6 +72,29 @@ def loss_fn_extras(p, b, model_state, rng):
   return loss_fn(p, {"x": x - model_state["mean"], "y": b["y"]}), new_state
 
 
+def logits(p, x, *, model_state=None):
+  """The model's outputs (``step.apply``'s function; a state made with model_state= passes
+  it, and the "extras" variants' running mean is subtracted from x as their loss does)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  if model_state is not None:
+    x = x - model_state["mean"]
+  return jnp.tanh(x.astype(p["w1"].dtype) @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def forward_uses(step, state):
+  """On the host: ``step.evaluate``'s loss and step on global_batch(STEPS) (each process
+  feeding its rows) and ``step.apply``'s logits of its first 4 rows (args replicated)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import zero_jax as zj  # pylint: disable=g-import-not-at-top
+  b = global_batch(STEPS)
+  rows = zj.process_batch_slice(GLOBAL_BATCH, step)
+  m = zj.metrics_to_host(step.evaluate(state, zj.make_global_batch(
+      jax.tree.map(lambda x: x[rows], b), step)))
+  out = step.apply(state, logits, b["x"][:4])
+  return {"eval_loss": np.float64(m["loss"]), "eval_step": np.int64(m["step"]),
+          "apply": np.asarray(out.addressable_data(0)).astype(np.float32)}  # npz: no bf16
+
+
 def init_kwargs(variant):
   """Extra arguments of step.init for the variant."""
   if not VARIANTS[variant].get("extras"):
@@ -160,6 +183,8 @@ def _parity(out_dir, ckpt_in):
       state, metrics = step(state, batch)
       history.append(zj.metrics_to_host(metrics))
       zj.print_main(f"{variant} step {t}: loss {history[-1]['loss']:.6f}")
+    for k, x in forward_uses(step, state).items():
+      results[f"{variant}/{k}"] = x
     for k, x in step.get_params(state).items():
       results[f"{variant}/{k}"] = np.asarray(x)
     if state.model_state is not None:

@@ -63,7 +63,8 @@ def one_process(mesh8, tmp_path_factory):
     for t in range(W.STEPS):
       state, m = step(state, W.global_batch(t))
       losses.append(float(m["loss"]))
-    out[variant] = {"params": _host(step.get_params(state)), "loss": np.array(losses)}
+    out[variant] = {"forward": W.forward_uses(step, state),
+                    "params": _host(step.get_params(state)), "loss": np.array(losses)}
     if state.model_state is not None:
       out[variant]["model_state"] = np.asarray(state.model_state["mean"])
     if variant == "stage2_sgd_clip" and ckpt:
@@ -104,6 +105,25 @@ def test_two_processes_give_the_params_of_one_process_after_5_steps(
     _close(r[f"{variant}/loss"], ref["loss"], rtol=1e-6)
     if "model_state" in ref:
       _close(r[f"{variant}/model_state"], ref["model_state"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant", list(W.VARIANTS))
+def test_evaluate_and_apply_in_two_processes_equal_one_process(variant, one_process,
+                                                               two_processes):
+  """Every process gets the same metrics and outputs (test_every_process_gets_the_same_...
+  compares them bit for bit), those of one process, and for the exact fp32 variants the
+  single-device loss and logits of the same parameters (float rounding: 1e-5, see
+  tests/test_evaluate.py)."""
+  ref = one_process[variant]["forward"]
+  for r in two_processes["results"]:
+    _close(r[f"{variant}/eval_loss"], ref["eval_loss"], rtol=1e-6)
+    _close(r[f"{variant}/apply"], ref["apply"], rtol=1e-6)
+    assert int(r[f"{variant}/eval_step"]) == W.STEPS
+  v = W.VARIANTS[variant]
+  if v.get("precision") is None and not v.get("extras"):
+    p = one_process[variant]["params"]
+    _close(ref["eval_loss"], W.loss_fn(p, W.global_batch(W.STEPS)), rtol=1e-5)
+    _close(ref["apply"], W.logits(p, W.global_batch(W.STEPS)["x"][:4]), rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", [v for v, o in W.VARIANTS.items()

@@ -76,6 +76,9 @@ class Comm:
     reduce_dtype: the gradient's dtype on the wire (``comm_dtype=``), or None.
     bucket_bytes: leaves below this many bytes move together (0: never).
     quantize: the `Quantize` record, or None (exact).
+    forward_only: the loss's gathers are not differentiated (``step.evaluate``,
+      ``step.apply``): `gather_in_loss` returns device-invariant values, like a
+      replicated input's, which code mixes with replicated values freely (a loop carry).
   """
   gather_axes: tuple[str, ...]
   outer_axes: tuple[str, ...] = ()
@@ -83,6 +86,7 @@ class Comm:
   reduce_dtype: Any = None
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
   quantize: Quantize | None = None
+  forward_only: bool = False
 
   @classmethod
   def over(cls, data_axes, **kwargs) -> "Comm":
@@ -306,7 +310,10 @@ def _exact_in_loss(comm: Comm) -> bool:
 
 def gather_in_loss(blocks, layouts, groups, comm: Comm) -> list:
   """Stage 3's differentiated gather over the gather axes: its transpose reduce-scatters
-  the local gradients over them (quantized as ``comm`` says, in a ``custom_vjp``)."""
+  the local gradients over them (quantized as ``comm`` says, in a ``custom_vjp``); with
+  ``comm.forward_only`` a gather to device-invariant values, with no transpose."""
+  if comm.forward_only:
+    return all_gather_many(blocks, layouts, groups, comm, to="invarying")
   if _exact_in_loss(comm):
     return all_gather_many(blocks, layouts, groups, comm, to="varying")
   return _quantized_gather(tuple(blocks), tuple(layouts), tuple(groups), comm)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zero_jax.comm.axes import make_varying
+from zero_jax.comm.axes import make_varying, varying_axes
 from zero_jax.layers import nnx as nnx_lib
 from zero_jax.step import aux as aux_lib
 from zero_jax.step import context
@@ -129,20 +129,28 @@ def apply(spec: StepSpec, fn: Callable, state, args: tuple, *, split_args: bool)
   axes, meta = spec.batch_axes, state.meta
   inputs, in_specs = grads_lib.loss_inputs(spec, state)
 
+  out_spec = P(axes) if split_args else P()
+
   def local(inputs, args):
     params = grads_lib.forward_params(spec, meta, inputs.params)
     out = _call(fn, params, inputs.model_state, meta.module, args)
     _check_outputs(out, split_args)
-    return jax.tree.map(lambda y: make_varying(y, axes) if split_args else
-                        make_varying(y, axes)[None], out)
+    return jax.tree.map(lambda y: make_varying(y, axes) if split_args else _replicated(y, axes),
+                        out)
 
   def body(inputs, args):
-    stacked = jax.shard_map(local, mesh=spec.auto_mesh, axis_names=set(axes),
-                            in_specs=(in_specs, P(axes) if split_args else P()),
-                            out_specs=P(axes))(inputs, args)
-    if split_args:
-      return jax.tree.map(lambda y: spec.constrain(y, P(axes)), stacked)
-    # Every device computed the same output: keep the first device's, replicated.
-    return jax.tree.map(lambda y: spec.constrain(y[0], P()), stacked)
+    out = jax.shard_map(local, mesh=spec.auto_mesh, axis_names=set(axes),
+                        in_specs=(in_specs, out_spec), out_specs=out_spec)(inputs, args)
+    return jax.tree.map(lambda y: spec.constrain(y, out_spec), out)
 
-  return context.in_auto(spec, body, lambda *_: P(axes) if split_args else P())(inputs, args)
+  return context.in_auto(spec, body, lambda *_: out_spec)(inputs, args)
+
+
+def _replicated(y, axes):
+  """An output of replicated args, as every device holds it: as it is when it does not vary
+  over the batch axes (the usual case: the args are replicated and the parameters gathered
+  invariant), else the first device's, gathered to every device."""
+  vary = tuple(a for a in axes if a in varying_axes(y))
+  if not vary:
+    return y
+  return jax.lax.all_gather(y, vary, axis=0, tiled=False, to="invarying")[0]

@@ -7,6 +7,7 @@ gather (stage 3), and the per-device ``fold_in`` keys. Details: the docs' "How i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -431,13 +432,15 @@ def forward_params(spec: StepSpec, meta, params):
   sees, as the step's loss sees it. Stage 3: plain leaves gathered (bucketed, quantized as
   the step's forward gathers them; over the hpZ axes only with ``hpz_axis``), stacked leaves
   `ShardedParam`s that `zero_jax.gather` / `zero_jax.scan` gather a layer at a time; with
-  ``gather_once`` or at stages 1-2 the whole leaves."""
+  ``gather_once`` or at stages 1-2 the whole leaves. Every gathered value is device-invariant,
+  as a replicated parameter is (`Comm.forward_only`)."""
   treedef, leaves = jax.tree.structure(params), jax.tree.leaves(params)
   if spec.gather_once:
     leaves = _gather_all(spec, meta, leaves)
   if spec.param_stage != 3:
     return jax.tree.unflatten(treedef, leaves)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  spec = dataclasses.replace(spec, comm=dataclasses.replace(spec.comm, forward_only=True))
   return _loss_params(spec, meta, treedef, paths, dict(enumerate(leaves)), {}, leaves)
 
 
