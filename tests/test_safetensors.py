@@ -311,9 +311,17 @@ def test_two_processes_write_the_bytes_of_one(tmp_path):
     if variant == "stage3_function":  # one process's init from the function: the eager values
       eager = {k: np.asarray(v) for k, v in W.init_fn().items()}
       assert_files_hold(tmp_path / variant, files, expected_file(eager, W.rename))
-    if variant == "stage3_bf16":  # loaded by two processes, each its blocks; exported again
+    if variant in ("stage3_bf16", W.LAYERS):  # loaded by two processes, each its blocks;
+      again = "reloaded" if variant == "stage3_bf16" else "layers_reloaded"  # exported again
       for f in files:
-        assert (out / "reloaded" / f).read_bytes() == (tmp_path / variant / f).read_bytes(), f
+        assert (out / again / f).read_bytes() == (tmp_path / variant / f).read_bytes(), f
+    if variant == W.LAYERS:  # one tensor per layer, cut and transposed on the host
+      p = W.params(variant)
+      expected = expected_file({k: v for k, v in p.items() if k in W.SHAPES}, W.rename)
+      for i in range(3):
+        expected[f"model.layers.{i}.w"] = np.ascontiguousarray(p["stack"][i].T)
+        expected[f"model.layers.{i}.norm"] = p["norm"][i]
+      assert_files_hold(tmp_path / variant, files, expected)
 
 
 def test_blocks_sliced_on_their_devices_give_the_same_bytes(tmp_path, monkeypatch):
@@ -572,9 +580,9 @@ def test_an_index_that_places_a_tensor_in_another_file_than_its_header_is_named(
                                        rf"not list for it"):
     zj.load_safetensors(tmp_path, like, step=e["step"], rename=rename)
   edit({**index["weight_map"], name: ["a", "list"]})
-  with pytest.raises(ValueError, match=rf"maps '{name}' to \['a', 'list'\], an array; a weight_map "
-                                       rf"maps each tensor name to the name of its file, a "
-                                       rf"non-empty string"):
+  with pytest.raises(ValueError, match=rf"maps '{name}' to \['a', 'list'\], an array; a "
+                                       rf"weight_map maps each tensor name to the name of its "
+                                       rf"file, a non-empty string"):
     zj.load_safetensors(tmp_path, like, step=e["step"], rename=rename)
 
 

@@ -6,6 +6,9 @@ Files are written with ``safetensors.numpy`` (``metadata={"format": "pt"}``, as
 """
 
 import json
+import os
+import pathlib
+import re
 import struct
 
 import jax
@@ -182,3 +185,109 @@ def test_an_integer_that_wraps_into_a_dtype_of_the_same_width_is_refused(tmp_pat
   got = zj.load_safetensors(path, {"fits": S((8,), jnp.int8)}, step=step, cast=True,
                             strict=False)["fits"]
   np.testing.assert_array_equal(np.asarray(got), [0, 127] * 4)
+
+
+# ------------------------------------------------------------ an index stays in its folder
+def _sharded(folder, weight_map, tensors):
+  """An index in ``folder`` with ``weight_map``; each file it names holds its tensors."""
+  for f in set(weight_map.values()):
+    path = folder / f if not os.path.isabs(f) else pathlib.Path(f)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: tensors[k] for k, g in weight_map.items() if g == f}, str(path),
+              metadata={"format": "pt"})
+  (folder / "model.safetensors.index.json").write_text(json.dumps(
+      {"metadata": {"total_size": 64}, "weight_map": weight_map}))
+
+
+TENSORS = {"a": np.arange(8, dtype=np.float32), "b": np.ones(8, np.float32)}
+LIKE = {k: S((8,), jnp.float32) for k in TENSORS}
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "through_subfolder"])
+def test_an_index_naming_a_file_outside_its_folder_is_refused_naming_the_entry(
+    tmp_path, step, where):
+  """A weight_map naming "../other/model-x.safetensors" (or an absolute path) read a file
+  outside the checkpoint's folder without a word. Shard names are files in the folder."""
+  folder = tmp_path / "ckpt"
+  folder.mkdir()
+  outside = {"parent": "../other/model-x.safetensors",
+             "absolute": str(tmp_path / "other" / "model-x.safetensors"),
+             "through_subfolder": "sub/../../other/model-x.safetensors"}[where]
+  _sharded(folder, {"a": "model-00001-of-00002.safetensors", "b": outside}, TENSORS)
+  why = "an absolute path" if where == "absolute" else "a path through '..'"
+  with pytest.raises(ValueError, match=rf"index.json places tensor 'b' in '{re.escape(outside)}'"
+                                       rf", {why}: shard names in an index are file names "
+                                       rf"inside its folder {re.escape(str(folder))}"):
+    zj.load_safetensors(folder, LIKE, step=step)
+
+
+@pytest.mark.parametrize("link", ["file", "folder"])
+def test_a_symlink_leaving_the_folder_is_refused_naming_the_entry_and_its_target(
+    tmp_path, step, link):
+  folder, other = tmp_path / "ckpt", tmp_path / "other"
+  folder.mkdir()
+  other.mkdir()
+  save_file({"b": TENSORS["b"]}, str(other / "model-00002-of-00002.safetensors"),
+            metadata={"format": "pt"})
+  if link == "file":
+    (folder / "model-00002-of-00002.safetensors").symlink_to(
+        other / "model-00002-of-00002.safetensors")
+    name = "model-00002-of-00002.safetensors"
+  else:
+    (folder / "shards").symlink_to(other)
+    name = "shards/model-00002-of-00002.safetensors"
+  save_file({"a": TENSORS["a"]}, str(folder / "model-00001-of-00002.safetensors"),
+            metadata={"format": "pt"})
+  (folder / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": name}}))
+  target = os.path.realpath(other / "model-00002-of-00002.safetensors")
+  with pytest.raises(ValueError, match=rf"places tensor 'b' in '{name}', which is a symbolic "
+                                       rf"link \(or in a linked folder\) resolving to "
+                                       rf"{re.escape(target)}, outside the index's folder "
+                                       rf"{re.escape(str(folder))}"):
+    zj.load_safetensors(folder, LIKE, step=step)
+
+
+def test_files_in_a_subfolder_and_a_hugging_face_cache_snapshot_load(tmp_path, step):
+  """Inside the folder is fine (a subfolder, a link within it); so is the Hugging Face cache,
+  whose snapshot files link into the repository's blobs/ folder."""
+  folder = tmp_path / "ckpt"
+  folder.mkdir()
+  _sharded(folder, {"a": "shards/model-00001-of-00002.safetensors",
+                    "b": "./model-00002-of-00002.safetensors"}, TENSORS)
+  got = zj.load_safetensors(folder, LIKE, step=step)
+  np.testing.assert_array_equal(np.asarray(got["a"]), TENSORS["a"])
+  # huggingface_hub's cache: models--org--name/{blobs/<hash>, snapshots/<rev>/<file> -> blob}
+  repo = tmp_path / "models--org--tiny"
+  blobs, snap = repo / "blobs", repo / "snapshots" / "0123abcd"
+  blobs.mkdir(parents=True)
+  snap.mkdir(parents=True)
+  _sharded(blobs, {"a": "h1", "b": "h2"}, TENSORS)
+  (blobs / "model.safetensors.index.json").rename(blobs / "h3")
+  for f, h in [("model-00001-of-00002.safetensors", "h1"),
+               ("model-00002-of-00002.safetensors", "h2")]:
+    (snap / f).symlink_to(f"../../blobs/{h}")
+  (blobs / "h3").write_text(json.dumps({"metadata": {"total_size": 64}, "weight_map": {
+      "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+  (snap / "model.safetensors.index.json").symlink_to("../../blobs/h3")
+  got = zj.load_safetensors(snap, LIKE, step=step)
+  np.testing.assert_array_equal(np.asarray(got["b"]), TENSORS["b"])
+
+
+@pytest.mark.parametrize("index,message", [
+    ({"weight_map": ["model-00001-of-00001.safetensors"]},
+     r"its weight_map is an array; it must be a JSON object \{tensor name: file name\}"),
+    ({"metadata": ["total_size", 64], "weight_map": {"a": "m.safetensors"}},
+     r"its metadata is an array; it must be a JSON object"),
+    ({"weight_map": {"a": 3}}, r"maps 'a' to 3, a number; a weight_map maps each tensor name "
+                               r"to the name of its file, a non-empty string"),
+    ({"weight_map": {"a": None}}, r"maps 'a' to None, null; a weight_map"),
+    ({"weight_map": {}}, r"its weight_map is empty"),
+    ({"metadata": {}}, r"has no weight_map; it is not a safetensors index"),
+    ("weight_map", r"is not a safetensors index: it holds a string, and an index is an object"),
+], ids=["map_list", "metadata_list", "file_number", "file_null", "empty", "no_map", "string"])
+def test_an_index_of_the_wrong_shape_says_what_it_found(tmp_path, step, index, message):
+  """A weight_map that is a list was reported as "has no weight_map"."""
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ValueError, match=r"model.safetensors.index.json:? " + message):
+    zj.load_safetensors(tmp_path, LIKE, step=step)

@@ -6,8 +6,11 @@ offsets relative to the end of the header), then every tensor's row-major bytes.
 header depends on names, shapes and dtypes alone, so every tensor's byte range is known
 before any data is written. Several files come with ``model.safetensors.index.json``
 (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``), as Hugging Face
-writes them. Reading and writing data is `zero_jax.checkpoint.safetensors_read` (with
-``safetensors_files``) / ``safetensors_write``'s job.
+writes them; its file names are files inside the index's folder (`check_shard_name`).
+A stacked leaf may be named per layer, as the Hub names layers: a name with ``{i}``
+(`LAYER`) is one tensor per layer (`layer_tensors`). Reading and writing data is
+`zero_jax.checkpoint.safetensors_read` (with ``safetensors_files``) /
+``safetensors_write``'s job.
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def _check_layers(path, t: fmt.Tensor, ts: list[fmt.Tensor], entries: dict[str, 
   """The per-layer tensors ``ts`` of a stacked leaf (``t``: a layer's tensor, named with
   ``{i}``) all present, of one shape and dtype, and no layer past the leaf's in the files
   (an error with ``strict``, else a warning)."""
-  layers = f"one tensor per layer, {t.name!r} for {{i}} = 0..{len(ts) - 1}"
+  layers = (f"one tensor per layer, {t.name!r} for {{i}} = 0..{len(ts) - 1}" if ts else
+            f"no tensor of {t.name!r} (its first dimension is 0)")
   missing = [u for u in ts if u.name not in entries]
   if missing:
     raise KeyError(
@@ -87,7 +88,7 @@ def _check_layers(path, t: fmt.Tensor, ts: list[fmt.Tensor], entries: dict[str, 
         f"Check that rename= returns the files' per-layer names (the files hold "
         f"{_listing(sorted(entries))}).")
   for what, key in (("shape", lambda e: list(e.shape)), ("dtype", lambda e: e.code)):
-    first = key(entries[ts[0].name])
+    first = key(entries[ts[0].name]) if ts else None
     odd = [u for u in ts if key(entries[u.name]) != first]
     if odd:
       raise ValueError(
@@ -176,6 +177,17 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     P(None, 'data')
     >>> state = step.init(params, donate=True)   # the state keeps the loaded blocks
 
+    Per-layer tensors, as the Hub names them, into a stacked leaf (``{i}``: the layer):
+
+    >>> layers = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> save_file({f"h.{i}.weight": np.full((16, 8), i, np.float32) for i in range(2)}, layers)
+    >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, stage=3,
+    ...                                   stacked={"w": True})
+    >>> params = zj.load_safetensors(layers, {"w": jax.ShapeDtypeStruct((2, 8, 16), jnp.float32)},
+    ...                              step=step, rename=lambda name: ("h.{i}.weight", True))
+    >>> params["w"].sharding.spec, float(params["w"][1, 0, 0])   # layers whole, rows split
+    (P(None, None, 'data'), 1.0)
+
   Args:
     path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
       directory holding either (a Hugging Face model directory).
@@ -190,7 +202,9 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     step: the `ShardedTrainStep` the parameters are for (its mesh, stage and
       ``param_specs`` decide the split).
     rename: as for `export_safetensors`: a leaf's default name -> the tensor's
-      name, or ``(name, transpose)``.
+      name, or ``(name, transpose)``; a name holding ``{i}`` reads a stacked leaf
+      (``stacked=``) from one tensor per layer (``{i}`` = 0, 1, ...), each device only
+      its rows of each layer.
     cast: convert a tensor whose dtype differs from its leaf's in ``like`` (else
       that is an error): between floating dtypes (rounding; a finite value past the
       leaf dtype's range is an error naming the leaf), or between integer ones when
@@ -207,11 +221,14 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     one, the module with the loaded parameters), ready for ``step.init``.
 
   Raises:
-    KeyError: a tensor a leaf needs is missing.
+    KeyError: a tensor a leaf needs is missing (for a stacked leaf read per layer: which
+      layer).
     ValueError: a shape differs, an unexpected tensor (``strict``), a file is
       truncated (also while it is read), its header points past its end, its
       tensors' bytes overlap or leave gaps, it names a tensor twice, an index's
-      ``weight_map`` places a tensor in another file than the one holding it, or
+      ``weight_map`` places a tensor in another file than the one holding it or in a
+      file outside the index's folder, a stacked leaf's layers differ in shape or
+      dtype or the files hold layers past its first dimension (``strict``), or
       a value does not fit the leaf's dtype (``cast``: an integer, or a finite
       float past its range).
     TypeError: a dtype differs and ``cast`` is False, or a leaf of ``like`` is

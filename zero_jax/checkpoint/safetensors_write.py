@@ -126,18 +126,27 @@ def _slicer(sizes: tuple[int, ...], transpose: bool, dtype: np.dtype,
   return jax.jit(piece)
 
 
-def _reader(x: jax.Array, transpose: bool, dtype: np.dtype, layer: int | None = None) -> Callable:
+def _reader(x: jax.Array, transpose: bool, dtype: np.dtype, layer: int | None = None,
+            moved: dict | None = None) -> Callable:
   """``piece(box) -> host array``: a box of one device's block (of its layer ``layer``, when
   not None: the box then spans the dimensions after the first), transposed and converted,
   in the file's row-major order. CPU devices share their buffers with numpy (the box is
   a view; one copy makes it contiguous); elsewhere the box is sliced on its device (one
-  small program per piece shape and device) and copied to the host alone."""
+  small program per piece shape and device) and copied to the host alone. An offloaded
+  block is brought to its device once for the layers written from it in a row (``moved``:
+  ``{device: (block, its copy on the device)}``, the last block of each device: what that
+  device held before, while the block was written)."""
   if next(iter(x.devices())).platform == "cpu" and HOST_VIEWS:
     block = np.asarray(x) if layer is None else np.asarray(x)[layer]
     return lambda box: np.ascontiguousarray(
         _t(block[tuple(slice(a, b) for a, b in box)], transpose), dtype=dtype)
   if getattr(x.sharding, "memory_kind", None) not in (None, "device"):
-    x = jax.device_put(x, x.sharding.with_memory_kind("device"))  # offloaded: one block
+    moved = {} if moved is None else moved
+    device = next(iter(x.devices()))
+    if moved.get(device, (None,))[0] is not x:  # offloaded: one block per device at a time
+      moved.pop(device, None)
+      moved[device] = (x, jax.device_put(x, x.sharding.with_memory_kind("device")))
+    x = moved[device][1]
   if layer is None:
     return lambda box: np.asarray(_slicer(tuple(b - a for a, b in box), transpose, dtype)(
         x, tuple(np.int32(a) for a, _ in box)))
@@ -174,9 +183,10 @@ def _my_bytes(leaves) -> int:
              for leaf in leaves for _, box in _my_parts(leaf))
 
 
-def _write_leaf(fd: int, base: int, leaf: _Leaf, chunk_bytes: int, done) -> None:
+def _write_leaf(fd: int, base: int, leaf: _Leaf, chunk_bytes: int, done,
+                moved: dict | None = None) -> None:
   """Writes the parts of ``leaf`` this process's devices are assigned; ``done(n)`` after
-  each chunk of ``n`` bytes."""
+  each chunk of ``n`` bytes (``moved``: see `_reader`)."""
   t, x = leaf.tensor, leaf.array
   ndim = len(leaf.part_shape)
   order = tuple(reversed(range(ndim))) if t.transpose else tuple(range(ndim))
@@ -185,7 +195,7 @@ def _write_leaf(fd: int, base: int, leaf: _Leaf, chunk_bytes: int, done) -> None
     layer = None
     if t.layer is not None:  # the box spans a layer's dimensions: the shard's from the second
       layer, origin = t.layer - origin[0], origin[1:]
-    piece = _reader(shard.data, t.transpose, t.dtype, layer)
+    piece = _reader(shard.data, t.transpose, t.dtype, layer, moved)
     max_elems = max(1, chunk_bytes // max(x.dtype.itemsize, t.dtype.itemsize))
     for c in blocks.chunks(part, max_elems, order):
       host = piece(tuple((a - o, b - o) for (a, b), o in zip(c, origin)))
@@ -229,12 +239,13 @@ def _fill(directory: str, leaves: dict[str, _Leaf], files, names, headers,
   """Every process: its parts of every tensor, at their offsets, synced to disk."""
   with progress_lib.bytes_bar(_my_bytes(leaves.values()), f"export {directory}",
                               progress) as done:
+    moved = {}  # a stacked leaf's offloaded blocks, brought to the devices once for its layers
     for ts, name, (_, offsets) in zip(files, names, headers):
       _fill_file(_tmp(directory, name), [leaves[t.name] for t in ts],
-                 [offsets[t.name] for t in ts], chunk_bytes, done)
+                 [offsets[t.name] for t in ts], chunk_bytes, done, moved)
 
 
-def _fill_file(path: str, leaves, offsets, chunk_bytes: int, done) -> None:
+def _fill_file(path: str, leaves, offsets, chunk_bytes: int, done, moved: dict) -> None:
   try:
     fd = os.open(path, os.O_WRONLY)
   except FileNotFoundError:
@@ -244,7 +255,7 @@ def _fill_file(path: str, leaves, offsets, chunk_bytes: int, done) -> None:
         from None
   try:
     for leaf, offset in zip(leaves, offsets):
-      _write_leaf(fd, offset, leaf, chunk_bytes, done)
+      _write_leaf(fd, offset, leaf, chunk_bytes, done, moved)
     os.fsync(fd)
   finally:
     os.close(fd)
@@ -346,6 +357,18 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
     >>> load_file(os.path.join(path, "model.safetensors"))["dense.weight"].shape
     (5, 3)
 
+    A stacked leaf (``stacked=``: layers along its first dimension) under the Hub's
+    per-layer names, ``{i}`` the layer index:
+
+    >>> step = zj.make_sharded_train_step(lambda p, b: jnp.sum(p["w"]) * b, optax.sgd(0.1),
+    ...                                   mesh=mesh, stage=3, stacked={"w": True})
+    >>> state = step.init({"w": jnp.ones((2, 3, 5))})   # 2 layers of (3, 5)
+    >>> zj.export_safetensors(step, state, path, force=True,
+    ...                       rename=lambda name: ("model.layers.{i}.weight", True))
+    ['model.safetensors']
+    >>> {k: v.shape for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+    {'model.layers.0.weight': (5, 3), 'model.layers.1.weight': (5, 3)}
+
   Args:
     step: the `ShardedTrainStep` that made ``state``.
     state: its `TrainState`.
@@ -354,7 +377,11 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
       ``layers.0.attn.kernel``; NNX Variables without ``.value``) that returns the
       tensor's name, or ``(name, transpose)``: ``transpose=True`` writes a 2-D leaf
       transposed (Flax kernels are ``(in, out)``, PyTorch ``Linear`` weights
-      ``(out, in)``). `load_safetensors` takes the same function back.
+      ``(out, in)``). A name holding ``{i}`` writes a leaf the step holds as a stack of
+      layers (``stacked=``) as one tensor per layer, ``{i}`` the index along its first
+      dimension (``model.layers.{i}.mlp.up_proj.weight``); ``transpose`` then applies to
+      each layer. No other brace may appear in a name. `load_safetensors` takes the same
+      function back.
     dtype: write floating leaves in this dtype (e.g. ``jnp.bfloat16``), converted on
       the devices; default: as ``get_params`` returns them. Other leaves keep theirs.
     max_shard_bytes: start a new file when the next tensor would pass this size
@@ -372,8 +399,9 @@ def export_safetensors(step: ShardedTrainStep, state: TrainState, directory, *,
     The names of the files written in ``directory`` (the index last).
 
   Raises:
-    ValueError: ``rename`` maps two leaves to one name, or transposes a leaf
-      that is not 2-D.
+    ValueError: ``rename`` maps two leaves (or layers) to one name, transposes a leaf
+      (a layer) that is not 2-D, returns ``{i}`` for a leaf that is not stacked, or a
+      name with another brace.
     TypeError: ``dtype`` is not floating (a floating leaf would be truncated).
     ValueError: a leaf holds a finite value past ``dtype``'s range (it would be written as
       inf or NaN); nothing is written.
