@@ -540,6 +540,8 @@ def main(argv=None) -> dict:
     prompt = text_tokens(cfg.vocab_size, HELD_OUT)[:PROMPT]
     sampled = sample(step, state, mesh, prompt, args.sample)
     zj.print_main(f"greedy continuation of the held-out tokens {prompt.tolist()}: {sampled}")
+    if cfg.vocab_size == 256:  # the tokens are the bytes themselves (the tiny model's vocab)
+      zj.print_main(f"as text: {bytes(prompt.tolist())!r} -> {bytes(sampled)!r}")
 
   files = zj.export_safetensors(step, state, out, rename=hf_name, dtype=dtype, force=True,
                                 max_shard_bytes=max_shard_bytes(args.max_shard_size, tensors,
