@@ -533,12 +533,19 @@ def test_sample_is_the_greedy_continuation_of_the_trained_model(run, reference):
     window.append(token)
 
 
-def test_remat_and_prefetch_train_to_the_same_numbers(run, tmp_path):
+def test_remat_and_prefetch_train_to_the_same_numbers(run, tmp_path, monkeypatch):
   """--remat full recomputes each layer and --prefetch 0 gathers it in its own iteration:
-  the same losses (a recomputed value is the value kept; the gradients are reduced over the
-  same devices, in another iteration of the loop)."""
+  they reach zj.scan, and give the same losses (a recomputed value is the value kept; the
+  gradients are reduced over the same devices, in another iteration of the loop)."""
+  seen, scan = [], zj.scan
+
+  def recording_scan(*args, **kw):
+    seen.append((kw["prefetch"], kw["policy"]))
+    return scan(*args, **kw)
+  monkeypatch.setattr(zj, "scan", recording_scan)
   other = EX.main([*RUN, "--remat", "full", "--prefetch", "0", "--eval-every", "0",
                    "--sample", "0", "--out", str(tmp_path / "o")])
+  assert seen and set(seen) == {(0, jax.checkpoint_policies.nothing_saveable)}
   np.testing.assert_allclose(other["losses"], run["losses"], rtol=1e-6)
   assert other["eval_losses"] == {} and other["sampled"] == []
 
