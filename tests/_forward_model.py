@@ -105,3 +105,30 @@ def assert_bitwise_equal(a, b):
     x, y = np.asarray(x), np.asarray(y)
     assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
     assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
+
+
+# ----------------------------------------------------------------- a deeper one, for memory
+def deep_forward(p, x):
+  layer = lambda h, lp: (jax.nn.gelu(h @ lp["w"] + lp["b"]), None)
+  return zj.scan(layer, x, p)[0]
+
+
+def deep_loss(p, b):
+  return jnp.mean((deep_forward(p, b["x"]) - b["y"]) ** 2)
+
+
+def deep_compiled(layers, width, what):
+  """The compiled program of ``what`` ("step", "evaluate" or "apply") of a stage-3 step over
+  ``layers`` stacked (width x width) layers on 8 devices, from abstract shapes (nothing runs)."""
+  mesh = jax.make_mesh((8,), ("data",))
+  params = {"w": jax.ShapeDtypeStruct((layers, width, width), jnp.float32),
+            "b": jax.ShapeDtypeStruct((layers, width), jnp.float32)}
+  step = zj.make_sharded_train_step(deep_loss, optax.adam(1e-3), mesh=mesh, stage=3,
+                                    stacked=True)
+  state = step.abstract_state(params)
+  b = {k: jax.ShapeDtypeStruct((32, width), jnp.float32) for k in ("x", "y")}
+  if what == "step":
+    return step.lower(state, b).compile()
+  fn = (step.evaluate if what == "evaluate" else
+        lambda s, b: step.apply(s, deep_forward, b["x"]))
+  return jax.jit(fn).lower(state, b).compile()

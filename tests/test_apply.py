@@ -129,27 +129,12 @@ def test_nnx_module_in_eval_mode_and_its_changes_dropped(mesh, stage):
 
 
 # ----------------------------------------------------------------------- memory
-def deep_forward(p, x):
-  layer = lambda h, lp: (jax.nn.gelu(h @ lp["w"] + lp["b"]), None)
-  return zj.scan(layer, x, p)[0]
-
-
-def apply_temp_bytes(layers, width=256):
-  mesh = jax.make_mesh((8,), ("data",))
-  params = {"w": jax.ShapeDtypeStruct((layers, width, width), jnp.float32),
-            "b": jax.ShapeDtypeStruct((layers, width), jnp.float32)}
-  step = zj.make_sharded_train_step(lambda p, b: jnp.mean(deep_forward(p, b["x"]) ** 2),
-                                    M.OPTIMIZERS["adam"](), mesh=mesh, stage=3, stacked=True)
-  x = jax.ShapeDtypeStruct((32, width), jnp.float32)
-  lowered = jax.jit(lambda s, x: step.apply(s, deep_forward, x)).lower(
-      step.abstract_state(params), x)
-  return lowered.compile().memory_analysis().temp_size_in_bytes
-
-
 def test_stage3_apply_holds_a_layer_or_two_not_the_model():
   width = 256
   layer = (width * width + width) * 4
-  t8, t16 = apply_temp_bytes(8, width), apply_temp_bytes(16, width)
+  temp = lambda layers: M.deep_compiled(layers, width, "apply").memory_analysis(
+  ).temp_size_in_bytes
+  t8, t16 = temp(8), temp(16)
   # Doubling the layers adds (almost) nothing: the loop holds the same one or two layers.
   assert t16 - t8 < layer, (t8, t16, layer)
   # And the whole: at most a few layers' bytes, far below the 16-layer model (4.2 MB).
@@ -224,3 +209,17 @@ def test_an_output_that_varies_over_devices_comes_back_as_the_first_devices():
   assert int(first) == 1 and first.sharding.is_fully_replicated
   np.testing.assert_allclose(np.asarray(logits), np.asarray(
       jax.jit(M.forward)(step.get_params(state), M.batch(0)["x"])), **TOL)
+
+
+def test_a_function_remade_in_the_loop_is_warned_once(mesh):
+  """A lambda written inside the loop is a new object each time: apply warns (once) that
+  each compiles again; the same object, or a functools.partial, is quiet."""
+  step = M.make_step(mesh, stage=3)
+  state = step.init(M.init_params())
+  x = M.batch(0)["x"]
+  step.apply(state, lambda p, x: M.forward(p, x), x)  # a function used once: quiet
+  with pytest.warns(UserWarning, match=r"new function object made from the same code"):
+    for _ in range(3):
+      step.apply(state, lambda p, x: M.forward(p, x), x)
+  for _ in range(2):
+    step.apply(state, functools.partial(M.forward, prefetch=0), x)

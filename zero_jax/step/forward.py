@@ -13,15 +13,17 @@ run as ``model.eval()`` sets them and whatever they or a loss change is dropped.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero_jax.comm.axes import make_varying, varying_axes
 from zero_jax.layers import nnx as nnx_lib
 from zero_jax.step import aux as aux_lib
+from zero_jax.step import batch as batching
 from zero_jax.step import context
 from zero_jax.step import grads as grads_lib
 from zero_jax.step.loss import check_keywords
@@ -79,6 +81,26 @@ def evaluate(spec: StepSpec, loss_fn, state, batch) -> dict:
 
 
 # ----------------------------------------------------------------------- apply
+def check_fn(fn) -> None:
+  """Raises TypeError for a ``step.apply`` function that is not callable."""
+  if not callable(fn):
+    raise TypeError(f"step.apply(state, fn, *args): fn must be callable, got "
+                    f"{type(fn).__name__}; e.g. step.apply(state, lambda model, x: model(x), x).")
+
+
+def place_args(spec: StepSpec, args: tuple, *, split_args: bool) -> tuple:
+  """``step.apply``'s args, checked (`check_args`; with ``split_args`` as a batch whose rows
+  split over the batch axes) and placed: split over the batch axes, or replicated (as they
+  are when traced, inside the user's jit)."""
+  check_args(args)
+  if split_args:
+    batching.check_batch(spec, args, name="args", micro=False)
+    return batching.place_batch(spec, args)
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+    return args
+  return context.device_put(args, NamedSharding(spec.working_mesh(), P()))
+
+
 def check_args(args) -> None:
   """Raises TypeError naming the first leaf of ``step.apply``'s ``args`` that is not an array."""
   for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
@@ -88,6 +110,25 @@ def check_args(args) -> None:
           f"an array; every leaf of the arguments after fn is traced as an array. Pass arrays "
           f"(jnp.asarray(...)), and bind Python values that fix shapes or loop lengths into fn "
           f"instead (functools.partial(fn, max_len=16), or a closure).")
+
+
+def warn_if_remade(fn, seen: dict) -> None:
+  """Warns once per code object when ``fn`` is a new function object made from the code of
+  one `apply` compiled before (a lambda written in the loop that calls ``step.apply``): each
+  new object compiles again and its program is kept. ``seen``: code -> [function, warned]."""
+  code = getattr(fn, "__code__", None)
+  if code is None:
+    return
+  entry = seen.setdefault(code, [fn, False])
+  if entry[0] is fn or entry[1]:
+    return
+  entry[1] = True
+  warnings.warn(
+      f"step.apply got a new function object made from the same code as one it compiled "
+      f"before ({code.co_name} at {code.co_filename}:{code.co_firstlineno}): apply compiles "
+      f"once per function object, so each new one compiles again and its program is kept. "
+      f"Define the function once, outside the loop, and pass the same object each call "
+      f"(values that change go in *args).", UserWarning, stacklevel=3)
 
 
 def _check_outputs(out, split: bool) -> None:

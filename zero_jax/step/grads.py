@@ -3,7 +3,9 @@
 Manual over the batch axes only: micro-batches in a ``lax.scan``, ``loss_fn`` differentiated
 with respect to a device-varying copy of the parameters (so the gradient is the device's own),
 then an all-reduce (stage 1), a reduce-scatter (stage 2) or the transpose of the parameter
-gather (stage 3), and the per-device ``fold_in`` keys. Details: the docs' "How it works"."""
+gather (stage 3), and the per-device ``fold_in`` keys. Details: the docs' "How it works".
+The forward half (`loss_inputs`, `forward_params`, `loss_call`, `micro_batches`, `agreed`) is
+also `zero_jax.step.forward`'s, which runs it without a gradient (``step.evaluate``/``apply``)."""
 
 from __future__ import annotations
 

@@ -69,6 +69,7 @@ class ShardedTrainStep:
     self._metas: dict[int, StateMeta] = {}
     self._batches: set = set()
     self._warned_nested = [False]
+    self._apply_fns: dict = {}  # code -> [first function, warned] (forward.warn_if_remade)
     q = spec.comm.quantize
     self._stall = StallWatch(q.block_size if q is not None and q.weights else None)
 
@@ -307,8 +308,9 @@ class ShardedTrainStep:
     `zero_jax.scan` / `zero_jax.gather` to gather one layer at a time). A module
     (``init(model)``) comes as ``model.eval()`` sets it, and what ``fn`` changes in it is
     dropped; a params tree made with ``init(..., model_state=)`` comes with the keyword
-    ``model_state=``. ``state`` is left as it was. Compiled once per ``fn`` and shape: pass
-    the same function object to reuse the program.
+    ``model_state=``; the state's ``rng`` is not used (pass a key among ``args`` to sample).
+    ``state`` is left as it was. Compiled once per ``fn`` and shape: pass the same function
+    object to reuse the program.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
@@ -333,15 +335,9 @@ class ShardedTrainStep:
       ``fn``'s output: replicated arrays (split over the batch axes with ``split_args``).
     """
     state = self._prepare(state, "apply")
-    if not callable(fn):
-      raise TypeError(f"step.apply(state, fn, *args): fn must be callable, got "
-                      f"{type(fn).__name__}; e.g. step.apply(state, lambda model, x: model(x), x).")
-    forward.check_args(args)
-    if split_args:
-      batching.check_batch(self.spec, args, name="args", micro=False)
-      args = batching.place_batch(self.spec, args)
-    elif not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-      args = context.device_put(args, st.sharding(self.spec, P()))
+    forward.check_fn(fn)
+    forward.warn_if_remade(fn, self._apply_fns)
+    args = forward.place_args(self.spec, args, split_args=split_args)
     jitted = self._jitted(("apply", fn, split_args), state, lambda: (
         lambda s, a: forward.apply(self.spec, fn, s, a, split_args=split_args), {}))
     return context.run(self.spec, jitted, state, args)
