@@ -185,6 +185,8 @@ import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 
@@ -467,24 +469,33 @@ def make_loss_fn(model):
   return loss_fn
 
 
-def sample(model, params, prompt: bytes, n: int, seed: int, temperature: float = 0.8) -> str:
-  """``n`` bytes continuing ``prompt``, one forward pass per byte over a sliding window."""
-  params = jax.device_put(jax.device_get(params), jax.local_devices()[0])
+def replicated(mesh, x) -> jax.Array:
+  """``x`` as one array every device holds whole (every process passes the same)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda i: x[i])
+
+
+def sample(step, state, mesh, model, prompt: bytes, n: int, seed: int,
+           temperature: float = 0.8) -> str:
+  """``n`` bytes continuing ``prompt``, one forward pass per byte over a sliding window, by
+  ``step.apply`` on the split state (at stage 3 the blocks gathered one at a time, as in
+  the step; the window's length is an argument: compiled once)."""
   t = model.max_len
 
-  @jax.jit
-  def next_token(params, window, length, key):
+  def next_byte(params, window, length, i):
     logits = model.apply({"params": params}, window)[0, length - 1]
-    return jax.random.categorical(key, logits / temperature)
+    return jax.random.categorical(jax.random.fold_in(jax.random.key(seed), i),
+                                  logits / temperature)
 
   tokens = list(prompt)
-  key = jax.random.key(seed)
-  for _ in range(n):
+  for i in range(n):
     ctx = tokens[-t:]
     window = np.zeros((1, t), np.int32)
     window[0, :len(ctx)] = ctx
-    key, sub = jax.random.split(key)
-    tokens.append(int(next_token(params, window, len(ctx), sub)))
+    args = (window, np.int32(len(ctx)), np.int32(i))
+    out = step.apply(state, next_byte, *(replicated(mesh, a) for a in args))
+    tokens.append(int(np.asarray(out if out.is_fully_addressable else
+                                 multihost_utils.process_allgather(out))))
   text = bytes(b if b != EOF else 10 for b in tokens)
   return text.decode("utf-8", errors="replace")
 
@@ -709,15 +720,18 @@ def main(argv=None) -> dict:
   start = int(state.step)
   start_checksum = param_checksum(step.get_params(state))
 
-  eval_batches = [get_batch(held, i, args.batch_size, args.seq_len, args.seed + 1)
+  rows = zj.process_batch_slice(args.batch_size, step)  # this process's rows of each batch
+  eval_batches = [zj.make_global_batch({k: v[rows] for k, v in get_batch(
+      held, i, args.batch_size, args.seq_len, args.seed + 1).items()}, step)
                   for i in range(args.eval_batches)]
-  eval_loss_fn = jax.jit(loss_fn)
 
   def eval_loss(state):
+    """The mean held-out loss, by ``step.evaluate`` on the split state (no update; at stage
+    3 no parameter gathered whole)."""
     if not eval_batches:
       return float("nan")
-    params = jax.device_get(step.get_params(state))  # replicated: each process has them
-    return float(np.mean([eval_loss_fn(params, b) for b in eval_batches]))
+    return float(np.mean([zj.metrics_to_host(step.evaluate(state, b))["loss"]
+                          for b in eval_batches]))
 
   eval_before = eval_loss(state)
   zj.print_main(f"held-out loss at step {start}: {eval_before:.3f} nats/byte "
@@ -752,7 +766,8 @@ def main(argv=None) -> dict:
   params = step.get_params(state)
   if args.sample_bytes > 0:
     zj.print_main(f"\nsampled text (temperature 0.8, prompt {args.prompt!r}):\n" + "-" * 60)
-    zj.print_main(sample(model, params, args.prompt.encode(), args.sample_bytes, args.seed))
+    zj.print_main(sample(step, state, mesh, model, args.prompt.encode(), args.sample_bytes,
+                         args.seed))
     zj.print_main("-" * 60)
   wall = time.perf_counter() - t_start
   zj.print_main(f"wall time {wall:.1f} s")

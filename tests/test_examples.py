@@ -114,6 +114,30 @@ def test_train_lm_resume_keeps_the_schedule_length_the_run_started_with(tmp_path
     assert float(lr(s)) == pytest.approx(1e-3), s                  # held at lr/10 after its end
 
 
+def test_train_lm_held_out_loss_is_the_single_device_loss_of_its_parameters(uninterrupted):
+  """The held-out loss before training (``step.evaluate`` on the split state, stage 2 here)
+  is the plain jit loss of the initial parameters on one device over the same held-out
+  batches. Tolerance: each batch's loss is a float32 mean of 16 x 32 = 512 positive
+  cross-entropies, whose sum in any order is within (n - 1) u = 511 * 2**-24 = 3.0e-5 of the
+  exact one, relatively; the logits of a row do not depend on which device computes it."""
+  import jax
+  import jax.numpy as jnp
+  _, _, m = uninterrupted
+  train_lm = load_train_lm()
+  args = train_lm.parse_args([*TINY, "--steps", str(STEPS)])
+  d_model, layers, heads = train_lm.SIZES[args.size]
+  model = train_lm.ByteLM(d_model, layers, heads, max_len=args.seq_len, prefetch=args.prefetch,
+                          remat=args.remat)
+  dummy = jnp.zeros((1, args.seq_len), jnp.int32)
+  params = jax.jit(model.init)(jax.random.key(args.seed), dummy)["params"]
+  _, held = train_lm.load_corpus()
+  loss = jax.jit(train_lm.make_loss_fn(model))
+  want = np.mean([float(loss(params, train_lm.get_batch(held, i, args.batch_size, args.seq_len,
+                                                         args.seed + 1)))
+                  for i in range(args.eval_batches)])
+  assert m["eval_loss_before"] == pytest.approx(want, rel=3e-5)
+
+
 def test_train_lm_resume_refuses_flags_the_checkpoints_contradict(uninterrupted):
   """--resume with another --size or --precision exits before any work, naming the flags."""
   src, _, _ = uninterrupted

@@ -37,14 +37,15 @@ from llama.model import build_model  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "hf"
 VARIANTS = ["llama2", "llama31", "tied", "bias_head_dim", "bf16", "qwen2"]
-STEPS, BATCH, SEQ = 3, 8, 16
+STEPS, BATCH, SEQ, EVAL_EVERY, SAMPLE = 3, 8, 16, 2, 4
+RUN = ["--steps", str(STEPS), "--batch-size", str(BATCH), "--seq-len", str(SEQ),
+       "--eval-every", str(EVAL_EVERY), "--sample", str(SAMPLE)]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   out = tmp_path_factory.mktemp("finetune") / "out"
-  return EX.main(["--steps", str(STEPS), "--batch-size", str(BATCH), "--seq-len", str(SEQ),
-                  "--out", str(out)])
+  return EX.main([*RUN, "--out", str(out)])
 
 
 def header(path) -> dict:
@@ -61,11 +62,26 @@ def plain_model(cfg, weights):
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   leaves = []
   for path, _ in flat:
-    name, transpose = hf_name(zj.checkpoint.safetensors_format.default_name(path, variable=True))
-    leaves.append(jax.device_put(weights[name].T if transpose else weights[name],
-                                 jax.devices()[0]))
+    leaves.append(jax.device_put(hf_leaf(cfg, weights, path), jax.devices()[0]))
   params = jax.tree.unflatten(treedef, leaves)
   return jax.jit(lambda p, tokens: nnx.merge(graphdef, p, rest)(tokens)), params, graphdef, rest
+
+
+def per_layer(cfg, path):
+  """``([(Hugging Face name, transpose)], stacked)`` of a leaf: one name per layer for the
+  stacked blocks' leaves (``model.layers.{i}...``, layers first), else one."""
+  name, transpose = hf_name(zj.checkpoint.safetensors_format.default_name(path, variable=True))
+  if "{i}" not in name:
+    return [(name, transpose)], False
+  return [(name.format(i=i), transpose) for i in range(cfg.num_hidden_layers)], True
+
+
+def hf_leaf(cfg, weights, path) -> np.ndarray:
+  """The value of the leaf at ``path`` from Hugging Face's tensors (stacked: per-layer
+  tensors stacked along a new first axis, each transposed on its own)."""
+  names, stacked = per_layer(cfg, path)
+  parts = [weights[n].T if t else weights[n] for n, t in names]
+  return np.stack(parts) if stacked else parts[0]
 
 
 def numpy_llama(cfg, w, tokens):
@@ -445,9 +461,12 @@ def test_the_nnx_llama_gives_hugging_faces_logits_and_loads_split(run):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=str(path))
 
 
-def test_fine_tuning_from_the_checkpoint_matches_plain_optax_on_one_device(run):
+@pytest.fixture(scope="module")
+def reference(run):
+  """The run of ``run`` with plain optax on one device: ``(forward, [params after k steps],
+  [losses], graphdef, rest)``."""
   cfg = run["config"]
-  _, params, graphdef, rest = plain_model(
+  forward, params, graphdef, rest = plain_model(
       cfg, load_file(pathlib.Path(run["checkpoint"]) / "model.safetensors"))
   opt = optax.adamw(1e-3)
 
@@ -457,17 +476,91 @@ def test_fine_tuning_from_the_checkpoint_matches_plain_optax_on_one_device(run):
     updates, opt_state = opt.update(g, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  opt_state, losses = opt.init(params), []
+  opt_state, losses, trajectory = opt.init(params), [], [params]
   batches = EX.text_batches(BATCH, SEQ, cfg.vocab_size)
   for _ in range(STEPS):
     params, opt_state, loss = update(params, opt_state, next(batches))
     losses.append(float(loss))
+    trajectory.append(params)
+  return forward, trajectory, losses, graphdef, rest
+
+
+def test_fine_tuning_from_the_checkpoint_matches_plain_optax_on_one_device(run, reference):
+  _, trajectory, losses, _, _ = reference
   np.testing.assert_allclose(run["losses"], losses, rtol=1e-5)
   assert losses[-1] < losses[0]
   mine = run["step"].get_params(run["state"])
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mine)):
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(trajectory[-1])[0],
+                          jax.tree.leaves(mine)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6,
                                err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_held_out_loss_is_step_evaluate_of_the_parameters_of_that_step(run, reference):
+  """``--eval-every 2`` over 3 steps: the held-out loss before training, after step 2 and
+  after the last, each the single-device loss of the plain run's parameters of that step on
+  the same held-out batches (never trained on: another file's bytes). Tolerance: the loss
+  is a float32 mean of 2 x 8 x 16 = 256 positive cross-entropies, whose sum in any order is
+  within (n - 1) u = 255 * 2**-24 = 1.5e-5 of the exact one, relatively; the parameters
+  after k steps agree to the training test's tolerance, which moves a loss near 2-6 by less
+  than that (the training losses, a function of the same parameters, agree to 1e-5)."""
+  _, trajectory, _, graphdef, rest = reference
+  cfg = run["config"]
+  held = EX.text_batches(BATCH, SEQ, cfg.vocab_size, seed=1, source=EX.HELD_OUT)
+  held = [next(held) for _ in range(2)]
+  assert sorted(run["eval_losses"]) == [0, EVAL_EVERY, STEPS]
+  loss = jax.jit(lambda p, b: EX.loss_fn(nnx.merge(graphdef, p, rest), b))
+  for k, got in run["eval_losses"].items():
+    want = np.mean([float(loss(trajectory[k], b)) for b in held])
+    np.testing.assert_allclose(got, want, rtol=2e-5, err_msg=f"step {k}")
+  assert run["eval_losses"][STEPS] < run["eval_losses"][0]  # it learns what generalizes
+
+
+def test_sample_is_the_greedy_continuation_of_the_trained_model(run, reference):
+  """``--sample 4``: the tokens that the plain model (the reference's final parameters)
+  picks greedily after the first 16 held-out tokens. Where the two best logits of a position
+  are further apart than twice the logits' difference (below 1e-4, the logit checks'
+  tolerance), argmax is the same in both: the test asserts the margin too."""
+  forward, trajectory, _, _, _ = reference
+  cfg = run["config"]
+  window = list(EX.text_tokens(cfg.vocab_size, EX.HELD_OUT)[:EX.PROMPT])
+  assert len(run["sampled"]) == SAMPLE
+  for token in run["sampled"]:
+    logits = np.asarray(forward(trajectory[-1], np.asarray([window])))[0, -1]
+    top2 = np.sort(logits)[-2:]
+    assert top2[1] - top2[0] > 2e-4
+    assert token == int(np.argmax(logits))
+    window.append(token)
+
+
+def test_remat_and_prefetch_train_to_the_same_numbers(run, tmp_path, monkeypatch):
+  """--remat full recomputes each layer and --prefetch 0 gathers it in its own iteration:
+  they reach zj.scan, and give the same losses (a recomputed value is the value kept; the
+  gradients are reduced over the same devices, in another iteration of the loop)."""
+  seen, scan = [], zj.scan
+
+  def recording_scan(*args, **kw):
+    seen.append((kw["prefetch"], kw["policy"]))
+    return scan(*args, **kw)
+  monkeypatch.setattr(zj, "scan", recording_scan)
+  other = EX.main([*RUN, "--remat", "full", "--prefetch", "0", "--eval-every", "0",
+                   "--sample", "0", "--out", str(tmp_path / "o")])
+  assert seen and set(seen) == {(0, jax.checkpoint_policies.nothing_saveable)}
+  np.testing.assert_allclose(other["losses"], run["losses"], rtol=1e-6)
+  assert other["eval_losses"] == {} and other["sampled"] == []
+
+
+def test_the_header_names_the_model_devices_stage_and_options(capsys):
+  check(DATA / "qwen2", "--remat", "dots")
+  out = capsys.readouterr().out
+  cfg = C.LlamaConfig.from_json(DATA / "qwen2" / "config.json")
+  assert re.search(rf"^model: qwen2, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+                   rf"intermediate {cfg.intermediate_size}, .* vocab 96, .*; [\d,]+ parameters$",
+                   out, re.M), out
+  assert f"checkpoint: {DATA / 'qwen2'} (F32, 1 file)" in out
+  assert re.search(r"^devices: 8 x cpu \(cpu\), 1 process; ZeRO-3, precision fp32, layers "
+                   r"stacked \(zj.scan: prefetch 1, remat dots\); global batch 16 x 64 tokens$",
+                   out, re.M), out
 
 
 def test_the_export_is_the_trained_params_under_hugging_faces_names(run):
@@ -478,9 +571,11 @@ def test_the_export_is_the_trained_params_under_hugging_faces_names(run):
   assert {k: v.shape for k, v in got.items()} == hf_shapes(run["config"])
   params = run["step"].get_params(run["state"])
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name, transpose = hf_name(zj.checkpoint.safetensors_format.default_name(path, variable=True))
+    names, stacked = per_layer(run["config"], path)
     x = np.asarray(x)
-    assert got[name].tobytes() == np.ascontiguousarray(x.T if transpose else x).tobytes(), name
+    layers = list(x) if stacked else [x]  # a stacked leaf: one tensor per layer
+    for (name, transpose), y in zip(names, layers, strict=True):
+      assert got[name].tobytes() == np.ascontiguousarray(y.T if transpose else y).tobytes(), name
 
 
 # --------------------------------------------------------------- several processes

@@ -5,6 +5,7 @@ transformers itself saved), the way the older versions laid them out.
 """
 
 import pathlib
+import re
 import shutil
 import sys
 
@@ -119,3 +120,77 @@ def test_out_in_the_checkpoints_own_directory_is_refused_before_anything_is_read
   result = EX.main(["--checkpoint", str(c), "--out", str(c), "--check-logits",
                     str(c / "tokens.npy"), str(c / "logits.npy")])
   assert result["max_abs_diff"] < 1e-4
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_before_any_talk_of_dtypes(tmp_path):
+  """A bf16 checkpoint whose q_proj has the wrong shape, and float32 (as a tool without bf16
+  would write it): the message names the tensor, the shape found and the shape config.json
+  gives it, not the mix of dtypes that follows from it."""
+  import ml_dtypes  # noqa: F401  (safetensors.numpy reads bf16 through it)
+  shutil.copytree(DATA / "bf16", tmp_path / "c")
+  weights = load_file(DATA / "bf16" / "model.safetensors")
+  name = "model.layers.1.self_attn.q_proj.weight"
+  good = weights[name].shape
+  weights[name] = np.zeros((good[0], good[1] - 1), np.float32)
+  save_file(weights, str(tmp_path / "c" / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(SystemExit) as e:
+    EX.main(["--checkpoint", str(tmp_path / "c"), "--steps", "0", "--out", str(tmp_path / "o")])
+  message = str(e.value.code)
+  assert message.startswith(f"{tmp_path / 'c' / 'model.safetensors'}: tensor {name!r} has shape "
+                            f"[{good[0]}, {good[1] - 1}] (F32); config.json "), message
+  assert f"needs {list(good)}" in message and "dtype" not in message
+  assert not (tmp_path / "o").exists()
+
+
+def _index_to(tmp_path, entry: str) -> pathlib.Path:
+  """tests/data/hf/llama2 as an index and one shard, the index naming the shard ``entry``."""
+  import json
+  c = tmp_path / "c"
+  shutil.copytree(DATA / "llama2", c, ignore=shutil.ignore_patterns("model.safetensors"))
+  names = load_file(DATA / "llama2" / "model.safetensors")
+  (c / "model.safetensors.index.json").write_text(json.dumps(
+      {"metadata": {}, "weight_map": {k: entry for k in names}}))
+  return c
+
+
+@pytest.mark.parametrize("case", ["dotdot", "absolute", "link"])
+def test_an_index_naming_a_file_outside_its_folder_is_refused_naming_the_entry(case, tmp_path):
+  """The shard is a valid copy of the checkpoint each time, so without the check each case
+  loads and trains: ``../other/...``, an absolute path, and a link inside the folder that
+  leads out of it are refused, naming the index, the tensor and the entry."""
+  other = tmp_path / "other"
+  other.mkdir()
+  shutil.copy(DATA / "llama2" / "model.safetensors", other / "model-x.safetensors")
+  entry = {"dotdot": "../other/model-x.safetensors",
+           "absolute": str(other / "model-x.safetensors"),
+           "link": "model-00001-of-00001.safetensors"}[case]
+  c = _index_to(tmp_path, entry)
+  if case == "link":
+    (c / entry).symlink_to(other / "model-x.safetensors")
+  why = {"dotdot": "a path through '..'", "absolute": "an absolute path",
+         "link": "which is a symbolic link"}[case]
+  with pytest.raises(SystemExit, match=rf"model.safetensors.index.json places tensor "
+                                       rf"'[^']+' in '{re.escape(entry)}', {why}"):
+    EX.main(["--checkpoint", str(c), "--steps", "0", "--out", str(tmp_path / "o")])
+  assert not (tmp_path / "o").exists()
+  # The same shard inside the folder loads.
+  inside = _index_to(tmp_path / "ok", "model-00001-of-00001.safetensors")
+  shutil.copy(other / "model-x.safetensors", inside / "model-00001-of-00001.safetensors")
+  EX.main(["--checkpoint", str(inside), "--steps", "0", "--eval-every", "0", "--sample", "0",
+           "--out", str(tmp_path / "o2")])
+
+
+def test_plan_without_the_cuda_plugin_says_what_to_install():
+  """--plan for Llama-3-8B's config.json (no weights): without JAX's CUDA plugin (this test's
+  Python) the example stops with one message naming the plugin."""
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401
+    pytest.skip("JAX's CUDA plugin is installed: --plan would compile Llama-3-8B")
+  except ImportError:
+    pass
+  config = ROOT / "tests" / "data" / "hf_configs" / "llama3_8b"
+  with pytest.raises(SystemExit) as e:
+    EX.main(["--plan", "--config", str(config)])
+  assert str(e.value.code).startswith("--plan: compiling for a GPU without one needs JAX's CUDA "
+                                      "plugin"), e.value.code
+  assert 'pip install "jax-cuda12-plugin==' in str(e.value.code)

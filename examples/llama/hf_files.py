@@ -12,8 +12,16 @@ from llama.config import LlamaConfig
 
 
 def hf_name(name: str):
-  """A leaf's default name (``layers.0.self_attn.q_proj.kernel``) -> the Hugging Face tensor
-  name, and whether the file holds it transposed (``Linear`` weights are ``(out, in)``)."""
+  """A leaf's default name -> the Hugging Face tensor name, and whether the file holds it
+  transposed (``Linear`` weights are ``(out, in)``).
+
+  A stacked block's leaf (``layers.self_attn.q_proj.kernel``, the layers first) maps to the
+  per-layer names ``model.layers.{i}.self_attn.q_proj.weight``: ``zj.load_safetensors`` and
+  ``zj.export_safetensors`` read and write one tensor per layer (each transposed on its own).
+  A list's block (``layers.0.self_attn.q_proj.kernel``) maps to its layer's name."""
+  head, _, rest = name.partition(".")
+  if head == "layers" and not rest.split(".", 1)[0].isdigit():
+    name = "layers.{i}." + rest
   if name.endswith(".kernel"):
     name, transpose = name[:-len("kernel")] + "weight", True
   elif name.endswith(".embedding"):
@@ -49,7 +57,8 @@ def checkpoint_tensors(directory: str) -> dict:
   """``{name: (safetensors dtype name, shape, file)}`` of a checkpoint directory's tensors,
   from its files' headers: the files ``zj.load_safetensors`` reads (``model.safetensors``,
   else the index's), each header read and checked by zero_jax's own parser (a damaged or
-  truncated file is a ``ValueError`` naming it)."""
+  truncated file is a ``ValueError`` naming it; so is an index naming a file outside its
+  folder: through ``..``, an absolute path, or a link leading out)."""
   from zero_jax.checkpoint import safetensors_format as fmt
   out = {}
   for path in fmt.find_files(directory).files:

@@ -364,3 +364,25 @@ def test_the_lm_examples_plan_flag_prints_the_plan_of_its_model_and_why_others_w
   assert "Refused by make_sharded_train_step:\n- Quantize(weights=True) at stage 2" in text
   assert "Skipped:\n- " in text and "hybrid sharding with 1 GPU per host" in text
   assert "zj.plan: compiled ZeRO-" in out.stderr   # progress as it goes
+
+
+def test_the_llama_examples_plan_flag_plans_a_config_without_weights(tmp_path):
+  # `python examples/finetune_llama.py --plan --config DIR`: a config.json alone (no weights),
+  # the example's stacked stage-3 step compiled for compile-only GPUs; here the tiny model's
+  # config on 1 x 2 H100s, one compile, run as a user runs it.
+  import json, pathlib, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  root = pathlib.Path(__file__).resolve().parents[2]
+  sys.path.insert(0, str(root / "examples"))
+  from llama.config import LlamaConfig  # pylint: disable=import-outside-toplevel
+  (tmp_path / "config.json").write_text(json.dumps(LlamaConfig().to_hf()))
+  out = subprocess.run([sys.executable, str(root / "examples" / "finetune_llama.py"), "--plan",
+                        "--config", str(tmp_path), "--gpu", "h100", "--per-host", "2",
+                        "--max-compiles", "1", "--batch-size", "4", "--seq-len", "16",
+                        "--remat", "full"],
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.startswith("plan: llama, 2 layers, hidden 64, 106,816 parameters; 1 x 2 "
+                               "h100; global batch 4 x 16 tokens; ZeRO-3"), out.stdout
+  assert "Plan for 1 x 2 NVIDIA H100 80GB HBM3" in out.stdout and "**best**" in out.stdout
+  assert [l for l in out.stdout.splitlines() if l.startswith("| ZeRO-3")]
+  assert out.stderr.count("zj.plan: compiled ZeRO-3") == 1   # progress, printed once
