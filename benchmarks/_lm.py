@@ -62,6 +62,11 @@ GPT2_SMALL = GPTConfig("GPT-2 small", 50257, 768, 12, 12, 1024)
 GPT_1B = GPTConfig("1B", 50257, 2048, 20, 16, 2048)
 
 
+def in_embedding(path, _) -> bool:
+  """``lookup=``: the untied embedding table, read by rows (`zero_jax.take`)."""
+  return jax.tree_util.keystr(path) == "['embed']"
+
+
 def in_blocks(path, _) -> bool:
   """``stacked=``: the blocks' parameters, layers first."""
   return jax.tree_util.keystr(path).startswith("['blocks']")
@@ -247,7 +252,7 @@ def llama_loss_with(cfg: LlamaShape, blocks_fn, constrain=lambda x: x):
   blocks run by ``blocks_fn(blocks, x)`` and the activations passed through ``constrain``."""
   def loss_fn(params, batch):
     tokens = batch["tokens"]
-    x = constrain(params["embed"][tokens[:, :-1]])
+    x = constrain(zj.take(params["embed"], tokens[:, :-1]))  # table[ids]; split at stage 3
     x = constrain(blocks_fn(params["blocks"], x))
     logits = constrain((_rms(x, params["norm"]) @ params["head"]).astype(jnp.float32))
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()

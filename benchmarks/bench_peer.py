@@ -82,9 +82,12 @@ def lower_zero_jax(cfg, gpu: str, hosts: int, options: dict, policy):
   mesh = zj.compile_only_mesh(shape, names, gpu=gpu, hosts=hosts)
   fam = _lm.family(cfg)
   params = jax.eval_shape(lambda k: fam.init(cfg, k), jax.random.key(0))
+  # The untied table (Llama) is looked up on its split rows (`zj.take`); a tied one (GPT) is
+  # gathered whole for the logits anyway.
+  lookup = _lm.in_embedding if isinstance(cfg, _lm.LlamaShape) else None
   step = zj.make_sharded_train_step(fam.make_loss(cfg, prefetch=1, policy=policy),
                                     optax.adamw(1e-4), mesh=mesh, precision="bf16",
-                                    stacked=_lm.in_blocks, **options)
+                                    stacked=_lm.in_blocks, lookup=lookup, **options)
   rows = hosts * 8 * TOKENS_PER_DEVICE // cfg.seq_len
   return step.lower(step.abstract_state(params), _lm.gpt_batch_shape(cfg, rows))
 
