@@ -11,8 +11,10 @@ runs those blocks with it); one page's failure names the page and the block's fi
 
 A ```text block that directly follows a python block (nothing but blank lines between) shows
 what that block prints, and must match it: the text exactly (line ends stripped; the
-temporary directory the blocks run in shows as ``<cwd>``), numbers with a decimal point to
-1e-3 relative or one unit of their last printed digit, integers exactly. A number that varies
+temporary directory the blocks run in shows as ``<cwd>``), numbers with a decimal point
+printed with as many digits and equal to 1e-3 relative or one unit of their last digit
+(print them rounded to what does not vary with the machine: a float's full ``repr`` does),
+integers exactly. A number that varies
 from run to run by more than that and that the block cannot round (a duration a library
 prints) shows as ``<varies>``, which matches any one number. Gloo's connection lines
 (``[Gloo] Rank 0 is connected to ...``), which the processes of a multi-process block write
@@ -161,8 +163,9 @@ def gloo_messages(printed: str) -> int:
 
 def same_output(shown: str, printed: str) -> bool:
   """The text equal, and each number equal, to 1e-3 relative or one unit of its last printed
-  digit where it has a decimal point (integers exactly; ``<varies>`` in ``shown`` stands for
-  any one number); gloo's connection lines as many, wherever they are."""
+  digit where it has a decimal point, printed with as many digits (integers exactly;
+  ``<varies>`` in ``shown`` stands for any one number); gloo's connection lines as many,
+  wherever they are."""
   if gloo_messages(shown) != gloo_messages(printed):
     return False
   shown, printed = (_tidy("".join(without_gloo(t))) for t in (shown, printed))
@@ -177,6 +180,8 @@ def same_output(shown: str, printed: str) -> bool:
         return False
       continue
     digits = re.match(r"-?\d+\.?(\d*)", a).group(1)
+    if (len(digits), "e" in a) != (len(re.match(r"-?\d+\.?(\d*)", b).group(1)), "e" in b):
+      return False   # printed with another precision: the page shows more or fewer digits
     exp = int(a.split("e")[1]) if "e" in a else 0
     if abs(float(a) - float(b)) > max(1e-3 * abs(float(a)), 1.01 * 10.0 ** (exp - len(digits))):
       return False
@@ -226,7 +231,8 @@ def test_outputs_are_split_by_block_and_compared_with_a_tolerance_on_decimals():
   assert not same_output("loss 0.1234", "error 0.1234")
   assert not same_output("loss 0.1234", "loss 0.1234\nmore")
   assert same_output("[1.5e-07]", "[1.6e-07]") and not same_output("[1.5e-07]", "[1.8e-07]")
-  assert same_output("1234.5678", "1235.4")                                # 1e-3 relative
+  assert same_output("1234.5678", "1235.4321")                             # 1e-3 relative
+  assert not same_output("1.080396294593811", "1.0804")   # as many digits as the block prints
   assert same_output("compiled in <varies> s", "compiled in 12 s")
   assert same_output("<varies> s, <varies> ms", "17 s, 0.35 ms")
   assert not same_output("compiled in <varies> s", "compiled in s")

@@ -273,6 +273,19 @@ def test_the_readme_says_how_to_check_an_install_run_the_gpu_tier_and_pick_a_sta
   assert "Start with the default, stage 2" in stage and "Move to" in stage and "stage 3" in stage
 
 
+def test_the_readme_names_every_example_and_how_to_run_the_notebook():
+  text = (ROOT / "README.md").read_text()
+  examples = sorted(p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".ipynb"))
+  assert [n for n in examples if f"`examples/{n}`" not in text] == []
+  assert "jupyter execute examples/quickstart.ipynb" in text
+
+
+def test_the_readme_and_the_gpu_tier_script_give_the_tier_the_same_time():
+  figure = "about 3 minutes on an idle 2-core machine, up to 20 on a loaded one"
+  for path in (ROOT / "README.md", ROOT / "ci" / "gpu_tier.sh"):
+    assert figure in " ".join(path.read_text().replace("#", " ").split()), path
+
+
 def test_quickstart_notebook_runs_end_to_end():
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
