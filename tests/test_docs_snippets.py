@@ -313,6 +313,15 @@ def test_every_text_block_is_a_compared_output_or_says_why_not(page):
                       f"(prose after it), or precede it with <!-- not an output: why -->")
 
 
+def test_every_page_that_needs_the_plugin_is_run_by_the_gpu_tier():
+  """Its outputs are compared there (tests/gpu/test_guide.py), and nowhere else."""
+  gpu_tier = (ROOT / "tests" / "gpu" / "test_guide.py").read_text()
+  needing = [p for p in WITH_PYTHON
+             if len(python_blocks(p.read_text(), plugin=True)) > len(python_blocks(p.read_text(),
+                                                                                 plugin=False))]
+  assert needing and [p.name for p in needing if f'"{p.name}"' not in gpu_tier] == []
+
+
 def _missing_names(text: str) -> list[str]:
   import zero_jax
   return [n for n in zero_jax.__all__ if not re.search(rf"\b{re.escape(n)}\b", text)]
