@@ -14,9 +14,8 @@ what that block prints, and must match it: the text exactly (line ends stripped;
 temporary directory the blocks run in shows as ``<cwd>``), numbers with a decimal point
 printed with as many digits and equal to 1e-3 relative or one unit of their last digit
 (print them rounded to what does not vary with the machine: a float's full ``repr`` does),
-integers exactly. A number that varies
-from run to run by more than that and that the block cannot round (a duration a library
-prints) shows as ``<varies>``, which matches any one number. Gloo's connection lines
+integers exactly. A number that varies from run to run by more than that and that the block
+cannot round (a duration a library prints) shows as ``<varies>``, which matches any one number. Gloo's connection lines
 (``[Gloo] Rank 0 is connected to ...``), which the processes of a multi-process block write
 in an order that varies and even cut into pieces, are compared apart from the rest: the page
 shows as many as the block prints (whole, in any order). Every other ```text block of a page
