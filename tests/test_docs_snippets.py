@@ -187,6 +187,18 @@ def same_output(shown: str, printed: str) -> bool:
   return True
 
 
+def keep_varies(shown: str, printed: str) -> str:
+  """``printed``, with ``<varies>`` kept where ``shown`` has it on a line that is otherwise
+  printed alike (the same text between its numbers)."""
+  pattern = re.compile(re.escape(VARIES) + "|" + _NUMBER.pattern)
+  old, lines = _tidy(shown).splitlines(), printed.splitlines()
+  for i, line in enumerate(lines):
+    if i < len(old) and VARIES in old[i] and pattern.split(old[i]) == _NUMBER.split(line):
+      numbers = iter(pattern.findall(old[i]))
+      lines[i] = _NUMBER.sub(lambda n: VARIES if next(numbers) == VARIES else n.group(), line)
+  return "\n".join(lines)
+
+
 def stale_outputs(page: pathlib.Path, printed: dict[int, str], update: bool = False) -> list[str]:
   """The output blocks of ``page`` that differ from what their python block printed (with
   ``update``, rewritten with it instead)."""
@@ -197,7 +209,8 @@ def stale_outputs(page: pathlib.Path, printed: dict[int, str], update: bool = Fa
     if not same_output(m.group("out"), now):
       stale.append(f"{page.relative_to(ROOT)}:{line}: the page shows\n{m.group('out')}"
                    f"but the block prints\n{now}\n")
-      edits.append((m.start("out"), m.end("out"), now + "\n" if now else ""))
+      edits.append((m.start("out"), m.end("out"), keep_varies(m.group("out"), now) + "\n"
+                    if now else ""))
   if update and edits:
     for start, end, new in reversed(edits):
       text = text[:start] + new + text[end:]
@@ -236,6 +249,8 @@ def test_outputs_are_split_by_block_and_compared_with_a_tolerance_on_decimals():
   assert same_output("<varies> s, <varies> ms", "17 s, 0.35 ms")
   assert not same_output("compiled in <varies> s", "compiled in s")
   assert not same_output("<varies> s", "12 s 3")
+  assert keep_varies("took <varies> s, 1.5 MiB\nx", "took 17 s, 1.7 MiB\ny") == \
+      "took <varies> s, 1.7 MiB\ny"
 
 
 def test_only_marked_text_blocks_stand_apart_from_python_blocks():
