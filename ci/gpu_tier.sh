@@ -3,7 +3,7 @@
 # No GPU is needed: JAX's CUDA plugin compiles for GPUs without one. Its own venv, .venv-gpu,
 # with the plugin pinned to the jax version pip resolves for zero_jax; ZERO_JAX_GPU_TIER=1
 # makes a missing plugin an error instead of a skip; the examples extra (tqdm) for the LM
-# example's --plan. About 3 minutes on 2 CPU cores.
+# example's --plan. The tests take about 3 minutes on an idle 2-core machine, up to 20 on a loaded one.
 #
 # Usage: ci/gpu_tier.sh [install|test]: the venv's dependencies, or zero_jax (editable) and
 # the tests; both by default (.ci/run installs in the background while the suite runs).

@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "--plan, 'search' lets the planner try them (lossy)")
   p.add_argument("--prefetch", type=int, default=None, choices=(0, 1),
                  help="loop over the blocks with zj.scan: 1 gathers the next block while this "
-                      "one computes (stage 3) and reduces each gradient one block later")
+                      "one computes (stage 3) and reduces each gradient one block later "
+                      "(default: none, the blocks loop with nn.scan and recompute each block "
+                      "in the backward pass)")
   p.add_argument("--remat", default="full", choices=REMAT,
                  help="with --prefetch, what each block keeps for the backward pass "
                       "(zj.scan's policy=): none keeps every activation, dots the weight "
@@ -119,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="attention implementation: written out (jnp), jax.nn.dot_product_attention's "
                       "xla or cudnn (fused; NVIDIA GPUs, bf16/fp16, needs nvidia-cudnn-cu12); auto: "
                       "cudnn on GPUs in bf16/fp16, else written (default: auto)")
-  p.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
+  p.add_argument("--seed", type=int, default=0, help="seed of the init and the data order (default: %(default)s)")
   p.add_argument("--ckpt-dir", default=os.path.join("checkpoints", "train_lm"),
                  help="checkpoint directory (relative: under the current directory)")
   p.add_argument("--save-every", type=int, default=100,

@@ -1,6 +1,7 @@
 """The GPU guides' pages run as pasted, with JAX's CUDA plugin: every python block, those that
 need it included (tests/test_docs_snippets.py runs the others where the plugin is missing), and
-what they print is checked against the page's output blocks."""
+what they print is checked against the page's output blocks (``ZERO_JAX_UPDATE_OUTPUTS=1``
+rewrites them, as in tests/test_docs_snippets.py)."""
 
 import os
 import pathlib
@@ -31,7 +32,8 @@ def run_page(page: pathlib.Path, tmp_path) -> str:
   proc = subprocess.run([sys.executable, "-W", "error", str(path)], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  stale = snippets.stale_outputs(page, snippets.printed_by_block(proc.stdout))
+  stale = snippets.stale_outputs(page, snippets.printed_by_block(proc.stdout),
+                                 update=os.environ.get("ZERO_JAX_UPDATE_OUTPUTS") == "1")
   assert not stale, "\n".join(stale)
   return proc.stdout
 
