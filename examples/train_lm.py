@@ -528,10 +528,24 @@ def memory_section(step, state, params_shapes, optimizer, batch, args) -> str:
   return "\n".join(lines)
 
 
-def param_checksum(params) -> list[float]:
-  """(sum, sum of squares) over all parameters, in float64: equal runs give equal sums."""
-  leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(jax.device_get(params))]
-  return [float(sum(x.sum() for x in leaves)), float(sum((x * x).sum() for x in leaves))]
+def param_checksum(state) -> list[float]:
+  """(sum, sum of squares) over all parameters (the float32 master copy where there is one),
+  in float64: equal runs give equal sums. Read block by block from the split state, each
+  block once (its first replica) by the process that holds it, then added over the
+  processes: no parameter is gathered whole (padding is zeros, which add nothing)."""
+  values = jax.tree.leaves(state.params)
+  for i, m in enumerate(state.master or ()):
+    values[i] = values[i] if m is None else m
+  total = np.zeros(2)
+  for x in values:
+    for shard in x.addressable_shards:
+      if shard.replica_id == 0:
+        block = np.asarray(shard.data, np.float64)
+        total += [block.sum(), (block * block).sum()]
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    total = np.asarray(multihost_utils.process_allgather(total)).reshape(-1, 2).sum(0)
+  return [float(total[0]), float(total[1])]
 
 
 # ---------------------------------------------------------------------- train
@@ -605,7 +619,7 @@ def resume_command(argv) -> str:
   return command([*out, "--resume"])
 
 
-def stopped_for_preemption(mngr, args, argv, start: int, losses: dict, params) -> dict:
+def stopped_for_preemption(mngr, args, argv, start: int, losses: dict, state) -> dict:
   """One line naming the step and the command that resumes; the run ends (exit 0)."""
   p = mngr.preemption
   mngr.close()
@@ -616,7 +630,7 @@ def stopped_for_preemption(mngr, args, argv, start: int, losses: dict, params) -
     print(f"{p}. Start again with: {command(sys.argv[1:] if argv is None else argv)}",
           flush=True)
   result = {"start_step": start, "step": p.step, "preempted": True, "saved": p.saved,
-            "losses": losses, "param_checksum": param_checksum(params)}
+            "losses": losses, "param_checksum": param_checksum(state)}
   write_metrics(args, result)
   return result
 
@@ -720,7 +734,7 @@ def main(argv=None) -> dict:
     state = step.init(params)
     record_run_flags(args, ckpt_dir)
   start = int(state.step)
-  start_checksum = param_checksum(step.get_params(state))
+  start_checksum = param_checksum(state)
 
   rows = zj.process_batch_slice(args.batch_size, step)  # this process's rows of each batch
   eval_batches = [zj.make_global_batch({k: v[rows] for k, v in get_batch(
@@ -742,7 +756,7 @@ def main(argv=None) -> dict:
   # Train; a preemption notice saves the step all processes reach and ends the run.
   state, losses, timing = train_loop(step, state, mngr, train, args)
   if mngr.preemption is not None:
-    return stopped_for_preemption(mngr, args, argv, start, losses, step.get_params(state))
+    return stopped_for_preemption(mngr, args, argv, start, losses, state)
   if int(state.step) > start:
     mngr.save(state, force=True)
   mngr.wait_until_finished()
@@ -765,7 +779,6 @@ def main(argv=None) -> dict:
   zj.print_main(memory_section(step, state, params_shapes, optimizer,
                 global_batch(train, int(state.step), args, step), args))
 
-  params = step.get_params(state)
   if args.sample_bytes > 0:
     zj.print_main(f"\nsampled text (temperature 0.8, prompt {args.prompt!r}):\n" + "-" * 60)
     zj.print_main(sample(step, state, mesh, model, args.prompt.encode(), args.sample_bytes,
@@ -779,7 +792,7 @@ def main(argv=None) -> dict:
       "eval_loss_before": eval_before, "eval_loss_after": eval_after,
       "tokens_per_s": tokens_per_s, "wall_s": wall, "n_devices": n, "n_params": n_params,
       "stage": args.stage, "precision": args.precision,
-      "param_checksum": param_checksum(params), "start_checksum": start_checksum,
+      "param_checksum": param_checksum(state), "start_checksum": start_checksum,
   }
   write_metrics(args, result)
   return result
