@@ -23,12 +23,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import math
+import numbers
 import os
 import time
 import warnings
 from typing import Any
 
 import jax
+import numpy as np
 
 from zero_jax.gpu import candidates as cands
 from zero_jax.gpu import measure
@@ -219,6 +222,73 @@ def _check_counts(**counts) -> None:
                        f"workers=2).")
 
 
+def _check_hbm(hbm) -> None:
+  """Raises ValueError unless ``hbm`` is None or a positive, finite number of bytes."""
+  if hbm is None:
+    return
+  if isinstance(hbm, bool) or not isinstance(hbm, numbers.Real) or not math.isfinite(hbm) \
+      or hbm < 1:
+    raise ValueError(f"zj.plan: hbm={hbm!r} must be a positive, finite number of bytes per "
+                     f"device, e.g. hbm=80e9 (80 GB) or hbm=80 * 2**30 (80 GiB); or None for "
+                     f"the GPU's memory times XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 when "
+                     f"unset).")
+
+
+def _check_inputs(loss_fn, optimizer, batch, time_limit) -> None:
+  """Raises TypeError/ValueError naming ``loss_fn``, ``optimizer``, ``batch`` or
+  ``time_limit`` when it cannot be what `plan` takes."""
+  if not callable(loss_fn):
+    raise TypeError(f"zj.plan: loss_fn must be callable, loss_fn(params, batch) -> loss; got "
+                    f"{type(loss_fn).__name__}.")
+  if not (callable(getattr(optimizer, "init", None))
+          and callable(getattr(optimizer, "update", None))):
+    raise TypeError(f"zj.plan: optimizer must be an optax.GradientTransformation (e.g. "
+                    f"optax.adamw(3e-4)); got {type(optimizer).__name__}.")
+  for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+      raise TypeError(f"zj.plan: batch{jax.tree_util.keystr(path)} is a "
+                      f"{type(leaf).__name__}; each leaf of batch must be an array or a "
+                      f"jax.ShapeDtypeStruct (the global batch's shape and dtype).")
+    if not np.shape(leaf):
+      raise ValueError(f"zj.plan: batch{jax.tree_util.keystr(path)} is a scalar; each leaf "
+                       f"of batch needs a leading batch dimension (the global batch) to split "
+                       f"over the GPUs.")
+  if not jax.tree.leaves(batch):
+    raise ValueError("zj.plan: batch has no arrays; pass the global batch as arrays or "
+                     "jax.ShapeDtypeStructs, e.g. jax.ShapeDtypeStruct((64, 1025), jnp.int32).")
+  if time_limit is not None and (isinstance(time_limit, bool)
+                                 or not isinstance(time_limit, numbers.Real)
+                                 or not time_limit > 0):
+    raise ValueError(f"zj.plan: time_limit={time_limit!r} must be seconds > 0, or None.")
+
+
+def _stand_in_mesh(hosts: int, per_host: int):
+  """A mesh of the planned shape and axis names made of this machine's first device repeated:
+  enough for `make_sharded_train_step` to check its options (it compiles nothing), before
+  JAX's CUDA plugin is looked for."""
+  shape, names = cands.mesh_shape(hosts, per_host)
+  devices = np.array([jax.devices()[0]] * (hosts * per_host), dtype=object).reshape(shape)
+  return jax.sharding.Mesh(devices, names)
+
+
+def _check_buildable(loss_fn, optimizer, space: list, fixed: dict, *, hosts: int,
+                     per_host: int) -> None:
+  """Raises `_all_refused`'s error when `make_sharded_train_step` refuses every candidate of
+  ``space`` with ``fixed`` (a fixed option of a wrong value): before anything is compiled or
+  the CUDA plugin looked for."""
+  mesh = _stand_in_mesh(hosts, per_host)
+  refused = []
+  for opts in space:
+    try:
+      measure.build_step(loss_fn, optimizer, {k: v for k, v in opts.items() if k != "offload"},
+                         mesh, fixed)
+      return
+    except ValueError as e:  # as `zero_jax.gpu.search.Search.prepare` records it
+      refused.append((opts, str(e).split(". ")[0]))
+  if refused:
+    raise ValueError(_all_refused(refused))
+
+
 def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: int = 1,
          per_host: int = 8, hbm: int | None = None, max_compiles: int = 4, workers: int = 2,
          time_limit: float | None = DEFAULT_TIME_LIMIT, **fixed) -> Plan:
@@ -267,20 +337,22 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   if "mesh" in fixed:
     raise TypeError("zj.plan builds its own compile-only mesh (hosts x per_host, axes "
                     "('hosts', 'data')); pass hosts= and per_host=, not mesh=.")
+  # Every argument is checked before anything is compiled or the CUDA plugin looked for.
   target = get_target(gpu)
   check_cluster(hosts, per_host)
+  _check_hbm(hbm)
   _check_counts(max_compiles=max_compiles, workers=workers)
-  if time_limit is not None and not time_limit > 0:
-    raise ValueError(f"zj.plan: time_limit={time_limit!r} must be seconds > 0, or None.")
+  _check_inputs(loss_fn, optimizer, batch, time_limit)
   _check_fixed(fixed)
+  space = cands.search_space(fixed, hosts=hosts, per_host=per_host,
+                             takes_prefetch=cands.takes_keyword(loss_fn, "prefetch"),
+                             takes_policy=cands.takes_keyword(loss_fn, "policy"))
+  _check_buildable(loss_fn, optimizer, space, fixed, hosts=hosts, per_host=per_host)
   shape, names = cands.mesh_shape(hosts, per_host)
   mesh = compile_only_mesh(shape, names, gpu=target, hosts=hosts, per_host=per_host)
   s = search.Search(loss_fn, optimizer, init, batch, fixed, mesh, target,
                     default_hbm(target) if hbm is None else int(hbm), time_limit=time_limit,
                     hosts=hosts, per_host=per_host)
-  space = cands.search_space(fixed, hosts=hosts, per_host=per_host,
-                             takes_prefetch=cands.takes_keyword(loss_fn, "prefetch"),
-                             takes_policy=cands.takes_keyword(loss_fn, "policy"))
   rows = max(1, jax.tree.leaves(s.batch)[0].shape[0] // (hosts * per_host))
   with measure.without_persistent_cache():
     done, made_from, ranked_out = search.rank(s, space, max_compiles, workers)
