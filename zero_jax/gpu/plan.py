@@ -4,7 +4,8 @@ The flow, on any machine with JAX's CUDA plugin and no GPU: the target's compile
 (`zero_jax.gpu.targets`) -> the search space, exact unless ``quantize="search"``, pruned by the
 cluster's shape and the memory formulas (`zero_jax.gpu.candidates`) -> each plausible
 candidate lowered and its step time estimated, the most promising compiled for the target in
-parallel threads (`zero_jax.gpu.search`, `zero_jax.gpu.measure`) -> XLA's memory analysis and
+parallel threads (with a loss taking ``policy``, the most promising layout with each remat
+policy: only the compiled program shows what a policy saves) (`zero_jax.gpu.search`, `zero_jax.gpu.measure`) -> XLA's memory analysis and
 the overlap model's prediction read from each GPU-compiled program (`zero_jax.gpu.predict`)
 -> the fastest candidate that fits. Where none of those fits, they are compiled again with a
 leaner remat policy (when the loss takes ``policy``), then the leanest candidate's fallbacks
@@ -297,13 +298,17 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   Nothing is materialised and no GPU is needed (JAX's CUDA plugin is): each candidate is
   compiled for compile-only devices of ``gpu`` (`zero_jax.compile_only_mesh`). Searched:
   stages 2-3 (1 when fixed), hybrid sharding across hosts, hpZ, ``gather_once``,
-  `zero_jax.scan`'s ``prefetch=1`` when ``loss_fn`` takes a ``prefetch`` keyword, and no remat
-  when it takes a ``policy`` keyword (a ``jax.checkpoint`` policy it applies to its layers).
+  `zero_jax.scan`'s ``prefetch=1`` when ``loss_fn`` takes a ``prefetch`` keyword, and the remat
+  policy (none, saving dots, full) when it takes a ``policy`` keyword (a ``jax.checkpoint``
+  policy it applies to its layers).
   The math stays exact: ZeRO++ int8/int4 quantization is searched only with
   ``quantize="search"``, and its candidates are marked lossy. Candidates the cluster's shape
   makes pointless are skipped, the memory formulas drop those whose state alone exceeds
   ``hbm``, the rest are lowered and ranked by predicted time, and the ``max_compiles``
-  fastest compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
+  fastest compiled. With a ``policy`` loss the budget goes layout by layout, the fastest
+  layout with each policy first (`zero_jax.gpu.candidates.compile_order`): 3 compiles compare
+  every policy of it, the default 4 adds the next layout without remat; the best is never
+  slower, by the plan's prediction, than a fitting candidate it compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
   leaner remat policy, micro-batches, offload, and their combinations) are compiled in that
   order until one fits, its leanest variant first: whether anything fits does not depend on
   ``max_compiles``. Times are predictions; bytes are the compiled programs'. The host memory
@@ -322,7 +327,8 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
     hosts: hosts in the cluster (the mesh's first axis, ``"hosts"``, spans them).
     per_host: GPUs per host (the ``"data"`` axis).
     hbm: bytes per device a candidate may hold (default `default_hbm`).
-    max_compiles: how many of the fastest-estimated candidates to compile for the ranking.
+    max_compiles: how many programs to compile for the ranking: the fastest-estimated
+      candidates, each with every remat policy when the loss takes ``policy``.
     workers: compiles run in this many threads at once.
     time_limit: seconds after which nothing new is lowered or compiled (a compile in flight
       finishes); the plan then says what was left (``plan.stopped``) and warns. None: no
