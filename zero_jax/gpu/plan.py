@@ -55,7 +55,8 @@ class Plan:
   """What `plan` found. ``print(plan)`` shows the table, then why the others were left out.
 
   Attributes:
-    candidates: the compiled candidates, fastest (predicted) first.
+    candidates: the compiled candidates (`ranked`): those that fit, fastest (predicted)
+      first, then those that do not (marked "does not fit", never ranked), smallest first.
     best: the fastest candidate that fits, or None.
     closest: with ``best`` None, the compiled candidate that holds the fewest bytes.
     target: the GPU planned for.
@@ -117,11 +118,12 @@ class Plan:
                               mesh if mesh is not None else planned, self.fixed)
 
   def _row(self, c: Candidate) -> str:
-    mark = "**best**" if c is self.best else ("yes" if c.fits else "no")
+    mark = "**best**" if c is self.best else ("yes" if c.fits else "does not fit")
     size = format_bytes(c.bytes_per_device) + ("" if c.exact else " (est.)") + (
         f" + {format_bytes(c.host_bytes)} host" if c.host_bytes else "")
+    step = f"{c.step_time_s * 1e3:.3g} ms" if c.fits else "not ranked"
     return (f"| {c.name} | {'**LOSSY**' if c.lossy else 'exact'} | {size} | {mark} | "
-            f"{c.step_time_s * 1e3:.3g} ms | {c.compute_s * 1e3:.3g} ms | "
+            f"{step} | {c.compute_s * 1e3:.3g} ms | "
             f"{c.elementwise_s * 1e3:.3g} ms | {format_bytes(c.intra_bytes)} | "
             f"{format_bytes(c.cross_bytes)} |")
 
@@ -175,6 +177,14 @@ class Plan:
 
   def _repr_markdown_(self) -> str:
     return self.to_markdown()
+
+
+def ranked(candidates) -> tuple:
+  """Those that fit, fastest (predicted) first, then those that do not, smallest first: a
+  program that does not fit is never ranked by its time (it cannot run at all)."""
+  fit = sorted((c for c in candidates if c.fits), key=lambda c: c.step_time_s)
+  return tuple(fit) + tuple(sorted((c for c in candidates if not c.fits),
+                                   key=lambda c: c.bytes_per_device))
 
 
 def default_hbm(target: Target) -> int:
@@ -372,6 +382,6 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   if s.stopped:
     warnings.warn(f"zj.plan {s.stopped}.", RuntimeWarning, stacklevel=2)
   seconds = {"total": time.perf_counter() - s.t0, "lower": s.lower_s, "compile": s.compile_s}
-  return Plan(tuple(sorted(done, key=lambda c: c.step_time_s)), target, hosts, per_host,
+  return Plan(ranked(done), target, hosts, per_host,
               s.hbm, tuple(ranked_out), tuple(s.pruned), tuple(s.refused), seconds,
               loss_fn, optimizer, dict(fixed), tuple(s.skipped), s.stopped)

@@ -53,6 +53,9 @@ class Window(NamedTuple):
     compute: the names of the matmul instructions (fusions, custom calls, dots) scheduled
       between its start and its done.
     dots: ``(flops, bytes read and written)`` of each matmul in ``compute``.
+    span: ``(start, done)``: the positions of its two halves in the computation's schedule
+      (windows whose spans overlap are in flight together).
+    dot_names: the instruction (of ``compute``) each of ``dots`` runs in.
   """
   op: str
   name: str
@@ -61,6 +64,8 @@ class Window(NamedTuple):
   groups: list | None
   compute: tuple
   dots: tuple
+  span: tuple = (0, 0)
+  dot_names: tuple = ()
 
   @property
   def overlapped(self) -> bool:
@@ -154,7 +159,7 @@ def _window(comps: dict, instrs: list, shapes: dict, start: int, done: int) -> W
     kind = next((o for c in ins.called for o in COLLECTIVES
                  if any(f" {o}(" in line for line in comps.get(c, []))), "async")
   result = instrs[done].shape_text if done < len(instrs) else ins.shape_text
-  compute, dots = [], []
+  compute, dots, names = [], [], []
   for x in instrs[start + 1:done]:
     if x.op in _MATMUL or _is_gemm_call(x):
       found = [dot_cost(x, shapes) if x.op != "convolution" else (0.0, 0.0)]
@@ -168,8 +173,25 @@ def _window(comps: dict, instrs: list, shapes: dict, start: int, done: int) -> W
     if found:
       compute.append(x.name)
       dots += found
+      names += [x.name] * len(found)
   return Window(kind, ins.name, hlo.shapes_in(result), _nbytes(result), replica_groups(ins.line),
-                tuple(compute), tuple(dots))
+                tuple(compute), tuple(dots), (start, done), tuple(names))
+
+
+def in_flight_together(ws) -> list[list]:
+  """``ws`` (one computation's windows, in schedule order) grouped by overlap: windows whose
+  spans overlap, directly or through another, are one group (their collectives are in flight
+  together and share the time of the compute in the union of their windows)."""
+  groups: list = []
+  end = -1
+  for w in sorted(ws, key=lambda w: w.span):
+    if groups and w.span[0] < end:
+      groups[-1].append(w)
+      end = max(end, w.span[1])
+    else:
+      groups.append([w])
+      end = w.span[1]
+  return groups
 
 
 def windows(comps: dict, name: str) -> tuple:
