@@ -372,3 +372,23 @@ def test_collectives_in_flight_together_share_the_link_and_the_compute_of_their_
   cross = window("all-reduce", 1e6, (3, 4), (2, 8), [], [])
   pair = overlap._in_flight([a, cross], DEV, 1.0, 1.0)  # pylint: disable=protected-access
   assert pair.comm == pytest.approx(max(ring(a), ring(cross)), rel=1e-12)
+
+
+FMHA = ('  %fwd = (bf16[2,32,1024,128]{3,1,2,0}, f32[2,32,1024]{2,1,0}, u8[0]{0}) custom-call('
+        '%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmaxBWD", backend_config={'
+        '"cudnn_fmha_backend_config": {"intermediate_tensor_shape": {"element_type": "BF16", '
+        '"dimensions": ["2", "32", "1024", "1024"], "tuple_shapes": []}, '
+        '"is_flash_attention": true, "mask_type": "MASK"}}')
+
+
+@pytest.mark.parametrize("bwd, mask, matmuls", [("", "CAUSAL", 2 * 0.5), ("", "NO_MASK", 2),
+                                                 ("Backward", "CAUSAL", 5 * 0.5)])
+def test_cudnn_fused_attention_counts_its_matmuls_not_one(bwd, mask, matmuls):
+  # Before: read as a gemm with one contracting dimension of size 1: 2 * |output| flops.
+  from zero_jax.comm import hlo  # pylint: disable=import-outside-toplevel
+  ins = hlo.parse_instruction(FMHA.replace("BWD", bwd).replace("MASK", mask))
+  q, kv = ((2, 1024, 32, 128), 2 * 1024 * 32 * 128 * 2), ((2, 1024, 8, 128), 2 * 1024 * 8 * 128 * 2)
+  flops, nbytes = schedule.dot_cost(ins, {"q": q, "k": kv, "v": kv})
+  assert flops == matmuls * 2.0 * (2 * 32 * 1024 * 1024) * 128
+  out = 2 * 32 * 1024 * 128 * 2 + 2 * 32 * 1024 * 4
+  assert nbytes == out + q[1] + 2 * kv[1]

@@ -109,9 +109,32 @@ def _contracting(ins: hlo.Instruction) -> list[int]:
   return [int(json.loads(d)) for d in m.group(1).split(",") if d.strip()] if m else []
 
 
+def fmha_cost(ins: hlo.Instruction, shapes: dict) -> tuple[float, float]:
+  """``(flops, bytes read and written)`` of a cuDNN fused attention call
+  (``__cudnn$fmha...``, what ``jax.nn.dot_product_attention(..., implementation="cudnn")``
+  compiles to): per score of its ``intermediate_tensor_shape`` ``[B, N, T, S]`` and head
+  dimension ``H`` (the query's last), 2 matmuls of ``2 * H`` flops forward and 5 backward
+  (scores recomputed, then dP, dV, dQ, dK: FlashAttention-2's count), half of them under a
+  causal mask (the kernel skips the masked blocks); bytes: its operands and results once
+  (the scores stay on chip)."""
+  scores = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]',
+                     ins.line)
+  if scores is None or not ins.operands or ins.operands[0] not in shapes:
+    raise ValueError(f"fused attention {ins.name}: cannot read its score shape or its query")
+  n_scores = math.prod(int(json.loads(d)) for d in scores.group(1).split(","))
+  head = shapes[ins.operands[0]][0][-1]
+  matmuls = 5 if "backward" in ins.line.lower().split("custom_call_target=")[1][:60] else 2
+  causal = re.search(r'"mask_type":\s*"CAUSAL"', ins.line) is not None
+  flops = matmuls * 2.0 * n_scores * head * (0.5 if causal else 1.0)
+  return flops, float(_nbytes(ins.shape_text) + sum(shapes[o][1] for o in ins.operands
+                                                   if o in shapes))
+
+
 def dot_cost(ins: hlo.Instruction, shapes: dict) -> tuple[float, float]:
-  """``(flops, bytes read and written)`` of a ``dot`` (or gemm custom call) whose operands'
-  ``(shape, bytes)`` are in ``shapes``."""
+  """``(flops, bytes read and written)`` of a ``dot`` (or gemm custom call, or cuDNN fused
+  attention: `fmha_cost`) whose operands' ``(shape, bytes)`` are in ``shapes``."""
+  if ins.op == "custom-call" and "$fmha" in ins.line:
+    return fmha_cost(ins, shapes)
   if len(ins.operands) < 2 or not all(o in shapes for o in ins.operands[:2]):
     raise ValueError(f"dot {ins.name}: cannot find the shapes of its operands {ins.operands}")
   lhs, rhs = (shapes[o] for o in ins.operands[:2])
