@@ -2,7 +2,10 @@
 
 Each case runs with `compile_only_mesh` (the plugin lookup) replaced by a function that fails
 the test: an argument check that came after the lookup would hide behind the plugin's message
-on a machine without it (this suite's), and fail bare once the plugin is there.
+on a machine without it (this suite's), and fail bare once the plugin is there. The fixed
+options' values are checked by building the steps, on the compile-only mesh where the plugin
+is there (looking for it first: asking for this machine's devices would start JAX's backends
+and leave the plugin without compile-only devices), on a stand-in mesh where it is missing.
 """
 
 import re
@@ -28,6 +31,18 @@ def no_plugin_lookup(monkeypatch):
   def looked_up(*args, **kwargs):
     raise AssertionError("zj.plan looked for the CUDA plugin before checking its arguments")
   monkeypatch.setattr(plan_lib, "compile_only_mesh", looked_up)
+
+
+def no_plugin(monkeypatch):
+  def missing(*args, **kwargs):
+    raise RuntimeError("compiling for a GPU without one needs JAX's CUDA plugin")
+  monkeypatch.setattr(plan_lib, "compile_only_mesh", missing)
+
+
+def on_a_mesh(monkeypatch):
+  # The plugin's mesh, stood in for by 8 CPU devices: what the checks build steps on.
+  monkeypatch.setattr(plan_lib, "compile_only_mesh",
+                      lambda *a, **k: jax.make_mesh((8,), ("data",)))
 
 
 def plan(**kw):
@@ -65,21 +80,35 @@ def plan(**kw):
     ({"prec": "bf16"}, TypeError, "which make_sharded_train_step does not take (did you mean "
                                   "precision=?)"),
     ({"mesh": None}, TypeError, "pass hosts= and per_host=, not mesh="),
-    # Fixed options of a wrong value: make_sharded_train_step refuses every candidate, said
-    # before the plugin (before, its refusals surfaced only after compiling was set up).
-    ({"precision": "bf61"}, ValueError, "make_sharded_train_step refused every candidate"),
-    ({"stage": 5}, ValueError, "stage=5: choose 1 (optimizer state sharded)"),
-    ({"grad_accum_steps": 0}, ValueError, "make_sharded_train_step refused every candidate"),
-    ({"offload": "params"}, ValueError, "offload='params': choose None"),
 ])
 def test_a_bad_argument_is_named_before_the_plugin_is_looked_for(kw, error, says):
   with pytest.raises(error, match=re.escape(says)):
     plan(**kw)
 
 
+@pytest.mark.parametrize("plugin", [no_plugin, on_a_mesh])
+@pytest.mark.parametrize("kw, says", [
+    # Fixed options of a wrong value: make_sharded_train_step refuses every candidate, said
+    # before anything compiles, and without the plugin instead of its install message.
+    ({"precision": "bf61"}, "make_sharded_train_step refused every candidate"),
+    ({"stage": 5}, "stage=5: choose 1 (optimizer state sharded)"),
+    ({"grad_accum_steps": 0}, "make_sharded_train_step refused every candidate"),
+    ({"offload": "params"}, "offload='params': choose None"),
+])
+def test_a_fixed_option_of_a_wrong_value_is_named_with_or_without_the_plugin(
+    monkeypatch, plugin, kw, says):
+  plugin(monkeypatch)
+  with pytest.raises(ValueError, match=re.escape(says)):
+    plan(hosts=1, per_host=8, **kw)
+
+
 @pytest.mark.parametrize("hbm", [80e9, 80 * 2**30, 1])
-def test_good_arguments_reach_the_plugin_lookup(hbm):
+def test_good_arguments_reach_the_plugin_lookup(monkeypatch, hbm):
   # The checks refuse nothing they should let through (a float or int hbm, fixed options the
-  # step takes): the next thing zj.plan does is look for the plugin.
+  # step takes): the next thing zj.plan does is look for the plugin, and without it, its
+  # message is what the user gets.
   with pytest.raises(AssertionError, match="looked for the CUDA plugin"):
     plan(hbm=hbm, precision="bf16", stage=3, time_limit=float("inf"))
+  no_plugin(monkeypatch)
+  with pytest.raises(RuntimeError, match="needs JAX's CUDA plugin"):
+    plan(hbm=hbm, precision="bf16", stage=3)

@@ -275,19 +275,18 @@ def _check_inputs(loss_fn, optimizer, batch, time_limit) -> None:
 
 def _stand_in_mesh(hosts: int, per_host: int):
   """A mesh of the planned shape and axis names made of this machine's first device repeated:
-  enough for `make_sharded_train_step` to check its options (it compiles nothing), before
-  JAX's CUDA plugin is looked for."""
+  enough for `make_sharded_train_step` to check its options (it compiles nothing) where JAX's
+  CUDA plugin is missing. (Only then: asking for this machine's devices starts JAX's
+  backends, after which the plugin gives no compile-only devices.)"""
   shape, names = cands.mesh_shape(hosts, per_host)
   devices = np.array([jax.devices()[0]] * (hosts * per_host), dtype=object).reshape(shape)
   return jax.sharding.Mesh(devices, names)
 
 
-def _check_buildable(loss_fn, optimizer, space: list, fixed: dict, *, hosts: int,
-                     per_host: int) -> None:
+def _check_buildable(loss_fn, optimizer, space: list, fixed: dict, mesh) -> None:
   """Raises `_all_refused`'s error when `make_sharded_train_step` refuses every candidate of
-  ``space`` with ``fixed`` (a fixed option of a wrong value): before anything is compiled or
-  the CUDA plugin looked for."""
-  mesh = _stand_in_mesh(hosts, per_host)
+  ``space`` with ``fixed`` on ``mesh`` (a fixed option of a wrong value): before anything is
+  compiled."""
   refused = []
   for opts in space:
     try:
@@ -353,7 +352,8 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   if "mesh" in fixed:
     raise TypeError("zj.plan builds its own compile-only mesh (hosts x per_host, axes "
                     "('hosts', 'data')); pass hosts= and per_host=, not mesh=.")
-  # Every argument is checked before anything is compiled or the CUDA plugin looked for.
+  # Every argument is checked before anything is compiled, and all but the fixed options'
+  # values before the CUDA plugin is looked for (those are checked by building the steps).
   target = get_target(gpu)
   check_cluster(hosts, per_host)
   _check_hbm(hbm)
@@ -363,9 +363,13 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   space = cands.search_space(fixed, hosts=hosts, per_host=per_host,
                              takes_prefetch=cands.takes_keyword(loss_fn, "prefetch"),
                              takes_policy=cands.takes_keyword(loss_fn, "policy"))
-  _check_buildable(loss_fn, optimizer, space, fixed, hosts=hosts, per_host=per_host)
   shape, names = cands.mesh_shape(hosts, per_host)
-  mesh = compile_only_mesh(shape, names, gpu=target, hosts=hosts, per_host=per_host)
+  try:
+    mesh = compile_only_mesh(shape, names, gpu=target, hosts=hosts, per_host=per_host)
+  except RuntimeError:  # no plugin: a bad fixed option is still named, not hidden behind it
+    _check_buildable(loss_fn, optimizer, space, fixed, _stand_in_mesh(hosts, per_host))
+    raise
+  _check_buildable(loss_fn, optimizer, space, fixed, mesh)
   s = search.Search(loss_fn, optimizer, init, batch, fixed, mesh, target,
                     default_hbm(target) if hbm is None else int(hbm), time_limit=time_limit,
                     hosts=hosts, per_host=per_host)
