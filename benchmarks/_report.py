@@ -28,3 +28,10 @@ def write_section(name: str, markdown: str) -> None:
   else:
     text = text.rstrip() + "\n\n" + block + "\n"
   BENCHMARKS.write_text(text)
+
+
+def publish(name: str, markdown: str, *, write: bool) -> None:
+  """Prints a benchmark's section, and writes it into BENCHMARKS.md when ``write``."""
+  print(markdown)
+  if write:
+    write_section(name, markdown)

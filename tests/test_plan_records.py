@@ -106,3 +106,17 @@ def test_a_misspelt_quantize_a_policy_or_a_zero_time_limit_is_refused(kw, error,
   with pytest.raises(error, match=re.escape(says)):
     zj.plan(lambda p, b: 0.0, optax.sgd(0.1), {"w": jax.ShapeDtypeStruct((8,), jnp.float32)},
             jax.ShapeDtypeStruct((8, 8), jnp.float32), **kw)
+
+
+def test_a_candidate_that_does_not_fit_is_marked_and_never_ranked_by_its_time():
+  # Before: misfits sat among the rows by predicted time ("no" in the fits column), so a
+  # program that cannot run was ranked, and compared, beside those that can.
+  fast_big, slow, slower = candidate(1e-3, 2000), candidate(3e-3, 900), candidate(5e-3, 800)
+  bigger = candidate(0.5e-3, 3000, gather_once=True)
+  order = plan_lib.ranked([slower, bigger, fast_big, slow])
+  assert order == (slow, slower, fast_big, bigger)
+  text = str(make(*order))
+  assert "| ZeRO-3 flat prefetch 1 | exact | 1.95 KiB | does not fit | not ranked |" in text
+  assert "| ZeRO-3 flat gather_once prefetch 1 | exact | 2.93 KiB | does not fit | not ranked |" \
+      in text
+  assert "1 ms" not in text and "| 3 ms |" in text

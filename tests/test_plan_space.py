@@ -76,3 +76,56 @@ def test_policies_run_from_keeping_everything_to_saving_nothing():
   assert cands.POLICIES[0] is None
   assert DOTS is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
   assert NOTHING is jax.checkpoint_policies.nothing_saveable
+
+
+def test_with_a_policy_loss_the_budget_compares_every_policy_of_the_fastest_layout_first():
+  # Before: only "no remat" was compiled unless nothing fitted, so GPT-2 small's plan returned
+  # no remat at 47.4 ms where its own model predicted 29.1 ms with full remat (issue 46).
+  lays = [{"stage": s, "axis_name": "data", "prefetch": 1, "policy": None} for s in (3, 2)]
+  done, left = cands.compile_order(lays, 4)
+  assert names(done) == ["ZeRO-3 flat prefetch 1 no remat", "ZeRO-3 flat prefetch 1 remat "
+                         "saving dots", "ZeRO-3 flat prefetch 1 full remat",
+                         "ZeRO-2 flat prefetch 1 no remat"]
+  assert names(left) == ["ZeRO-2 flat prefetch 1 remat saving dots",
+                         "ZeRO-2 flat prefetch 1 full remat"]
+  assert [cands.layouts_to_compile(k, lays[0]) for k in (1, 3, 4, 6, 7)] == [1, 1, 2, 2, 3]
+  assert cands.compile_order(lays, 1)[0] == [lays[0]]
+  # Without a policy keyword, one compile per layout, as before.
+  plain = [{k: v for k, v in o.items() if k != "policy"} for o in lays]
+  assert cands.compile_order(plain, 4) == (plain, [])
+  assert cands.layouts_to_compile(4, plain[0]) == 4
+
+
+class FakeSearch:
+  """What `search._policy_jobs` uses of a `search.Search`: prepare, lower, skipped."""
+
+  def __init__(self):
+    self.skipped, self.lowered = [], []
+
+  def prepare(self, opts):
+    return ("step", opts), 7
+
+  def lower(self, step):
+    self.lowered.append(step[1])
+    return ("lowered", step[1]["policy"])
+
+  def out_of_time(self, left):
+    return False
+
+
+def test_the_ranked_layout_keeps_its_lowered_program_and_the_variants_past_the_budget_are_said():
+  from zero_jax.gpu import search
+  root = {"stage": 3, "axis_name": "data", "prefetch": 1, "policy": None}
+  other = {**root, "stage": 2}
+  s = FakeSearch()
+  jobs = search._policy_jobs(s, [(1e-3, root, "root's program", 5),
+                                 (2e-3, other, "other's program", 6)], 4)
+  assert [(cands.describe(o), low, host) for o, low, host in jobs] == [
+      ("ZeRO-3 flat prefetch 1 no remat", "root's program", 5),
+      ("ZeRO-3 flat prefetch 1 remat saving dots", ("lowered", DOTS), 7),
+      ("ZeRO-3 flat prefetch 1 full remat", ("lowered", NOTHING), 7),
+      ("ZeRO-2 flat prefetch 1 no remat", "other's program", 6)]
+  assert [o["policy"] for o in s.lowered] == [DOTS, NOTHING]   # the roots are not lowered again
+  assert names([o for o, _ in s.skipped]) == ["ZeRO-2 flat prefetch 1 remat saving dots",
+                                              "ZeRO-2 flat prefetch 1 full remat"]
+  assert all("max_compiles=4 went to layouts ranked faster" in why for _, why in s.skipped)

@@ -29,7 +29,11 @@ def test_the_default_compile_hides_what_a_limit_of_one_leaves_exposed(name):
     assert all(w.compute > 0 and w.exposed < w.comm for w in loop.windows), loop
   bwd = lambda p: max(loops(p), key=lambda l: len(l.windows))
   assert any(w.compute == 0 and w.exposed == w.comm > 0 for w in bwd(xla_default).windows)
-  assert sum(l.exposed for l in ours) < sum(l.exposed for l in xla_default)
+  # In flight together, two collectives share the link and the matmuls of their windows: they
+  # hide no more than one beside an empty window does when the matmuls are shorter than
+  # either (equal here), never less. (Before, each hid behind the whole of the same matmul,
+  # which flattered the program that overlaps more: strictly less was asserted.)
+  assert sum(l.exposed for l in ours) <= sum(l.exposed for l in xla_default) * (1 + 1e-12)
 
 
 def test_a_layer_loop_inside_the_micro_batch_loop_counts_once_per_micro_batch():

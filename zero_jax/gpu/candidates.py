@@ -5,11 +5,12 @@ compiles, and `Candidate`, the record of one compiled configuration.
 GPUs: ZeRO stages 2 and 3 (stage 1 is kept only when the user fixes it: it all-reduces whole
 gradients, so stage 2 holds less and sends less), hybrid sharding (the state split within a
 host, replicated across hosts), hpZ, ``gather_once``, and `zero_jax.scan`'s ``prefetch=1`` when
-the loss takes a ``prefetch`` keyword (``policy=None``, keeping activations, when it takes a
-``policy`` keyword). The math stays exact: ZeRO++ int8 weights with int8 or int4 gradients
+the loss takes a ``prefetch`` keyword, and the remat policy when it takes a ``policy`` keyword
+(ranked by compiling: `compile_order`). The math stays exact: ZeRO++ int8 weights with int8 or int4 gradients
 (lossy) are searched only with ``quantize="search"``. Options the user passes to
 `zero_jax.plan` are not searched; `pointless` names the searched ones a cluster's shape makes
-useless (hpZ or hybrid with one GPU per host). Prefetch 0, leaner remat policies,
+useless (hpZ or hybrid with one GPU per host). Prefetch 0, leaner remat policies (for a
+layout the ranking did not compile with them),
 micro-batches (``grad_accum_steps``) and offload are fallbacks: `fallbacks` lists them, and
 their combinations, for a candidate that does not fit.
 
@@ -112,8 +113,8 @@ def search_space(fixed: dict, *, hosts: int, per_host: int, takes_prefetch: bool
   """Every combination of the searched options, less those the user fixed (``fixed`` wins).
 
   Each entry is a dict of `make_sharded_train_step` options (no mesh) plus ``"prefetch"``
-  (None when the loss takes none) and, when the loss takes one, ``"policy"`` (None: the
-  leaner policies are fallbacks). ``fixed["quantize"] == "search"`` adds ZeRO++ quantization;
+  (None when the loss takes none) and, when the loss takes one, ``"policy"`` (None; the
+  others are `policy_variants`, compiled as `compile_order` says). ``fixed["quantize"] == "search"`` adds ZeRO++ quantization;
   without it ``quantize`` is None (exact) unless fixed. Combinations
   `make_sharded_train_step` would refuse are left to `zero_jax.plan` to drop (it builds each
   step).
@@ -142,6 +143,50 @@ def search_space(fixed: dict, *, hosts: int, per_host: int, takes_prefetch: bool
       if opts not in out:
         out.append(opts)
   return out
+
+
+def policy_variants(opts: dict) -> list[dict]:
+  """``opts`` with each of `POLICIES` (fastest and largest first) when the loss takes a
+  ``policy`` (``"policy" in opts``), else ``[opts]``.
+
+  Which policy is fastest is the compiled program's to say, not the lowered one's: remat adds
+  matmuls, but what it saves the backward pass from reading back (float32 attention
+  probabilities, written-out masks) is memory-bound work only the fused program shows. So the
+  policy is ranked by compiling, not by the lowered estimate (`compile_order`).
+  """
+  if "policy" not in opts:
+    return [opts]
+  return [{**opts, "policy": p} for p in POLICIES]
+
+
+def layouts_to_compile(max_compiles: int, opts: dict) -> int:
+  """How many of the fastest-ranked layouts `compile_order` reaches with ``max_compiles``
+  compiles: each takes as many as it has `policy_variants`."""
+  return -(-max_compiles // len(policy_variants(opts)))
+
+
+def compile_order(layouts: list[dict], max_compiles: int) -> tuple[list[dict], list[dict]]:
+  """``(compiled, left out)``: how the planner spends ``max_compiles`` on ``layouts``.
+
+  ``layouts`` are candidates ranked fastest first by their lowered estimate (each with the
+  loss's ``policy`` None when it takes one). The budget goes layout by layout: the fastest
+  layout with every remat policy of `policy_variants`, then the next, until ``max_compiles``
+  programs; the rest are left out (said in the plan). So with a ``policy`` loss, 3 compiles
+  compare every policy of the layout the estimate ranks fastest (the default 4 adds the next
+  layout without remat), and the plan's best is never slower, by its own prediction, than
+  that layout under another policy that fits.
+
+  Example:
+    >>> lays = [{"stage": 3, "policy": None}, {"stage": 2, "policy": None}]
+    >>> done, left = compile_order(lays, 4)
+    >>> [describe({**o, "axis_name": "data"}) for o in done]
+    ['ZeRO-3 flat no remat', 'ZeRO-3 flat remat saving dots', 'ZeRO-3 flat full remat', \
+'ZeRO-2 flat no remat']
+    >>> len(left)
+    2
+  """
+  order = [v for o in layouts for v in policy_variants(o)]
+  return order[:max_compiles], order[max_compiles:]
 
 
 def fallbacks(root: dict, rows_per_device: int, fixed: dict) -> list[tuple[tuple, dict]]:

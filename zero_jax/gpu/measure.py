@@ -68,13 +68,11 @@ class Reading(NamedTuple):
 
 
 def device_for(target: Target, per_host: int, precision: str) -> predict.Device:
-  """The overlap model's `zero_jax.gpu.predict.Device` for ``target``: bf16/fp16 tensor-core
-  peak for a half-precision policy, TF32's for ``"fp32"``."""
-  peak = target.peak_flops_fp32 if precision == "fp32" else target.peak_flops
-  return predict.Device(target.name, peak, target.hbm_bandwidth,
-                        intra=predict.Link(target.intra_bandwidth, target.intra_latency),
-                        cross=predict.Link(target.cross_bandwidth, target.cross_latency),
-                        devices_per_host=per_host)
+  """The overlap model's `zero_jax.gpu.predict.Device` for ``target``
+  (`zero_jax.gpu.predict.device_from_target`: matmul efficiency by shape, NCCL's slowdown):
+  bf16/fp16 tensor-core peak for a half-precision policy, TF32's for ``"fp32"``."""
+  device = predict.device_from_target(target, per_host)
+  return device._replace(peak_flops=target.peak_flops_fp32) if precision == "fp32" else device
 
 
 def loss_keywords(opts: dict) -> dict:

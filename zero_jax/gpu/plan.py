@@ -4,7 +4,8 @@ The flow, on any machine with JAX's CUDA plugin and no GPU: the target's compile
 (`zero_jax.gpu.targets`) -> the search space, exact unless ``quantize="search"``, pruned by the
 cluster's shape and the memory formulas (`zero_jax.gpu.candidates`) -> each plausible
 candidate lowered and its step time estimated, the most promising compiled for the target in
-parallel threads (`zero_jax.gpu.search`, `zero_jax.gpu.measure`) -> XLA's memory analysis and
+parallel threads (with a loss taking ``policy``, the most promising layout with each remat
+policy: only the compiled program shows what a policy saves) (`zero_jax.gpu.search`, `zero_jax.gpu.measure`) -> XLA's memory analysis and
 the overlap model's prediction read from each GPU-compiled program (`zero_jax.gpu.predict`)
 -> the fastest candidate that fits. Where none of those fits, they are compiled again with a
 leaner remat policy (when the loss takes ``policy``), then the leanest candidate's fallbacks
@@ -23,12 +24,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import math
+import numbers
 import os
 import time
 import warnings
 from typing import Any
 
 import jax
+import numpy as np
 
 from zero_jax.gpu import candidates as cands
 from zero_jax.gpu import measure
@@ -51,7 +55,8 @@ class Plan:
   """What `plan` found. ``print(plan)`` shows the table, then why the others were left out.
 
   Attributes:
-    candidates: the compiled candidates, fastest (predicted) first.
+    candidates: the compiled candidates (`ranked`): those that fit, fastest (predicted)
+      first, then those that do not (marked "does not fit", never ranked), smallest first.
     best: the fastest candidate that fits, or None.
     closest: with ``best`` None, the compiled candidate that holds the fewest bytes.
     target: the GPU planned for.
@@ -113,11 +118,12 @@ class Plan:
                               mesh if mesh is not None else planned, self.fixed)
 
   def _row(self, c: Candidate) -> str:
-    mark = "**best**" if c is self.best else ("yes" if c.fits else "no")
+    mark = "**best**" if c is self.best else ("yes" if c.fits else "does not fit")
     size = format_bytes(c.bytes_per_device) + ("" if c.exact else " (est.)") + (
         f" + {format_bytes(c.host_bytes)} host" if c.host_bytes else "")
+    step = f"{c.step_time_s * 1e3:.3g} ms" if c.fits else "not ranked"
     return (f"| {c.name} | {'**LOSSY**' if c.lossy else 'exact'} | {size} | {mark} | "
-            f"{c.step_time_s * 1e3:.3g} ms | {c.compute_s * 1e3:.3g} ms | "
+            f"{step} | {c.compute_s * 1e3:.3g} ms | "
             f"{c.elementwise_s * 1e3:.3g} ms | {format_bytes(c.intra_bytes)} | "
             f"{format_bytes(c.cross_bytes)} |")
 
@@ -173,6 +179,14 @@ class Plan:
     return self.to_markdown()
 
 
+def ranked(candidates) -> tuple:
+  """Those that fit, fastest (predicted) first, then those that do not, smallest first: a
+  program that does not fit is never ranked by its time (it cannot run at all)."""
+  fit = sorted((c for c in candidates if c.fits), key=lambda c: c.step_time_s)
+  return tuple(fit) + tuple(sorted((c for c in candidates if not c.fits),
+                                   key=lambda c: c.bytes_per_device))
+
+
 def default_hbm(target: Target) -> int:
   """``target.memory_bytes`` times XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 when unset: JAX's
   default); the rest is the reserve JAX leaves to CUDA and other processes."""
@@ -219,6 +233,72 @@ def _check_counts(**counts) -> None:
                        f"workers=2).")
 
 
+def _check_hbm(hbm) -> None:
+  """Raises ValueError unless ``hbm`` is None or a positive, finite number of bytes."""
+  if hbm is None:
+    return
+  if isinstance(hbm, bool) or not isinstance(hbm, numbers.Real) or not math.isfinite(hbm) \
+      or hbm < 1:
+    raise ValueError(f"zj.plan: hbm={hbm!r} must be a positive, finite number of bytes per "
+                     f"device, e.g. hbm=80e9 (80 GB) or hbm=80 * 2**30 (80 GiB); or None for "
+                     f"the GPU's memory times XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 when "
+                     f"unset).")
+
+
+def _check_inputs(loss_fn, optimizer, batch, time_limit) -> None:
+  """Raises TypeError/ValueError naming ``loss_fn``, ``optimizer``, ``batch`` or
+  ``time_limit`` when it cannot be what `plan` takes."""
+  if not callable(loss_fn):
+    raise TypeError(f"zj.plan: loss_fn must be callable, loss_fn(params, batch) -> loss; got "
+                    f"{type(loss_fn).__name__}.")
+  if not (callable(getattr(optimizer, "init", None))
+          and callable(getattr(optimizer, "update", None))):
+    raise TypeError(f"zj.plan: optimizer must be an optax.GradientTransformation (e.g. "
+                    f"optax.adamw(3e-4)); got {type(optimizer).__name__}.")
+  for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+      raise TypeError(f"zj.plan: batch{jax.tree_util.keystr(path)} is a "
+                      f"{type(leaf).__name__}; each leaf of batch must be an array or a "
+                      f"jax.ShapeDtypeStruct (the global batch's shape and dtype).")
+    if not np.shape(leaf):
+      raise ValueError(f"zj.plan: batch{jax.tree_util.keystr(path)} is a scalar; each leaf "
+                       f"of batch needs a leading batch dimension (the global batch) to split "
+                       f"over the GPUs.")
+  if not jax.tree.leaves(batch):
+    raise ValueError("zj.plan: batch has no arrays; pass the global batch as arrays or "
+                     "jax.ShapeDtypeStructs, e.g. jax.ShapeDtypeStruct((64, 1025), jnp.int32).")
+  if time_limit is not None and (isinstance(time_limit, bool)
+                                 or not isinstance(time_limit, numbers.Real)
+                                 or not time_limit > 0):
+    raise ValueError(f"zj.plan: time_limit={time_limit!r} must be seconds > 0, or None.")
+
+
+def _stand_in_mesh(hosts: int, per_host: int):
+  """A mesh of the planned shape and axis names made of this machine's first device repeated:
+  enough for `make_sharded_train_step` to check its options (it compiles nothing) where JAX's
+  CUDA plugin is missing. (Only then: asking for this machine's devices starts JAX's
+  backends, after which the plugin gives no compile-only devices.)"""
+  shape, names = cands.mesh_shape(hosts, per_host)
+  devices = np.array([jax.devices()[0]] * (hosts * per_host), dtype=object).reshape(shape)
+  return jax.sharding.Mesh(devices, names)
+
+
+def _check_buildable(loss_fn, optimizer, space: list, fixed: dict, mesh) -> None:
+  """Raises `_all_refused`'s error when `make_sharded_train_step` refuses every candidate of
+  ``space`` with ``fixed`` on ``mesh`` (a fixed option of a wrong value): before anything is
+  compiled."""
+  refused = []
+  for opts in space:
+    try:
+      measure.build_step(loss_fn, optimizer, {k: v for k, v in opts.items() if k != "offload"},
+                         mesh, fixed)
+      return
+    except ValueError as e:  # as `zero_jax.gpu.search.Search.prepare` records it
+      refused.append((opts, str(e).split(". ")[0]))
+  if refused:
+    raise ValueError(_all_refused(refused))
+
+
 def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: int = 1,
          per_host: int = 8, hbm: int | None = None, max_compiles: int = 4, workers: int = 2,
          time_limit: float | None = DEFAULT_TIME_LIMIT, **fixed) -> Plan:
@@ -227,13 +307,17 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   Nothing is materialised and no GPU is needed (JAX's CUDA plugin is): each candidate is
   compiled for compile-only devices of ``gpu`` (`zero_jax.compile_only_mesh`). Searched:
   stages 2-3 (1 when fixed), hybrid sharding across hosts, hpZ, ``gather_once``,
-  `zero_jax.scan`'s ``prefetch=1`` when ``loss_fn`` takes a ``prefetch`` keyword, and no remat
-  when it takes a ``policy`` keyword (a ``jax.checkpoint`` policy it applies to its layers).
+  `zero_jax.scan`'s ``prefetch=1`` when ``loss_fn`` takes a ``prefetch`` keyword, and the remat
+  policy (none, saving dots, full) when it takes a ``policy`` keyword (a ``jax.checkpoint``
+  policy it applies to its layers).
   The math stays exact: ZeRO++ int8/int4 quantization is searched only with
   ``quantize="search"``, and its candidates are marked lossy. Candidates the cluster's shape
   makes pointless are skipped, the memory formulas drop those whose state alone exceeds
   ``hbm``, the rest are lowered and ranked by predicted time, and the ``max_compiles``
-  fastest compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
+  fastest compiled. With a ``policy`` loss the budget goes layout by layout, the fastest
+  layout with each policy first (`zero_jax.gpu.candidates.compile_order`): 3 compiles compare
+  every policy of it, the default 4 adds the next layout without remat; the best is never
+  slower, by the plan's prediction, than a fitting candidate it compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
   leaner remat policy, micro-batches, offload, and their combinations) are compiled in that
   order until one fits, its leanest variant first: whether anything fits does not depend on
   ``max_compiles``. Times are predictions; bytes are the compiled programs'. The host memory
@@ -252,7 +336,8 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
     hosts: hosts in the cluster (the mesh's first axis, ``"hosts"``, spans them).
     per_host: GPUs per host (the ``"data"`` axis).
     hbm: bytes per device a candidate may hold (default `default_hbm`).
-    max_compiles: how many of the fastest-estimated candidates to compile for the ranking.
+    max_compiles: how many programs to compile for the ranking: the fastest-estimated
+      candidates, each with every remat policy when the loss takes ``policy``.
     workers: compiles run in this many threads at once.
     time_limit: seconds after which nothing new is lowered or compiled (a compile in flight
       finishes); the plan then says what was left (``plan.stopped``) and warns. None: no
@@ -267,20 +352,27 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   if "mesh" in fixed:
     raise TypeError("zj.plan builds its own compile-only mesh (hosts x per_host, axes "
                     "('hosts', 'data')); pass hosts= and per_host=, not mesh=.")
+  # Every argument is checked before anything is compiled, and all but the fixed options'
+  # values before the CUDA plugin is looked for (those are checked by building the steps).
   target = get_target(gpu)
   check_cluster(hosts, per_host)
+  _check_hbm(hbm)
   _check_counts(max_compiles=max_compiles, workers=workers)
-  if time_limit is not None and not time_limit > 0:
-    raise ValueError(f"zj.plan: time_limit={time_limit!r} must be seconds > 0, or None.")
+  _check_inputs(loss_fn, optimizer, batch, time_limit)
   _check_fixed(fixed)
-  shape, names = cands.mesh_shape(hosts, per_host)
-  mesh = compile_only_mesh(shape, names, gpu=target, hosts=hosts, per_host=per_host)
-  s = search.Search(loss_fn, optimizer, init, batch, fixed, mesh, target,
-                    default_hbm(target) if hbm is None else int(hbm), time_limit=time_limit,
-                    hosts=hosts, per_host=per_host)
   space = cands.search_space(fixed, hosts=hosts, per_host=per_host,
                              takes_prefetch=cands.takes_keyword(loss_fn, "prefetch"),
                              takes_policy=cands.takes_keyword(loss_fn, "policy"))
+  shape, names = cands.mesh_shape(hosts, per_host)
+  try:
+    mesh = compile_only_mesh(shape, names, gpu=target, hosts=hosts, per_host=per_host)
+  except RuntimeError:  # no plugin: a bad fixed option is still named, not hidden behind it
+    _check_buildable(loss_fn, optimizer, space, fixed, _stand_in_mesh(hosts, per_host))
+    raise
+  _check_buildable(loss_fn, optimizer, space, fixed, mesh)
+  s = search.Search(loss_fn, optimizer, init, batch, fixed, mesh, target,
+                    default_hbm(target) if hbm is None else int(hbm), time_limit=time_limit,
+                    hosts=hosts, per_host=per_host)
   rows = max(1, jax.tree.leaves(s.batch)[0].shape[0] // (hosts * per_host))
   with measure.without_persistent_cache():
     done, made_from, ranked_out = search.rank(s, space, max_compiles, workers)
@@ -294,6 +386,6 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   if s.stopped:
     warnings.warn(f"zj.plan {s.stopped}.", RuntimeWarning, stacklevel=2)
   seconds = {"total": time.perf_counter() - s.t0, "lower": s.lower_s, "compile": s.compile_s}
-  return Plan(tuple(sorted(done, key=lambda c: c.step_time_s)), target, hosts, per_host,
+  return Plan(ranked(done), target, hosts, per_host,
               s.hbm, tuple(ranked_out), tuple(s.pruned), tuple(s.refused), seconds,
               loss_fn, optimizer, dict(fixed), tuple(s.skipped), s.stopped)

@@ -15,8 +15,11 @@ schedules:
 
 A collective costs what a ring costs: ``(n-1)/n`` of its whole buffer over the link (twice for
 an all-reduce) plus a latency per ring step; a group that spans hosts runs at the cross-host
-link's speed. Collectives run one at a time on one stream, compute on another. Compute time is
-each matmul's roofline, ``max(flops / peak, bytes / HBM bandwidth)``, plus the bytes the other
+link's speed. Collectives run one at a time on one stream, compute on another, and a layer's
+collectives hide only behind its compute, which runs ``overlap_slowdown`` slower while they
+are in flight (NCCL's SMs). Compute time is each matmul's roofline, ``max(flops /
+(gemm_efficiency * peak), bytes / HBM bandwidth)`` plus a kernel's ``gemm_launch`` (matmul
+throughput by shape from XLA's measured H100 table), plus the bytes the other
 kernels (elementwise work, reductions, copies: quantizing and dequantizing, the optimizer
 update) move over HBM bandwidth, counted where the program is fused (a compiled program).
 Scale ``peak_flops`` (and the links) to what your software reaches (``compute_efficiency``,
@@ -78,6 +81,11 @@ class Link(NamedTuple):
 class Device(NamedTuple):
   """What `predict` needs to know about one accelerator and its links.
 
+  The defaults of the last three fields are an ideal machine (every matmul at peak, no
+  kernel overhead, compute that shares nothing with the collectives), for reasoning about
+  the schedule alone; `device_from_target` gives the honest one (`GEMM_EFFICIENCY`,
+  `GEMM_LAUNCH_S`, `OVERLAP_SLOWDOWN`).
+
   Attributes:
     name: for tables.
     peak_flops: dense matmul flops/s in the program's compute dtype.
@@ -85,6 +93,11 @@ class Device(NamedTuple):
     intra: the link between devices of one host.
     cross: each device's share of the network between hosts.
     devices_per_host: devices ``0 .. k-1`` are one host, ``k .. 2k-1`` the next, ...
+    gemm_efficiency: the fraction of ``peak_flops`` a large matmul reaches.
+    gemm_launch: seconds each matmul kernel takes beyond its flops or bytes (what makes
+      small matmuls reach a small fraction of peak).
+    overlap_slowdown: the factor by which compute slows while a collective is in flight
+      (the SMs and HBM bandwidth NCCL's kernels take).
   """
   name: str
   peak_flops: float
@@ -92,14 +105,43 @@ class Device(NamedTuple):
   intra: Link
   cross: Link
   devices_per_host: int = 8
+  gemm_efficiency: float = 1.0
+  gemm_launch: float = 0.0
+  overlap_slowdown: float = 1.0
+
+
+# Matmuls by shape, from measurements: XLA's own table of cuBLAS/Triton matmul throughput on
+# H100 SXM (sm_90), bf16 x bf16 -> bf16, openxla/xla xla/service/gpu/model/
+# matmul_interpolator_data.h (kDefaultMatmulPTable, 2025). A few of its entries, (batch, m, n,
+# k, measured flop/s): large square GEMMs reach ~79% of the 989 TFLOP/s dense peak, small or
+# skinny ones a few percent (a kernel takes ~5-6 us however few its flops).
+GEMM_MEASURED_H100 = ((1, 4096, 4096, 4096, 783.3e12), (2, 4096, 4096, 2048, 763.0e12),
+                      (1, 2048, 2048, 2048, 632.0e12), (1, 4096, 4096, 256, 392.2e12),
+                      (1, 4096, 512, 512, 238.8e12), (1, 1024, 2048, 256, 139.5e12),
+                      (1, 256, 2048, 256, 41.8e12), (1, 256, 512, 256, 11.5e12))
+# The model fitted to it (tests/test_overlap.py holds it to every entry within 35%): a matmul
+# takes max(flops / (GEMM_EFFICIENCY * peak), bytes / HBM bandwidth) + GEMM_LAUNCH_S. The
+# largest entry sets the efficiency (783.3 / 989 = 0.79), the smallest the launch time (256 x
+# 512 x 256 in 5.9 us). A100 gets the same two figures: XLA's table has no sm_80 matmuls, and
+# large bf16 GEMMs on A100 are published at 80-87% of its 312 TFLOP/s (e.g. NVIDIA's "Matrix
+# Multiplication Background" guide), so 0.79 does not flatter it.
+GEMM_EFFICIENCY = 0.79
+GEMM_LAUNCH_S = 5e-6
+# Compute overlapping a collective: NCCL's kernels run one thread block per channel on SMs of
+# their own, and read and write HBM. With 16 channels (an assumption of NCCL's order on an
+# 8-GPU NVLink host; it may use more) of 132 SMs, a GEMM keeps at most 116 of them:
+# 132 / 116 = 1.14 slower while a collective is in flight.
+OVERLAP_SLOWDOWN = 132 / 116
 
 
 def device_from_target(target: Target, devices_per_host: int = 8) -> Device:
-  """The `Device` of a `zero_jax.gpu.Target`: its dense bf16 peak, HBM bandwidth and links."""
+  """The `Device` of a `zero_jax.gpu.Target`: its dense bf16 peak, HBM bandwidth and links,
+  matmuls at `GEMM_EFFICIENCY` plus `GEMM_LAUNCH_S` each, and `OVERLAP_SLOWDOWN`."""
   return Device(target.name, target.peak_flops, target.hbm_bandwidth,
                 intra=Link(target.intra_bandwidth, target.intra_latency),
                 cross=Link(target.cross_bandwidth, target.cross_latency),
-                devices_per_host=devices_per_host)
+                devices_per_host=devices_per_host, gemm_efficiency=GEMM_EFFICIENCY,
+                gemm_launch=GEMM_LAUNCH_S, overlap_slowdown=OVERLAP_SLOWDOWN)
 
 
 # NVIDIA's H100 SXM datasheet (`zero_jax.gpu.H100`): 989 TFLOP/s dense bf16, 3.35 TB/s HBM3,
@@ -139,9 +181,22 @@ def transfer_time(t: Transfer, device: Device, link_efficiency: float = 1.0) -> 
 
 
 def compute_time(dots, device: Device, compute_efficiency: float = 1.0) -> float:
-  """Seconds for ``dots`` (``(flops, bytes)`` pairs), each at its roofline."""
-  return sum(max(f / (device.peak_flops * compute_efficiency), b / device.hbm_bandwidth)
-             for f, b in dots)
+  """Seconds for ``dots`` (``(flops, bytes)`` pairs), each at its roofline on ``device``
+  (flops at ``gemm_efficiency`` of the peak, times ``compute_efficiency``) plus the
+  device's ``gemm_launch``."""
+  peak = device.peak_flops * device.gemm_efficiency * compute_efficiency
+  return sum(max(f / peak, b / device.hbm_bandwidth) + device.gemm_launch for f, b in dots)
+
+
+def overlapped(compute: float, comm: float, slowdown: float = 1.0) -> float:
+  """Seconds for ``compute`` and ``comm`` started together, the compute ``slowdown`` times
+  slower while the collective is in flight: ``comm`` when the collective outlasts the
+  slowed compute, else the compute plus what the collective's time cost it."""
+  if comm <= 0:
+    return compute
+  if comm >= compute * slowdown:
+    return comm
+  return compute + comm * (1 - 1 / slowdown)
 
 
 class LoopTime(NamedTuple):
@@ -158,13 +213,17 @@ class LoopTime(NamedTuple):
   reduce: float
   cross_host: float
   elementwise: float = 0.0
+  slowdown: float = 1.0
 
   def total(self, prefetch: int) -> float:
-    """Seconds for one run: serial (0), or overlapped one layer ahead (1)."""
+    """Seconds for one run: serial (0), or overlapped one layer ahead (1). Overlapped, the
+    gather and the reduce in flight during a layer share one stream (their times add) and
+    hide only behind that layer's compute, slowed by ``slowdown`` meanwhile (`overlapped`)."""
     n, c, g, r = self.trips, self.compute, self.gather, self.reduce
     if not prefetch or n == 1:
       return n * (c + g + r)
-    middle = sum(max(c, (g if i < n - 1 else 0.0) + (r if i > 0 else 0.0)) for i in range(n))
+    middle = sum(overlapped(c, (g if i < n - 1 else 0.0) + (r if i > 0 else 0.0),
+                            self.slowdown) for i in range(n))
     return g + middle + r
 
 
@@ -230,7 +289,7 @@ def predict(program: Loop, device: Device, *, compute_efficiency: float = 1.0,
     gather = sum(s for t, s in zip(loop.transfers, times) if t.op == "all-gather")
     cross = sum((s for t, s in zip(loop.transfers, times) if crosses_hosts(t, device)), 0.0)
     loops.append(LoopTime(loop.name, loop.trips, runs, own_compute, gather,
-                          sum(times) - gather, cross, memory))
+                          sum(times) - gather, cross, memory, device.overlap_slowdown))
 
   visit(program, 1)
   return Prediction(device, tuple(loops), serial[0], serial[1], serial[2])
@@ -238,17 +297,21 @@ def predict(program: Loop, device: Device, *, compute_efficiency: float = 1.0,
 
 # ------------------------------------------------------- on XLA:GPU's schedule
 class WindowTime(NamedTuple):
-  """One async collective of a compiled GPU program on a device, seconds per run: ``comm``
-  (its ring time), ``compute`` (the matmuls XLA:GPU scheduled inside its window) and
-  ``exposed``: ``max(0, comm - compute)``, what the step waits for it."""
+  """The async collectives of a compiled GPU program in flight together (one, or several
+  whose windows overlap: ``op`` joins their names with ``+``), seconds per run: ``comm``
+  (their ring times, added on a link they share), ``compute`` (the matmuls XLA:GPU
+  scheduled inside the union of their windows, each counted once) and ``exposed``: what the
+  step waits for them beyond that compute, slowed by ``slowdown`` while they are in flight
+  (`overlapped`)."""
   op: str
   nbytes: float
   comm: float
   compute: float
+  slowdown: float = 1.0
 
   @property
   def exposed(self) -> float:
-    return max(0.0, self.comm - self.compute)
+    return overlapped(self.compute, self.comm, self.slowdown) - self.compute
 
 
 class ScheduledLoop(NamedTuple):
@@ -295,6 +358,27 @@ def _runs(comps: dict, entry: str, trips: dict) -> dict:
   return runs
 
 
+def _in_flight(ws: list, device: Device, compute_efficiency: float,
+               link_efficiency: float) -> WindowTime:
+  """One `WindowTime` for windows in flight together: the ring times of those on one link
+  add (they share its bandwidth), the links run side by side; the matmuls in any of the
+  windows count once."""
+  per_link: dict = {}
+  for w in ws:
+    t = Transfer(w.op, float(w.nbytes), tuple(w.groups or ()))
+    key = crosses_hosts(t, device)
+    per_link[key] = per_link.get(key, 0.0) + transfer_time(t, device, link_efficiency)
+  dots = {}  # by (instruction, its k-th matmul): a matmul in two windows is one matmul
+  for w in ws:
+    for k, dot in enumerate(w.dots):
+      name = w.dot_names[k] if w.dot_names else (id(w), k)
+      dots[(name, w.dot_names[:k].count(name) if w.dot_names else 0)] = dot
+  return WindowTime("+".join(w.op for w in ws), float(sum(w.nbytes for w in ws)),
+                    max(per_link.values(), default=0.0),
+                    compute_time(list(dots.values()), device, compute_efficiency),
+                    device.overlap_slowdown)
+
+
 def predict_scheduled(hlo_text: str, device: Device, *, compute_efficiency: float = 1.0,
                       link_efficiency: float = 1.0) -> tuple[ScheduledLoop, ...]:
   """Exposed communication per collective from what XLA:GPU put inside each one's window.
@@ -303,7 +387,10 @@ def predict_scheduled(hlo_text: str, device: Device, *, compute_efficiency: floa
   or real GPUs) with `zero_jax.gpu.schedule`: each async collective costs its ring time on
   ``device``'s links (`transfer_time`, bytes from the HLO) and hides behind the matmuls
   scheduled between its start and its done (`compute_time`, flops counted from the operands'
-  shapes). Windows are taken one at a time: a matmul inside two windows hides both. A loop's
+  shapes). Collectives whose windows overlap are in flight together: on one link their ring
+  times add (they share its bandwidth), and together they hide only behind the matmuls of
+  the union of their windows, counted once, slowed by the device's ``overlap_slowdown``
+  meanwhile; each such group is one `WindowTime`. A loop's
   ``exposed`` counts its own trip count, its ``step_exposed`` also the runs of the loops around
   it (a layer loop inside the micro-batch loop of gradient accumulation runs once per
   micro-batch). A prediction, not a measurement.
@@ -315,9 +402,8 @@ def predict_scheduled(hlo_text: str, device: Device, *, compute_efficiency: floa
   entry = _ENTRY.search(hlo_text)
 
   def timed(ws) -> tuple:
-    return tuple(WindowTime(w.op, float(w.nbytes), transfer_time(
-        Transfer(w.op, float(w.nbytes), tuple(w.groups or ())), device, link_efficiency),
-        compute_time(w.dots, device, compute_efficiency)) for w in ws)
+    return tuple(_in_flight(group, device, compute_efficiency, link_efficiency)
+                 for group in schedule.in_flight_together(ws))
 
   out = [ScheduledLoop("ENTRY", 1, timed(schedule.windows(comps, entry.group(1)) if entry
                                          else ()))]

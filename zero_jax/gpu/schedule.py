@@ -53,6 +53,9 @@ class Window(NamedTuple):
     compute: the names of the matmul instructions (fusions, custom calls, dots) scheduled
       between its start and its done.
     dots: ``(flops, bytes read and written)`` of each matmul in ``compute``.
+    span: ``(start, done)``: the positions of its two halves in the computation's schedule
+      (windows whose spans overlap are in flight together).
+    dot_names: the instruction (of ``compute``) each of ``dots`` runs in.
   """
   op: str
   name: str
@@ -61,6 +64,8 @@ class Window(NamedTuple):
   groups: list | None
   compute: tuple
   dots: tuple
+  span: tuple = (0, 0)
+  dot_names: tuple = ()
 
   @property
   def overlapped(self) -> bool:
@@ -104,9 +109,32 @@ def _contracting(ins: hlo.Instruction) -> list[int]:
   return [int(json.loads(d)) for d in m.group(1).split(",") if d.strip()] if m else []
 
 
+def fmha_cost(ins: hlo.Instruction, shapes: dict) -> tuple[float, float]:
+  """``(flops, bytes read and written)`` of a cuDNN fused attention call
+  (``__cudnn$fmha...``, what ``jax.nn.dot_product_attention(..., implementation="cudnn")``
+  compiles to): per score of its ``intermediate_tensor_shape`` ``[B, N, T, S]`` and head
+  dimension ``H`` (the query's last), 2 matmuls of ``2 * H`` flops forward and 5 backward
+  (scores recomputed, then dP, dV, dQ, dK: FlashAttention-2's count), half of them under a
+  causal mask (the kernel skips the masked blocks); bytes: its operands and results once
+  (the scores stay on chip)."""
+  scores = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]',
+                     ins.line)
+  if scores is None or not ins.operands or ins.operands[0] not in shapes:
+    raise ValueError(f"fused attention {ins.name}: cannot read its score shape or its query")
+  n_scores = math.prod(int(json.loads(d)) for d in scores.group(1).split(","))
+  head = shapes[ins.operands[0]][0][-1]
+  matmuls = 5 if "backward" in ins.line.lower().split("custom_call_target=")[1][:60] else 2
+  causal = re.search(r'"mask_type":\s*"CAUSAL"', ins.line) is not None
+  flops = matmuls * 2.0 * n_scores * head * (0.5 if causal else 1.0)
+  return flops, float(_nbytes(ins.shape_text) + sum(shapes[o][1] for o in ins.operands
+                                                   if o in shapes))
+
+
 def dot_cost(ins: hlo.Instruction, shapes: dict) -> tuple[float, float]:
-  """``(flops, bytes read and written)`` of a ``dot`` (or gemm custom call) whose operands'
-  ``(shape, bytes)`` are in ``shapes``."""
+  """``(flops, bytes read and written)`` of a ``dot`` (or gemm custom call, or cuDNN fused
+  attention: `fmha_cost`) whose operands' ``(shape, bytes)`` are in ``shapes``."""
+  if ins.op == "custom-call" and "$fmha" in ins.line:
+    return fmha_cost(ins, shapes)
   if len(ins.operands) < 2 or not all(o in shapes for o in ins.operands[:2]):
     raise ValueError(f"dot {ins.name}: cannot find the shapes of its operands {ins.operands}")
   lhs, rhs = (shapes[o] for o in ins.operands[:2])
@@ -154,7 +182,7 @@ def _window(comps: dict, instrs: list, shapes: dict, start: int, done: int) -> W
     kind = next((o for c in ins.called for o in COLLECTIVES
                  if any(f" {o}(" in line for line in comps.get(c, []))), "async")
   result = instrs[done].shape_text if done < len(instrs) else ins.shape_text
-  compute, dots = [], []
+  compute, dots, names = [], [], []
   for x in instrs[start + 1:done]:
     if x.op in _MATMUL or _is_gemm_call(x):
       found = [dot_cost(x, shapes) if x.op != "convolution" else (0.0, 0.0)]
@@ -168,8 +196,25 @@ def _window(comps: dict, instrs: list, shapes: dict, start: int, done: int) -> W
     if found:
       compute.append(x.name)
       dots += found
+      names += [x.name] * len(found)
   return Window(kind, ins.name, hlo.shapes_in(result), _nbytes(result), replica_groups(ins.line),
-                tuple(compute), tuple(dots))
+                tuple(compute), tuple(dots), (start, done), tuple(names))
+
+
+def in_flight_together(ws) -> list[list]:
+  """``ws`` (one computation's windows, in schedule order) grouped by overlap: windows whose
+  spans overlap, directly or through another, are one group (their collectives are in flight
+  together and share the time of the compute in the union of their windows)."""
+  groups: list = []
+  end = -1
+  for w in sorted(ws, key=lambda w: w.span):
+    if groups and w.span[0] < end:
+      groups[-1].append(w)
+      end = max(end, w.span[1])
+    else:
+      groups.append([w])
+      end = w.span[1]
+  return groups
 
 
 def windows(comps: dict, name: str) -> tuple:

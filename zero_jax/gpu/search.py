@@ -5,7 +5,10 @@ Two phases, both on one `Search` (the inputs, the compile-only mesh and what was
 1. **Rank** (`rank`): each candidate of the search space is judged by the cluster's shape
    (`zero_jax.gpu.candidates.pointless`), built (`make_sharded_train_step` may refuse it),
    bounded by the memory formulas (a state over the budget is tried offloaded), lowered and
-   its step time estimated; the ``max_compiles`` fastest are compiled (`compile`).
+   its step time estimated; the ``max_compiles`` fastest are compiled (`compile`). With a
+   loss taking ``policy``, the remat policy is ranked by compiling, since only the compiled
+   program shows the memory-bound work a policy saves: the budget goes to the fastest-ranked
+   layout with each policy, then the next layout (`zero_jax.gpu.candidates.compile_order`).
 2. **Fit**, only when none of those fits, whatever ``max_compiles`` was: first those compiled,
    each with a leaner remat policy (`leaner_policies`, when the loss takes ``policy``); if
    none fits (`settle`), the leanest candidate of the space (smallest state by the formulas)
@@ -153,9 +156,12 @@ def _drop_programs(ready: list, k: int) -> None:
 
 def rank(s: Search, space: list, max_compiles: int, workers: int) -> tuple[list, list, list]:
   """Phase 1: ``(compiled candidates, their options, ranked out)``; ranked out are
-  ``(options, estimated seconds)`` lowered but not compiled."""
+  ``(options, estimated seconds)`` lowered but not compiled. With a ``policy`` loss the
+  budget is spent as `zero_jax.gpu.candidates.compile_order` says (the fastest-ranked layout
+  with every remat policy first); variants it leaves out are recorded as skipped."""
   ready = []
-  log.info("zj.plan: lowering up to %d candidates, then compiling the %d fastest",
+  k = cands.layouts_to_compile(max_compiles, space[0]) if space else max_compiles
+  log.info("zj.plan: lowering up to %d candidates, then compiling %d of the fastest",
            len(space), max_compiles)
   for i, opts in enumerate(space):
     if s.out_of_time(f"{len(space) - i} of {len(space)} candidates not lowered"):
@@ -171,11 +177,31 @@ def rank(s: Search, space: list, max_compiles: int, workers: int) -> tuple[list,
         t += measure.offload_s(got[1], s.target)
       ready.append((t, opts, low, got[1]))
       ready.sort(key=lambda r: r[0])
-      _drop_programs(ready, max_compiles)  # host memory: only those to compile keep theirs
-  chosen = _with_exact(ready, max_compiles)
-  pairs = s.compile([(o, low, h) for _, o, low, h in chosen], workers)
+      _drop_programs(ready, k)  # host memory: only those to compile keep theirs
+  chosen = _with_exact(ready, k)
+  pairs = s.compile(_policy_jobs(s, chosen, max_compiles), workers)
   ranked_out = [(o, t) for t, o, _, _ in ready if all(o is not c[1] for c in chosen)]
   return [c for _, c in pairs], [o for o, _ in pairs], ranked_out
+
+
+def _policy_jobs(s: Search, chosen: list, max_compiles: int) -> list:
+  """The compile jobs ``(options, lowered, host bytes)`` of ``chosen`` (ranked ``(time,
+  options, lowered, host)``) and their remat policies, in `compile_order`'s order; the
+  variants past ``max_compiles`` are recorded in ``s.skipped``."""
+  todo, left = cands.compile_order([o for _, o, _, _ in chosen], max_compiles)
+  for o in left:
+    s.skipped.append((o, f"not compiled: max_compiles={max_compiles} went to layouts ranked "
+                         f"faster and their remat policies (a larger max_compiles compares it)"))
+  jobs = []
+  for o in todo:
+    root = next((r for r in chosen if r[1] == o), None)
+    if root is not None:  # the ranked layout itself: its program is lowered already
+      jobs.append((root[1], root[2], root[3]))
+      continue
+    got = s.prepare(o)
+    if got is not None and not s.out_of_time("remat policies not lowered"):
+      jobs.append((o, s.lower(got[0]), got[1]))
+  return jobs
 
 
 def leaner_policies(s: Search, done: list, made_from: list, workers: int) -> None:
