@@ -138,6 +138,7 @@ READING = (
 
 def render(results: dict) -> str:
   lines = [
+      "## calibration: the predictor beside published measured throughputs (8 H100s)", "",
       "The overlap model (`zero_jax.gpu.predict`, what `zj.plan` ranks by) beside published "
       "training throughputs measured on 8 H100s. Each run's step is compiled here as zero_jax "
       "runs it (stage 3, `zj.scan(prefetch=1)`, bf16, AdamW, cuDNN flash attention, the remat "
