@@ -165,6 +165,8 @@ def sharded_vs_reference_bounds(params, batch, compute, *, cast=False):
   the reference's unscaling by a power of two) add 4 u32 of the loss.
   """
   u = UNIT_ROUNDOFF[jnp.dtype(compute)]
+  if not cast:  # the magnitudes where both runs compute: at the params rounded
+    params = jax.tree.map(lambda x: jnp.asarray(x).astype(compute).astype(jnp.float32), params)
   grad_fn, residual_fn = _per_example()
   sum_abs = jax.tree.map(lambda g: np.sum(np.abs(np.asarray(g, np.float64)), axis=0),
                          grad_fn(params, batch))
@@ -320,13 +322,12 @@ def test_fp32_master_tracks_pure_fp32_run(cfg):
   from that state: the step rounds the master to the compute dtype for the loss, and
   computes and reduces in it; the fp32 step does not. `sharded_vs_reference_bounds` with
   ``cast`` bounds both against exact arithmetic on the fp32 master, for any rounding order."""
-  precision, stage, opt_name, loss_scale = cfg
+  precision, _, opt_name, _ = cfg
   _, _, metrics, _, states = sharded_run(*cfg)
   assert all(bool(m["grads_finite"]) for m in metrics)
   fp32_step = reference_step("float32", opt_name)
   for t, (m, batch) in enumerate(zip(metrics, BATCHES)):
     (params, opt_before), (new_params, new_opt) = states[t], states[t + 1]
-    scale = float(m["loss_scale"])
     *_, gnorm, grads = fp32_step(params, opt_before, jnp.float32(1.0), batch)
     grad_err, _ = sharded_vs_reference_bounds(params, batch, COMPUTE[precision], cast=True)
     gn_bound = leaf_norm(grad_err) + 113 * U32 * (float(gnorm) + float(m["grad_norm"]))
