@@ -230,8 +230,11 @@ def render(out: dict) -> str:
       f"replicates across. *peak*: XLA's arguments + outputs - aliased + temporaries per GPU. "
       f"*sent*: MiB each GPU sends per step within its host + across hosts (ring algorithm). "
       f"*overlap*: the layer loops' collectives with a matmul in their window. *step*: "
-      f"**predicted** (every matmul at its roofline on the card's published peak, plus the "
-      f"communication XLA:GPU's own schedule leaves outside matmul windows), not measured.",
+      f"**predicted** by `zero_jax.gpu.predict` (matmuls at the card's measured efficiency, "
+      f"memory-bound kernels at HBM bandwidth, compute under a collective slowed for NCCL's "
+      f"SMs, concurrent collectives sharing the link, plus the communication XLA:GPU's own "
+      f"schedule leaves outside matmul windows; at least 1.2x optimistic, see \"calibration\"), "
+      f"not measured.",
       "",
       "| model | GPU | hosts | system | configuration | flags | remat | peak GiB | sent MiB "
       "(intra+cross) | overlap | TFLOP | GEMMs | step ms |",
