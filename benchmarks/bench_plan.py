@@ -41,8 +41,9 @@ def plan_one(model: str, max_compiles: int, workers: int) -> dict:
   import _lm
   import _peak
   import zero_jax as zj
-  cfg = {"small": _lm.GPT2_SMALL, "1b": _lm.GPT_1B}[model]
   zj.compile_only_mesh((2, 8), ("hosts", "data"), gpu="h100", hosts=2)  # the backend, up
+  attention, _ = _lm.fused_attention("h100")  # cuDNN's fused kernel, where it compiles here
+  cfg = _lm.with_attention({"small": _lm.GPT2_SMALL, "1b": _lm.GPT_1B}[model], attention)
   base = _peak.reset_peak()
 
   def loss_fn(params, batch, *, prefetch=0, policy=None):  # zj.scan's: the plan searches them
@@ -60,7 +61,7 @@ def plan_one(model: str, max_compiles: int, workers: int) -> dict:
           "lower": plan.seconds["lower"], "compile": plan.seconds["compile"],
           "lowered": len(plan.candidates) + len(plan.ranked_out),
           "peak": _peak.status("VmHWM"), "base": base, "load": [load0[0], os.getloadavg()[0]],
-          "jax": jax.__version__, "table": str(plan)}
+          "jax": jax.__version__, "table": str(plan), "attention": attention}
 
 
 def in_child(model: str, args) -> dict:
@@ -78,7 +79,8 @@ def report(runs: list[dict], workers: int) -> str:
            f"{r0['params'] / 1e6:.0f}M parameters) on 2 hosts x 8 H100", "",
            f"Measured by `python benchmarks/bench_plan.py` on {os.cpu_count()} CPU cores, no GPU "
            f"(compile-only H100s), jax {r0['jax']}, each model planned in a fresh process, "
-           f"{workers} compiles at a time. Peak memory is the process's resident peak (VmHWM); "
+           f"{workers} compiles at a time, attention {r0['attention']} (`_lm.fused_attention`: "
+           f"cuDNN's fused kernel where it compiles here). Peak memory is the process's resident peak (VmHWM); "
            f"\"planning added\" is its rise from the moment Python, JAX and the compile-only "
            f"devices are up. None of the models' parameters are materialised.", "",
            "| model | parameters (float32) | a tenth of them | wall time | lowering | compiles "
