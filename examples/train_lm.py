@@ -359,7 +359,9 @@ def causal_attention(q, k, v, implementation: str = "written"):
     if implementation not in ATTENTION:
       raise ValueError(f"attention implementation {implementation!r}: expected one of "
                        f"{ATTENTION}")
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    if implementation == "cudnn":
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
   b, t, heads, d = q.shape
   causal = jnp.tril(jnp.ones((t, t), bool))
   if k.shape[2] == heads:
