@@ -16,7 +16,9 @@ never whole on a device or on the host:
   and read straight into that layout from the checkpoint's per-layer tensors (``rename``
   returns ``model.layers.{i}.mlp.up_proj.weight``); the step is made with ``stacked=``, and
   ``zj.scan`` gathers one layer at a time, the next one while this one computes
-  (``--prefetch``), keeping for the backward pass what ``--remat`` says;
+  (``--prefetch``), keeping for the backward pass what ``--remat`` says; the embedding is
+  marked ``lookup=`` and read with ``zj.take``: it stays split too, and only the rows the batch
+  reads move;
 * ZeRO-3 (``stage=3``) fine-tunes it on the bytes of a Python source file, each process
   feeding its own rows of every batch (``--precision bf16``: bf16 parameters, float32
   master copy); ``step.evaluate`` reports the loss on held-out bytes every
@@ -431,6 +433,16 @@ def plan_config(args) -> LlamaConfig:
     raise SystemExit(str(e)) from None
 
 
+def split_options() -> dict:
+  """The stage-3 step's options for this model: ``stacked=``, the blocks' variables (layers
+  first) stay split between steps and the loss's ``zj.scan`` gathers one layer at a time;
+  ``lookup=``, the embedding table stays split and ``zj.take`` moves only the rows the batch
+  reads (a tied head gathers it once). The rest (final norm, untied head) is gathered whole
+  before the loss."""
+  from flax import nnx
+  return {"stacked": nnx.PathContains("layers"), "lookup": nnx.PathContains("embed_tokens")}
+
+
 def plan_main(args) -> dict:
   """``--plan``: which options fit and run fastest on the GPUs named, by compiling the
   stage-3 step for compile-only GPUs (no weights are read; ``zj.plan`` searches ``zj.scan``'s
@@ -442,7 +454,7 @@ def plan_main(args) -> dict:
   from flax import nnx
   import zero_jax as zj
   cfg = plan_config(args)
-  fixed = {"stage": 3, "precision": args.precision, "stacked": nnx.PathContains("layers")}
+  fixed = {"stage": 3, "precision": args.precision, **split_options()}
   written = lambda flag: any(a == flag or a.startswith(flag + "=") for a in args.argv)
   given = {}
   if written("--prefetch"):
@@ -492,12 +504,8 @@ def main(argv=None) -> dict:
   dtype = jax.numpy.dtype(export_dtype(args.export_dtype, codes))
   zj.print_main(header(args, cfg, checkpoint, tensors, jax))
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  # stacked=: the blocks' variables (layers first) stay split between steps and the loss's
-  # zj.scan gathers one layer at a time; the rest (embedding, final norm, head) is
-  # gathered whole before the loss.
   step = zj.make_sharded_train_step(loss_fn, optax.adamw(args.lr), mesh=mesh, stage=3,
-                                    precision=args.precision,
-                                    stacked=nnx.PathContains("layers"))
+                                    precision=args.precision, **split_options())
 
   # The same function step.init would take, traced (nothing allocated): each device reads
   # its block of each tensor (the per-layer tensors model.layers.{i}.* straight into the

@@ -147,7 +147,10 @@ def build_model(cfg: LlamaConfig, rngs, *, dtype=None, stacked: bool = True, pre
     def __call__(self, tokens, **scan):
       """Logits ``[batch, seq, vocab]``; ``scan``: ``zj.scan``'s ``prefetch=`` and
       ``policy=`` in place of the model's (for a loss ``zj.plan`` searches)."""
-      x = self.embed_tokens(tokens)
+      # zj.take: rows of the table, which a step made with lookup= leaves split (only the
+      # looked-up rows move); outside a step, or at stages 1-2, it is table[tokens].
+      x = zj.take(self.embed_tokens.embedding, tokens)
+      x = x if dtype is None else x.astype(dtype)
       if stacked:  # one layer gathered at a time inside a ZeRO-3 step; lax.scan outside
         x, _ = zj.scan(lambda h, block: (block(h), None), x, self.layers,
                        **{"prefetch": prefetch, "policy": policy, **scan})
@@ -161,6 +164,8 @@ def build_model(cfg: LlamaConfig, rngs, *, dtype=None, stacked: bool = True, pre
         for layer in self.layers:
           x = block(layer, x)
       x = self.norm(x)
-      return self.embed_tokens.attend(x) if cfg.tie_word_embeddings else self.lm_head(x)
+      if cfg.tie_word_embeddings:  # the head is the whole table: gathered once
+        return zj.gather(self.embed_tokens).attend(x)
+      return self.lm_head(x)
 
   return Llama()
