@@ -68,6 +68,21 @@ def compile_one(plan, opts: dict, init, batch) -> dict:
           "step": r.step_s, "compute": r.compute_s, "fits": r.memory.peak <= plan.hbm}
 
 
+def siblings(plan, policy: dict, init, batch) -> list[dict]:
+  """Each layout the plan compiled, at its best's remat ``policy`` where the plan did not
+  compile it so: whether a layout it ranked lower would have been faster at that policy."""
+  from zero_jax.gpu import candidates as cands  # pylint: disable=import-outside-toplevel
+  names, out = {c.name for c in plan.candidates}, []
+  for c in plan.candidates:
+    opts = {**{k: c.options[k] for k in cands.SEARCHED if k in c.options},
+            "prefetch": c.prefetch, **policy}
+    name = cands.describe(opts)
+    if name not in names:
+      names.add(name)
+      out.append({**compile_one(plan, opts, init, batch), "name": name})
+  return out
+
+
 def plan_one(key: str, hosts: int) -> dict:
   """Plans ``key`` on ``hosts`` x 8 H100s in this process; its figures."""
   load0 = os.getloadavg()[0]
@@ -97,14 +112,16 @@ def plan_one(key: str, hosts: int) -> dict:
          "closest": reading(plan.closest) if plan.closest else None,
          "candidates": [reading(c) for c in plan.candidates],
          "compiled": len(plan.candidates), "table": str(plan)}
+  same = {k: v for k, v in (plan.best or plan.closest).loss_keywords.items() if k == "policy"}
+  out["siblings"] = siblings(plan, same, init, batch)
   if hosts > 1:  # at the best candidate's remat policy, so that the rows compare
-    same = {k: v for k, v in (plan.best or plan.closest).loss_keywords.items() if k == "policy"}
-    for tag, extra in (("hpz", {"hpz_axis": "data"}), ("flat", {})):
-      opts = {"stage": 3, "axis_name": ("hosts", "data"), "quantize": None, **extra,
+    for tag, hpz in (("hpz", {"hpz_axis": "data"}), ("flat", {})):
+      opts = {"stage": 3, "axis_name": ("hosts", "data"), "quantize": None, **hpz,
               "prefetch": 1, **same}
-      got = next((c for c in plan.candidates if c.name == cands.describe(opts)), None)
-      out[tag] = reading(got) if got else compile_one(plan, opts, init, batch)
-      out[tag]["name"] = cands.describe(opts)
+      name = cands.describe(opts)
+      got = next((reading(c) for c in plan.candidates if c.name == name), None)
+      got = got or next((c for c in out["siblings"] if c["name"] == name), None)
+      out[tag] = {**(got or compile_one(plan, opts, init, batch)), "name": name}
   return out
 
 
@@ -146,8 +163,9 @@ def fastest_fitting(r: dict) -> str:
   """Whether the plan's best is, by the plan's own prediction, the fastest fitting program of
   those compiled for this row: the plan's candidates and the hpZ and flat ZeRO-3 programs
   compiled beside them (``"yes (k of n fit)"``), or which one is faster."""
-  compiled = r["candidates"] + [r[k] for k in ("hpz", "flat") if k in r
-                                and r[k]["name"] not in {c["name"] for c in r["candidates"]}]
+  compiled = r["candidates"] + r.get("siblings", []) + [
+      r[k] for k in ("hpz", "flat") if k in r
+      and r[k]["name"] not in {c["name"] for c in r["candidates"] + r.get("siblings", [])}]
   fit = [c for c in compiled if c["fits"]]
   if not fit:
     return f"nothing fits (0 of {len(compiled)})"
@@ -279,7 +297,7 @@ def main(argv=None) -> None:
   for key in args.models.split(","):
     for hosts in map(int, args.hosts.split(",")):
       tag = f"{key}/{hosts}"
-      if "candidates" not in cache.get(tag, {}):  # absent, or from before cuDNN attention
+      if "siblings" not in cache.get(tag, {}):  # absent, or from an earlier version of this
         cache[tag] = in_child(key, hosts)
         json.dump(cache, open(args.cache, "w"))
         r = cache[tag]

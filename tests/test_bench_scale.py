@@ -40,6 +40,18 @@ def test_a_faster_fitting_program_compiled_beside_the_plan_is_named():
       "**no**: ZeRO-3 hpZ prefetch 1 remat saving dots (19.5 ms)")
 
 
+def test_a_lower_ranked_layout_faster_at_the_best_policy_is_named():
+  # The plan compiled its second layout without remat only; compiled beside it at the best's
+  # policy (a "sibling"), it fits and is faster than the best.
+  best = reading("ZeRO-3 hybrid gather_once prefetch 1 remat saving dots", 21.9)
+  cands = [best, reading("ZeRO-3 hybrid prefetch 1 no remat", 27.2)]
+  r = run(8, best, cands, siblings=[reading("ZeRO-3 hybrid prefetch 1 remat saving dots", 21.0)])
+  assert bench_scale.fastest_fitting(r) == (
+      "**no**: ZeRO-3 hybrid prefetch 1 remat saving dots (21.0 ms)")
+  r["siblings"][0]["fits"] = False
+  assert bench_scale.fastest_fitting(r) == "yes (2 of 3 fit)"
+
+
 def test_nothing_fits_is_said_not_ranked():
   c = reading("ZeRO-3 flat prefetch 1 full remat", 5.0, fits=False)
   assert bench_scale.fastest_fitting(run(1, None, [c])) == "nothing fits (0 of 1)"
