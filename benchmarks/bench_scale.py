@@ -1,27 +1,32 @@
 """`zj.plan` from 1 to 32 hosts of 8 H100s: what the best candidate holds, sends and takes.
 
 For GPT-2 small (``_lm.GPT2_SMALL``: 124M parameters, 8 sequences of 1024 tokens per GPU) and
-Llama-3-8B's shapes (``_lm.LLAMA3_8B``: 8.0B parameters, 4 sequences of 2048 tokens per GPU),
-each at hosts 1, 2, 4, 8, 16 and 32 (8 GPUs each; the global batch grows with the GPUs), a
-fresh process plans the model as a user would (``zj.plan`` with its defaults: exact
-communication, ``max_compiles=4``; bf16, AdamW, the loss taking zj.scan's ``prefetch`` and
-``policy``) and
-reports the best candidate's bytes per device (XLA's memory analysis of the GPU-compiled
-program), the bytes each device sends across hosts and within its host per step (read from
-the program's collectives) and its PREDICTED step time (`zero_jax.gpu.predict` on the H100's
-figures; not a measurement). No GPU: every program is compiled for compile-only H100s.
+Llama-3-8B's shapes (``_lm.LLAMA3_8B``: 8.0B parameters, 4 sequences of 2048 tokens per GPU,
+its untied embedding marked ``lookup=``), each at hosts 1, 2, 4, 8, 16 and 32 (8 GPUs each;
+the global batch grows with the GPUs), a fresh process plans the model as a user would
+(``zj.plan`` with its defaults: exact communication, ``max_compiles=4``; bf16, AdamW, the loss
+taking zj.scan's ``prefetch`` and ``policy``, attention by cuDNN's fused kernel where it
+compiles here, else written out and said: `_lm.fused_attention`) and reports the best
+candidate's bytes per device (XLA's memory analysis of the GPU-compiled program), the bytes
+each device sends across hosts and within its host per step (read from the program's
+collectives) and its PREDICTED step time (`zero_jax.gpu.predict` on the H100's figures, what
+the plan ranks by; not a measurement: see BENCHMARKS.md "calibration").
+
+Whether the best is the fastest fitting program, by the plan's own prediction: besides the
+plan's candidates, each layout it compiled is compiled at the best's remat policy where the
+plan did not (a layout it ranked lower may be faster there).
 
 ZeRO++'s claim, checked on the same programs: with hpZ (the weights' secondary copy split
 within a host) the bytes each device sends across hosts do not grow with the hosts. For hosts
->= 2 the process also reads ZeRO-3 with hpZ and flat ZeRO-3 (both prefetch 1; from the plan
-when it compiled them, else compiled on their own).
+>= 2 the process also reads ZeRO-3 with hpZ and flat ZeRO-3 (both prefetch 1, at the best's
+remat policy; from the plan when it compiled them, else compiled on their own).
 
 Results go to a JSON cache (``--cache``) as each run ends, so an interrupted run resumes;
 then the table (BENCHMARKS.md, "scale") and the plot (docs/scale.png). Wall times depend on
 the machine's load: each row gives the load average before and after its plan.
 
 Usage: ``python benchmarks/bench_scale.py [--models small,8b] [--hosts 1,2,4,8,16,32]
-[--cache /tmp/zero_jax_scale.json] [--no-write]``. Needs JAX's CUDA plugin (no GPU).
+[--cache /tmp/zero_jax_scale_v2.json] [--no-write]``. Needs JAX's CUDA plugin (no GPU).
 """
 
 from __future__ import annotations
