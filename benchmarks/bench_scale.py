@@ -304,7 +304,7 @@ def plot(runs: list[dict], path: str) -> None:
                  label=f"{name}: flat ZeRO-3")
     axes[2].plot(hosts, [b["step"] * 1e3 for b in best], "o-", color=colour, label=name)
   titles = ("best candidate: GiB per GPU", "MiB each GPU sends across hosts per step",
-            "PREDICTED step time (ms)")
+            "PREDICTED step time (ms; at least 1.2x optimistic)")
   for ax, title in zip(axes, titles):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
