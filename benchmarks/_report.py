@@ -35,3 +35,23 @@ def publish(name: str, markdown: str, *, write: bool) -> None:
   print(markdown)
   if write:
     write_section(name, markdown)
+
+
+# How a predicted step time is labelled: the overlap model against published measurements
+# (BENCHMARKS.md "calibration": predicted/measured 1.19 against MaxText's Llama 2 7B on 8
+# H100s, 1.76-2.03 against torchtitan's Llama 3.1 8B).
+PREDICTED = ("PREDICTED by `zero_jax.gpu.predict` from the compiled program (what `zj.plan` "
+             "ranks by: matmuls at the card's measured efficiency, memory-bound kernels at HBM "
+             "bandwidth, compute under a collective slowed for NCCL's SMs, concurrent "
+             "collectives sharing the link), not measured; at least 1.2x optimistic: "
+             "predicted/measured 1.19 to 2.03 in the \"calibration\" section")
+
+
+def attention_words(implementation: str, why: str) -> str:
+  """The attention a benchmark's programs call, in words: cuDNN's fused kernel, or the
+  written-out fallback labelled with the reason cuDNN did not compile."""
+  if implementation == "cudnn":
+    return ("cuDNN's fused flash attention (`jax.nn.dot_product_attention(..., "
+            "implementation=\"cudnn\")`, what H100 users run)")
+  return (f"**written out, not cuDNN's fused kernel** ({why}; install the nvidia-cudnn-cu12 "
+          f"wheel beside JAX's CUDA plugin for the attention H100 users run)")

@@ -2,12 +2,16 @@
 
 Writes the ``gpu-compile`` section of BENCHMARKS.md. For GPT-2 small's shapes and a 1B model
 (``_lm.GPT2_SMALL``, ``_lm.GPT_1B``: bf16, AdamW, ``zj.scan(prefetch=1)``, 8192 tokens per
-device) it compiles the training step for compile-only H100s (`zj.compile_only_mesh`: one
-host of 8, two hosts of 8) and puts XLA:GPU's ``memory_analysis()`` (arguments, outputs,
-aliases, temporaries, per device) beside `zj.memory_report`'s per-device figures: the state
-between steps (parameters, optimizer state, master copy) against the arguments less the
-batch, and the gradients plus the prefetch buffers against the temporaries (which also hold
-the activations, which `memory_report` does not count). Needs JAX's CUDA plugin.
+device, cuDNN's fused attention where it compiles here, else the XLA-written attention and a
+message: `_lm.fused_attention`) it compiles the training step for compile-only H100s
+(`zj.compile_only_mesh`: one host of 8, two hosts of 8) and puts XLA:GPU's
+``memory_analysis()`` (arguments, outputs, aliases, temporaries, per device) beside
+`zj.memory_report`'s per-device figures: the state between steps (parameters, optimizer
+state, master copy) against the arguments less the batch, and the gradients plus the
+prefetch buffers against the temporaries (which also hold the activations, which
+`memory_report` does not count). Beside them, whether the program fits what `zj.plan`
+allows a device and, where it does, the step time `zero_jax.gpu.predict` predicts from it
+(what `zj.plan` ranks by; a prediction, not a measurement). Needs JAX's CUDA plugin.
 
 Usage: ``python benchmarks/bench_gpu_compile.py [--quick] [--no-write]``.
 """
@@ -17,8 +21,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import pathlib
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -27,18 +29,15 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import _lm  # noqa: E402
+import _report  # noqa: E402
 import zero_jax as zj  # noqa: E402
+from zero_jax.gpu import measure as gpu_measure  # noqa: E402
+from zero_jax.gpu import plan as gpu_plan  # noqa: E402
 
 TOKENS_PER_DEVICE = 8192
 MiB = 1 << 20
-# Where each compiled program's text is kept, for bench_overlap.py's GPU-schedule predictions.
-PROGRAMS = pathlib.Path(tempfile.gettempdir()) / "zero_jax_gpu_programs"
-
-
-def program_path(model: str, name: str) -> pathlib.Path:
-  """Where the compiled text of ``model`` in configuration ``name`` is kept."""
-  slug = lambda s: "".join(c if c.isalnum() else "_" for c in s)
-  return PROGRAMS / f"{slug(model)}__{slug(name)}.hlo.txt"
+# What `zj.plan` allows an H100 by default (JAX's preallocated fraction of its memory).
+HBM = gpu_plan.default_hbm(zj.gpu.H100)
 
 
 def configs() -> dict:
@@ -65,9 +64,11 @@ def build(cfg: _lm.GPTConfig, name: str):
 
 
 def compile_gpu(cfg: _lm.GPTConfig, name: str):
-  """The compiled step and its inputs' figures (see `build`)."""
+  """The compiled step and its inputs' figures (see `build`), compiled as `zj.plan` compiles
+  (`zero_jax.gpu.measure.FAST_COMPILE`: the same buffers, less compile time)."""
   step, params, batch, mesh, options = build(cfg, name)
-  compiled = step.lower(step.abstract_state(params), batch).compile()
+  compiled = step.lower(step.abstract_state(params), batch).compile(
+      compiler_options=gpu_measure.FAST_COMPILE)
   return compiled, params, batch, mesh, options
 
 
@@ -81,23 +82,24 @@ def report_row(cfg: _lm.GPTConfig, params, mesh, options):
                           **axes)[options["stage"]]
 
 
-def measure(args) -> dict:
+def measure(args, attention: str) -> dict:
   models = [_lm.GPT2_SMALL] if args.quick else [_lm.GPT2_SMALL, _lm.GPT_1B]
+  device = gpu_measure.device_for(zj.gpu.H100, 8, "bf16")
   out = {}
-  for cfg in models:
+  for cfg in (_lm.with_attention(c, attention) for c in models):
     for name in configs():
       t0 = time.perf_counter()
       compiled, params, batch, mesh, options = compile_gpu(cfg, name)
       m = compiled.memory_analysis()
-      PROGRAMS.mkdir(exist_ok=True)
-      program_path(cfg.name, name).write_text(compiled.as_text())
+      seconds = time.perf_counter() - t0
       row = report_row(cfg, params, mesh, options)
       batch_bytes = math.prod(batch["tokens"].shape) * 4 // math.prod(mesh.devices.shape)
       out[(cfg.name, name)] = {
           "arg": m.argument_size_in_bytes, "out": m.output_size_in_bytes,
           "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
-          "batch": batch_bytes, "row": row, "seconds": time.perf_counter() - t0}
-      print(f"{cfg.name:12s} {name:20s} compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+          "batch": batch_bytes, "row": row, "seconds": seconds,
+          "step": gpu_measure.read(compiled, device, 1).step_s}
+      print(f"{cfg.name:12s} {name:20s} compiled in {seconds:.0f} s", flush=True)
   return out
 
 
@@ -105,31 +107,39 @@ def mib(x: float) -> str:
   return f"{x / MiB:,.1f}"
 
 
-def render(out: dict, seconds: float) -> str:
+def render(out: dict, seconds: float, attention: str, why: str) -> str:
   lines = [
       "## gpu compile: memory on H100s, XLA:GPU's plan beside memory_report (compiled, no GPU)",
       "",
-      f"`python benchmarks/bench_gpu_compile.py` ({seconds / 60:.1f} min on this CPU): each "
-      f"step compiled by XLA:GPU for compile-only H100s (`zj.compile_only_mesh`, sm_90a, no GPU "
-      f"present, no autotuning), bf16, AdamW, `zj.scan(prefetch=1)`, {TOKENS_PER_DEVICE} "
-      f"tokens per device. MiB per device. *state* is memory_report's parameters + optimizer "
+      f"`python benchmarks/bench_gpu_compile.py` ({seconds / 60:.1f} min on {os.cpu_count()} "
+      f"CPU cores, shared with other jobs; jax {jax.__version__}): each step compiled by "
+      f"XLA:GPU for compile-only H100s (`zj.compile_only_mesh`, sm_90a, no GPU present, no "
+      f"autotuning; `zj.plan`'s compile options), bf16, AdamW, `zj.scan(prefetch=1)`, "
+      f"{TOKENS_PER_DEVICE} tokens per device, attention: {_report.attention_words(attention, why)}. "
+      f"MiB per device. *state* is memory_report's parameters + optimizer "
       f"state + master copy, set against XLA's arguments less the batch; *grads + prefetch* "
       f"is its gradient and `zj.scan` buffers, set against XLA's temporaries, which also hold "
       f"the activations kept for the backward pass and the communication buffers "
-      f"(memory_report does not count them).",
+      f"(memory_report does not count them). *fits*: XLA's peak within what `zj.plan` allows "
+      f"an H100 by default ({HBM / 2**30:.1f} GiB: JAX preallocates 75% of its memory). "
+      f"*predicted step*: {_report.PREDICTED}; a program that does not fit is not timed.",
       "",
       "| model | H100s, configuration | report: state | XLA: args - batch | diff | XLA: outputs "
-      "/ aliased | report: grads + prefetch | XLA: temp | XLA peak | compile s |",
-      "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+      "/ aliased | report: grads + prefetch | XLA: temp | XLA peak | fits | predicted step | "
+      "compile s |",
+      "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :-: | ---: | ---: |"]
   for (model, name), r in out.items():
     row = r["row"]
     state = row.params + row.optimizer_state + row.master
     args = r["arg"] - r["batch"]
     peak = r["arg"] + r["out"] - r["alias"] + r["temp"]
+    fits = peak <= HBM
+    step = f"{r['step'] * 1e3:.1f} ms" if fits else "not timed"
     lines.append(
         f"| {model} | {name} | {mib(state)} | {mib(args)} | {(args - state) / state:+.1%} | "
         f"{mib(r['out'])} / {mib(r['alias'])} | {mib(row.gradients + row.prefetch)} | "
-        f"{mib(r['temp'])} | {mib(peak)} | {r['seconds']:.0f} |")
+        f"{mib(r['temp'])} | {mib(peak)} | {'yes' if fits else 'does not fit'} | {step} | "
+        f"{r['seconds']:.0f} |")
   worst = max(abs(r["arg"] - r["batch"] - (r["row"].params + r["row"].optimizer_state
                                             + r["row"].master))
               / (r["row"].params + r["row"].optimizer_state + r["row"].master)
@@ -152,8 +162,10 @@ def main() -> None:
   p.add_argument("--no-write", action="store_true", help="print only")
   args = p.parse_args()
   t0 = time.perf_counter()
-  out = measure(args)
-  text = render(out, time.perf_counter() - t0)
+  attention, why = _lm.fused_attention("h100")  # cuDNN's fused kernel, where it compiles here
+  print(f"attention: {why}", flush=True)
+  out = measure(args, attention)
+  text = render(out, time.perf_counter() - t0, attention, why)
   print(text)
   if not args.no_write:
     from _report import write_section  # pylint: disable=g-import-not-at-top

@@ -1,27 +1,32 @@
 """`zj.plan` from 1 to 32 hosts of 8 H100s: what the best candidate holds, sends and takes.
 
 For GPT-2 small (``_lm.GPT2_SMALL``: 124M parameters, 8 sequences of 1024 tokens per GPU) and
-Llama-3-8B's shapes (``_lm.LLAMA3_8B``: 8.0B parameters, 4 sequences of 2048 tokens per GPU),
-each at hosts 1, 2, 4, 8, 16 and 32 (8 GPUs each; the global batch grows with the GPUs), a
-fresh process plans the model as a user would (``zj.plan`` with its defaults: exact
-communication, ``max_compiles=4``; bf16, AdamW, the loss taking zj.scan's ``prefetch`` and
-``policy``) and
-reports the best candidate's bytes per device (XLA's memory analysis of the GPU-compiled
-program), the bytes each device sends across hosts and within its host per step (read from
-the program's collectives) and its PREDICTED step time (`zero_jax.gpu.predict` on the H100's
-figures; not a measurement). No GPU: every program is compiled for compile-only H100s.
+Llama-3-8B's shapes (``_lm.LLAMA3_8B``: 8.0B parameters, 4 sequences of 2048 tokens per GPU,
+its untied embedding marked ``lookup=``), each at hosts 1, 2, 4, 8, 16 and 32 (8 GPUs each;
+the global batch grows with the GPUs), a fresh process plans the model as a user would
+(``zj.plan`` with its defaults: exact communication, ``max_compiles=4``; bf16, AdamW, the loss
+taking zj.scan's ``prefetch`` and ``policy``, attention by cuDNN's fused kernel where it
+compiles here, else written out and said: `_lm.fused_attention`) and reports the best
+candidate's bytes per device (XLA's memory analysis of the GPU-compiled program), the bytes
+each device sends across hosts and within its host per step (read from the program's
+collectives) and its PREDICTED step time (`zero_jax.gpu.predict` on the H100's figures, what
+the plan ranks by; not a measurement: see BENCHMARKS.md "calibration").
+
+Whether the best is the fastest fitting program, by the plan's own prediction: besides the
+plan's candidates, each layout it compiled is compiled at the best's remat policy where the
+plan did not (a layout it ranked lower may be faster there).
 
 ZeRO++'s claim, checked on the same programs: with hpZ (the weights' secondary copy split
 within a host) the bytes each device sends across hosts do not grow with the hosts. For hosts
->= 2 the process also reads ZeRO-3 with hpZ and flat ZeRO-3 (both prefetch 1; from the plan
-when it compiled them, else compiled on their own).
+>= 2 the process also reads ZeRO-3 with hpZ and flat ZeRO-3 (both prefetch 1, at the best's
+remat policy; from the plan when it compiled them, else compiled on their own).
 
 Results go to a JSON cache (``--cache``) as each run ends, so an interrupted run resumes;
 then the table (BENCHMARKS.md, "scale") and the plot (docs/scale.png). Wall times depend on
 the machine's load: each row gives the load average before and after its plan.
 
 Usage: ``python benchmarks/bench_scale.py [--models small,8b] [--hosts 1,2,4,8,16,32]
-[--cache /tmp/zero_jax_scale.json] [--no-write]``. Needs JAX's CUDA plugin (no GPU).
+[--cache /tmp/zero_jax_scale_v2.json] [--no-write]``. Needs JAX's CUDA plugin (no GPU).
 """
 
 from __future__ import annotations
@@ -41,11 +46,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def model(key: str):
-  """``(config, loss maker, init, sequences per GPU)`` of a model key."""
+  """``(config, loss maker, init, sequences per GPU, fixed options)`` of a model key: Llama's
+  untied embedding is read with ``zj.take``, so it is marked ``lookup=`` (split at stage 3)."""
   import _lm  # pylint: disable=import-outside-toplevel
   if key == "small":
-    return _lm.GPT2_SMALL, _lm.make_gpt_loss, _lm.init_gpt, 8
-  return _lm.LLAMA3_8B, _lm.make_llama_loss, _lm.init_llama, 4
+    return _lm.GPT2_SMALL, _lm.make_gpt_loss, _lm.init_gpt, 8, {}
+  return _lm.LLAMA3_8B, _lm.make_llama_loss, _lm.init_llama, 4, {"lookup": _lm.in_embedding}
 
 
 def reading(c) -> dict:
@@ -67,6 +73,21 @@ def compile_one(plan, opts: dict, init, batch) -> dict:
           "step": r.step_s, "compute": r.compute_s, "fits": r.memory.peak <= plan.hbm}
 
 
+def siblings(plan, policy: dict, init, batch) -> list[dict]:
+  """Each layout the plan compiled, at its best's remat ``policy`` where the plan did not
+  compile it so: whether a layout it ranked lower would have been faster at that policy."""
+  from zero_jax.gpu import candidates as cands  # pylint: disable=import-outside-toplevel
+  names, out = {c.name for c in plan.candidates}, []
+  for c in plan.candidates:
+    opts = {**{k: c.options[k] for k in cands.SEARCHED if k in c.options},
+            "prefetch": c.prefetch, **policy}
+    name = cands.describe(opts)
+    if name not in names:
+      names.add(name)
+      out.append({**compile_one(plan, opts, init, batch), "name": name})
+  return out
+
+
 def plan_one(key: str, hosts: int) -> dict:
   """Plans ``key`` on ``hosts`` x 8 H100s in this process; its figures."""
   load0 = os.getloadavg()[0]
@@ -75,8 +96,10 @@ def plan_one(key: str, hosts: int) -> dict:
   import _lm
   import zero_jax as zj
   from zero_jax.gpu import candidates as cands
-  cfg, make_loss, init_fn, rows = model(key)
+  cfg, make_loss, init_fn, rows, extra = model(key)
   zj.compile_only_mesh((hosts, PER_HOST), ("hosts", "data"), gpu="h100", hosts=hosts)
+  attention, why = _lm.fused_attention("h100")  # cuDNN's fused kernel, where it compiles here
+  cfg = _lm.with_attention(cfg, attention)
 
   def loss_fn(params, batch, *, prefetch=0, policy=None):  # zj.scan's, which zj.plan searches
     return make_loss(cfg, prefetch, policy)(params, batch)
@@ -85,19 +108,25 @@ def plan_one(key: str, hosts: int) -> dict:
   batch = _lm.gpt_batch_shape(cfg, rows * hosts * PER_HOST)
   t0 = time.perf_counter()
   plan = zj.plan(loss_fn, optax.adamw(3e-4), init, batch, gpu="h100", hosts=hosts,
-                 per_host=PER_HOST, precision="bf16", stacked=_lm.in_blocks)
+                 per_host=PER_HOST, precision="bf16", stacked=_lm.in_blocks, **extra)
   wall = time.perf_counter() - t0
   out = {"model": cfg.name, "params": cfg.n_params(), "hosts": hosts, "wall": wall,
          "load": [load0, os.getloadavg()[0]], "jax": jax.__version__,
+         "attention": attention, "attention_why": why,
          "best": reading(plan.best) if plan.best else None,
          "closest": reading(plan.closest) if plan.closest else None,
+         "candidates": [reading(c) for c in plan.candidates],
          "compiled": len(plan.candidates), "table": str(plan)}
-  if hosts > 1:
-    for tag, extra in (("hpz", {"hpz_axis": "data"}), ("flat", {})):
-      opts = {"stage": 3, "axis_name": ("hosts", "data"), "quantize": None, **extra,
-              "prefetch": 1}
-      got = next((c for c in plan.candidates if c.name == cands.describe(opts)), None)
-      out[tag] = reading(got) if got else compile_one(plan, opts, init, batch)
+  same = {k: v for k, v in (plan.best or plan.closest).loss_keywords.items() if k == "policy"}
+  out["siblings"] = siblings(plan, same, init, batch)
+  if hosts > 1:  # at the best candidate's remat policy, so that the rows compare
+    for tag, hpz in (("hpz", {"hpz_axis": "data"}), ("flat", {})):
+      opts = {"stage": 3, "axis_name": ("hosts", "data"), "quantize": None, **hpz,
+              "prefetch": 1, **same}
+      name = cands.describe(opts)
+      got = next((reading(c) for c in plan.candidates if c.name == name), None)
+      got = got or next((c for c in out["siblings"] if c["name"] == name), None)
+      out[tag] = {**(got or compile_one(plan, opts, init, batch)), "name": name}
   return out
 
 
@@ -135,33 +164,117 @@ def claim(runs: list[dict]) -> list[str]:
   return lines
 
 
+def fastest_fitting(r: dict) -> str:
+  """Whether the plan's best is, by the plan's own prediction, the fastest fitting program of
+  those compiled for this row: the plan's candidates and the hpZ and flat ZeRO-3 programs
+  compiled beside them (``"yes (k of n fit)"``), or which one is faster."""
+  compiled = r["candidates"] + r.get("siblings", []) + [
+      r[k] for k in ("hpz", "flat") if k in r
+      and r[k]["name"] not in {c["name"] for c in r["candidates"] + r.get("siblings", [])}]
+  fit = [c for c in compiled if c["fits"]]
+  if not fit:
+    return f"nothing fits (0 of {len(compiled)})"
+  fastest = min(fit, key=lambda c: c["step"])
+  if r["best"] and fastest["step"] >= r["best"]["step"]:
+    return f"yes ({len(fit)} of {len(compiled)} fit)"
+  return f"**no**: {fastest['name']} ({fastest['step'] * 1e3:.1f} ms)"
+
+
+POLICY_WORDS = (" no remat", " remat saving dots", " full remat")
+
+
+def layout(name: str) -> str:
+  """A candidate's name less its remat policy."""
+  return next((name[:-len(w)] for w in POLICY_WORDS if name.endswith(w)), name)
+
+
+def why_not_fastest(r: dict) -> str:
+  """For a row whose best is not the fastest fitting program: the two layouts, as the plan
+  compiled them without remat (where it ranked the layouts by compiling)."""
+  compiled = r["candidates"] + r.get("siblings", []) + [r[k] for k in ("hpz", "flat") if k in r]
+  fastest = min((c for c in compiled if c["fits"]), key=lambda c: c["step"])
+  plain = {layout(c["name"]): c["step"] for c in r["candidates"]
+           if c["name"].endswith(POLICY_WORDS[0])}
+  a, b = layout(r["best"]["name"]), layout(fastest["name"])
+  return (f"- {r['model']} at {r['hosts']} hosts: the best, {r['best']['name']} "
+          f"({r['best']['step'] * 1e3:.1f} ms), against {fastest['name']} "
+          f"({fastest['step'] * 1e3:.1f} ms, {fastest['step'] / r['best']['step'] - 1:+.1%}). "
+          f"Without remat the plan compiled both layouts: {a} "
+          + (f"{plain[a] * 1e3:.1f} ms" if a in plain else "(not compiled)") + f", {b} "
+          + (f"{plain[b] * 1e3:.1f} ms" if b in plain else "(not compiled)") + ".")
+
+
+def hpz_beside_best(runs: list[dict]) -> list[str]:
+  """Per model, at the most hosts: ZeRO-3 with hpZ beside the best (memory, time)."""
+  lines = []
+  for name in dict.fromkeys(r["model"] for r in runs):
+    r = [r for r in runs if r["model"] == name][-1]
+    b, h = r["best"], r.get("hpz")
+    if not (b and h) or b["name"] == h["name"]:
+      continue
+    lines.append(
+        f"- {name} at {r['hosts']} hosts: {h['name']} holds {_mib(h['bytes'])} per GPU "
+        f"against the best's {_mib(b['bytes'])}, for a step predicted "
+        + (f"{h['step'] / b['step'] - 1:+.1%} ({h['step'] * 1e3:.1f} ms)." if h["fits"]
+           else "(does not fit)."))
+  return lines
+
+
 def report(runs: list[dict]) -> str:
+  import _report  # pylint: disable=import-outside-toplevel
   r0 = runs[0]
-  lines = ["## scale: zj.plan from 1 to 32 hosts of 8 H100s (compiled, no GPU; times PREDICTED)",
+  hosts = sorted({r["hosts"] for r in runs})
+  checks = [fastest_fitting(r) for r in runs]
+  lines = [f"## scale: zj.plan from {hosts[0]} to {hosts[-1]} hosts of 8 H100s (compiled, no "
+           f"GPU; times PREDICTED)",
            "",
-           f"Measured by `python benchmarks/bench_scale.py` on {os.cpu_count()} CPU cores "
-           f"(shared with other jobs: see the load averages), jax {r0['jax']}, each plan in a "
-           f"fresh process with zj.plan's defaults (exact communication, max_compiles=4, 2 "
-           f"compiles at a time), bf16 with AdamW. GPT-2 small: 8 x 1024 tokens per GPU; "
-           f"Llama-3-8B's shapes: 4 x 2048 tokens per GPU. Bytes per device are XLA's memory "
+           f"Measured by `python benchmarks/bench_scale.py --hosts {','.join(map(str, hosts))}` "
+           f"on {os.cpu_count()} CPU cores (shared with other jobs: see the load averages), jax "
+           f"{r0['jax']}, each plan in a fresh process with zj.plan's defaults (exact "
+           f"communication, max_compiles=4, 2 compiles at a time; the loss takes `zj.scan`'s "
+           f"`prefetch` and `policy`, so the remat policy is searched), bf16 with AdamW, "
+           f"attention: {_report.attention_words(r0['attention'], r0['attention_why'])}. GPT-2 "
+           f"small: 8 x 1024 tokens per GPU; Llama-3-8B's shapes: 4 x 2048 tokens per GPU, the "
+           f"embedding marked `lookup=` (read by `zj.take`). Bytes per device are XLA's memory "
            f"analysis of the GPU-compiled program; bytes sent per device and step are read "
            f"from its collectives (a collective whose group spans hosts counts as across); "
-           f"step times are the overlap model's PREDICTIONS on the H100's published figures.",
+           f"step times are {_report.PREDICTED}. *best = fastest fitting*: whether the plan's "
+           f"best is, by its own prediction, the fastest fitting program compiled for the row "
+           f"(the plan's candidates, and the hpZ and flat ZeRO-3 programs compiled beside "
+           f"them when the plan did not). "
+           f"The hpZ and flat ZeRO-3 columns are compiled at the best's remat policy.",
            "",
            "| model | hosts x GPUs | best candidate | bytes/device | sent across hosts | sent "
-           "within a host | predicted step | hpZ: sent across hosts | flat ZeRO-3: sent "
-           "across hosts | plan wall time | load before / after |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-  for r in runs:
+           "within a host | predicted step | best = fastest fitting | hpZ: sent across hosts "
+           "| flat ZeRO-3: sent across hosts | plan wall time | load before / after |",
+           "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+  for r, check in zip(runs, checks):
     b = r["best"] or r["closest"]
     name = b["name"] if r["best"] else f"nothing fits (closest: {b['name']})"
+    step = f"{b['step'] * 1e3:.1f} ms" if r["best"] else "not ranked"
     hpz = _mib(r["hpz"]["cross"]) if "hpz" in r else "-"
     flat = _mib(r["flat"]["cross"]) if "flat" in r else "-"
     lines.append(f"| {r['model']} | {r['hosts']} x {PER_HOST} | {name} | {_mib(b['bytes'])} | "
-                 f"{_mib(b['cross'])} | {_mib(b['intra'])} | {b['step'] * 1e3:.1f} ms | {hpz} | "
+                 f"{_mib(b['cross'])} | {_mib(b['intra'])} | {step} | {check} | {hpz} | "
                  f"{flat} | {r['wall']:.0f} s | {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
+  bad = [r for r, c in zip(runs, checks) if c.startswith("**no**")]
+  lines += ["", "**The plan's best against the fastest fitting program compiled for its row:** "
+            + ("in every row above the best is the fastest, by the plan's own prediction."
+               if not bad else
+               f"not so in {len(bad)} of {len(runs)} rows. The plan spends `max_compiles` "
+               "layout by layout, in the order its estimate of the lowered programs gives them "
+               "without remat (an estimate without the memory-bound work, which only the "
+               "compiled program shows): the first layout with every remat policy, the next "
+               "without remat only. Where the compiled programs reverse that order, the layout "
+               "ranked second is never tried with the policy that wins:")]
+  lines += [why_not_fastest(r) for r in bad]
+  if bad:
+    lines += ["", "The fix belongs to the planner (`zero_jax.gpu.candidates.compile_order`, "
+              "`zero_jax.gpu.search.rank`). Where the compiled programs without remat reverse "
+              "the estimate's order of two layouts, it should also compile the faster one with "
+              "the winning policy. Each row shows what that extra compile finds."]
   lines += ["", "ZeRO++'s claim (hpZ keeps cross-host traffic per device flat as hosts grow), on "
-            "these programs:", ""] + claim(runs)
+            "these programs:", ""] + claim(runs) + hpz_beside_best(runs)
   lines += ["", "![bytes per device, bytes across hosts and predicted step time vs hosts]"
             "(docs/scale.png)", "", "The largest plan's table "
             f"({runs[-1]['model']}, {runs[-1]['hosts']} x {PER_HOST}):", "", runs[-1]["table"]]
@@ -191,7 +304,7 @@ def plot(runs: list[dict], path: str) -> None:
                  label=f"{name}: flat ZeRO-3")
     axes[2].plot(hosts, [b["step"] * 1e3 for b in best], "o-", color=colour, label=name)
   titles = ("best candidate: GiB per GPU", "MiB each GPU sends across hosts per step",
-            "PREDICTED step time (ms)")
+            "PREDICTED step time (ms; at least 1.2x optimistic)")
   for ax, title in zip(axes, titles):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -212,7 +325,7 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--models", default="small,8b")
   p.add_argument("--hosts", default="1,2,4,8,16,32")
-  p.add_argument("--cache", default="/tmp/zero_jax_scale.json")
+  p.add_argument("--cache", default="/tmp/zero_jax_scale_v2.json")
   p.add_argument("--no-write", action="store_true")
   p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -224,11 +337,12 @@ def main(argv=None) -> None:
   for key in args.models.split(","):
     for hosts in map(int, args.hosts.split(",")):
       tag = f"{key}/{hosts}"
-      if tag not in cache:
+      if "siblings" not in cache.get(tag, {}):  # absent, or from an earlier version of this
         cache[tag] = in_child(key, hosts)
         json.dump(cache, open(args.cache, "w"))
         r = cache[tag]
-        print(f"{tag}: {r['wall']:.0f} s, best {(r['best'] or {}).get('name')}", flush=True)
+        print(f"{tag}: {r['wall']:.0f} s, attention {r['attention']} ({r['attention_why']}), "
+              f"best {(r['best'] or {}).get('name')}", flush=True)
       runs.append(cache[tag])
   text = report(runs)
   print(text)
