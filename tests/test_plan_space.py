@@ -129,3 +129,75 @@ def test_the_ranked_layout_keeps_its_lowered_program_and_the_variants_past_the_b
   assert names([o for o, _ in s.skipped]) == ["ZeRO-2 flat prefetch 1 remat saving dots",
                                               "ZeRO-2 flat prefetch 1 full remat"]
   assert all("max_compiles=4 went to layouts ranked faster" in why for _, why in s.skipped)
+
+
+def _layout(stage):
+  return [{"stage": stage, "axis_name": "data", "prefetch": 1, "policy": p}
+          for p in cands.POLICIES]
+
+
+def test_a_layout_that_compiled_faster_than_ranked_gets_its_other_policies():
+  # bench_scale, GPT-2 small on 32 x 8 H100: the second layout, compiled without remat only,
+  # beat the first without remat; the first's best (saving dots) was then 9% slower than the
+  # second under saving dots, which the plan never compiled.
+  a, b = _layout(3), _layout(2)
+  done = [(a[0], 0.050), (a[1], 0.040), (a[2], 0.045), (b[0], 0.048)]
+  assert names(cands.reversed_layouts(done)) == names(b[1:])
+  assert cands.reversed_layouts(done[:3] + [(b[0], 0.050)]) == []  # a tie is no reversal
+  assert cands.reversed_layouts(done[:3] + [(b[0], 0.052)]) == []
+  assert cands.reversed_layouts(done + [(b[1], 0.030), (b[2], 0.031)]) == []  # all compiled
+  # Only layouts whose every policy was compiled are the yardstick; without one, nothing.
+  assert cands.reversed_layouts([(a[0], 0.05), (b[0], 0.01)]) == []
+  # A loss without a policy keyword: no variants to add.
+  plain = [({"stage": s, "axis_name": "data"}, t) for s, t in ((3, 0.05), (2, 0.01))]
+  assert cands.reversed_layouts(plain) == []
+
+
+class FakeCompiles(FakeSearch):
+  """`search.reversed_policies`' use of a `search.Search`: compile with made-up times."""
+
+  def __init__(self, times, refuse=()):
+    super().__init__()
+    self.times, self.refuse, self.compiled = times, refuse, []
+
+  def prepare(self, opts):
+    return None if cands.describe(opts) in self.refuse else super().prepare(opts)
+
+  def compile(self, jobs, workers):
+    import types
+    out = [(o, types.SimpleNamespace(step_time_s=self.times[cands.describe(o)]))
+           for o, _, _ in jobs]
+    self.compiled += [cands.describe(o) for o, _ in out]
+    return out
+
+
+def test_reversed_policies_compiles_until_no_layout_beats_a_whole_one():
+  from zero_jax.gpu import search
+  a, b, c = _layout(3), _layout(2), _layout(1)
+  t = {**{cands.describe(o): x for o, x in zip(a, (0.050, 0.040, 0.045))},
+       **{cands.describe(o): x for o, x in zip(b, (0.048, 0.036, 0.039))},
+       **{cands.describe(o): x for o, x in zip(c, (0.049, 0.035, 0.030))}}
+  made = [a[0], a[1], a[2], b[0]]
+  s = FakeCompiles(t)
+  s.skipped = [(b[1], "not compiled: max_compiles=4 ...")]
+  done = [types_ns(t[cands.describe(o)]) for o in made]
+  search.reversed_policies(s, done, made, workers=2)
+  assert s.compiled == names(b[1:])          # c was never compiled: nothing to compare
+  assert names(made) == names(a + b) and s.skipped == []   # compiled: no longer "skipped"
+  # c compiled without remat beats b's (whole now) -> c's other policies, then nothing more.
+  s2 = FakeCompiles(t)
+  made2 = list(a) + list(b) + [c[0]]
+  done2 = [types_ns(t[cands.describe(o)]) for o in made2]
+  done2[-1] = types_ns(0.047)  # c without remat: faster than b's 0.048
+  search.reversed_policies(s2, done2, made2, workers=2)
+  assert s2.compiled == names(c[1:])
+  # A variant that cannot be built ends the refinement (never retried forever).
+  s3 = FakeCompiles(t, refuse=(cands.describe(b[1]),))
+  made3, done3 = [a[0], a[1], a[2], b[0]], [types_ns(x) for x in (0.05, 0.04, 0.045, 0.048)]
+  search.reversed_policies(s3, done3, made3, workers=2)
+  assert s3.compiled == [cands.describe(b[2])]
+
+
+def types_ns(step_time_s):
+  import types
+  return types.SimpleNamespace(step_time_s=step_time_s)

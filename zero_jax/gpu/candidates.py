@@ -189,6 +189,54 @@ def compile_order(layouts: list[dict], max_compiles: int) -> tuple[list[dict], l
   return order[:max_compiles], order[max_compiles:]
 
 
+def _layout(opts: dict) -> tuple:
+  """``opts`` without its remat policy, hashable: the layout a policy variant belongs to."""
+  return tuple(sorted((k, repr(v)) for k, v in opts.items() if k != "policy"))
+
+
+def reversed_layouts(compiled: list[tuple[dict, float]]) -> list[dict]:
+  """The policy variants still to compile where compiled programs reversed the estimate.
+
+  `compile_order` compiles every remat policy of the layout the lowered estimate ranks
+  fastest, and the next layouts only under some. When a layout compiled under a policy is
+  predicted faster than a layout whose every policy was compiled, under that same policy, the
+  estimate ranked them the wrong way round, and the policy that helped the one is likely to
+  help the other: that layout's other policies are returned, so that the plan's best is never
+  slower than it under a policy the plan compiled elsewhere.
+
+  Example:
+    >>> from zero_jax.gpu.candidates import POLICIES as P
+    >>> a = [{"stage": 3, "policy": p} for p in P]          # every policy compiled
+    >>> b = {"stage": 2, "policy": None}                    # only without remat
+    >>> done = [(a[0], 0.050), (a[1], 0.040), (a[2], 0.045), (b, 0.048)]
+    >>> [o["policy"] is P[1] for o in reversed_layouts(done)]  # b beat a without remat
+    [True, False]
+    >>> reversed_layouts(done[:3] + [(b, 0.052)])           # b slower: nothing to add
+    []
+
+  Args:
+    compiled: ``(options, predicted seconds)`` of each compiled candidate; the options of a
+      loss that takes ``policy`` have a ``"policy"`` key (others are never returned).
+
+  Returns:
+    Options not in ``compiled``, in `POLICIES` order for each reversed layout, the layouts in
+    the order they first appear in ``compiled``.
+  """
+  times: dict[tuple, dict] = {}
+  for o, t in compiled:
+    if "policy" in o:
+      times.setdefault(_layout(o), {})[POLICIES.index(o["policy"])] = (t, o)
+  whole = [k for k, v in times.items() if len(v) == len(POLICIES)]
+  out = []
+  for k, v in times.items():
+    if len(v) == len(POLICIES) or not any(
+        v[p][0] < times[w][p][0] for w in whole for p in v):
+      continue
+    some = next(iter(v.values()))[1]
+    out += [{**some, "policy": POLICIES[p]} for p in range(len(POLICIES)) if p not in v]
+  return out
+
+
 def fallbacks(root: dict, rows_per_device: int, fixed: dict) -> list[tuple[tuple, dict]]:
   """``(levels, options)`` of ``root`` and of every leaner variant of it, in the order the
   planner tries them.

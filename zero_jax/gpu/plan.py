@@ -316,8 +316,10 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   ``hbm``, the rest are lowered and ranked by predicted time, and the ``max_compiles``
   fastest compiled. With a ``policy`` loss the budget goes layout by layout, the fastest
   layout with each policy first (`zero_jax.gpu.candidates.compile_order`): 3 compiles compare
-  every policy of it, the default 4 adds the next layout without remat; the best is never
-  slower, by the plan's prediction, than a fitting candidate it compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
+  every policy of it, the default 4 adds the next layout without remat; a layout that then
+  compiles faster than the first under the same policy gets its other policies compiled too,
+  beyond ``max_compiles`` (the estimate ranked it too slow). The best is never slower, by the
+  plan's prediction, than a fitting candidate it compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
   leaner remat policy, micro-batches, offload, and their combinations) are compiled in that
   order until one fits, its leanest variant first: whether anything fits does not depend on
   ``max_compiles``. Times are predictions; bytes are the compiled programs'. The host memory
@@ -337,7 +339,8 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
     per_host: GPUs per host (the ``"data"`` axis).
     hbm: bytes per device a candidate may hold (default `default_hbm`).
     max_compiles: how many programs to compile for the ranking: the fastest-estimated
-      candidates, each with every remat policy when the loss takes ``policy``.
+      candidates, each with every remat policy when the loss takes ``policy`` (plus the
+      other policies of a layout that compiled faster than ranked).
     workers: compiles run in this many threads at once.
     time_limit: seconds after which nothing new is lowered or compiled (a compile in flight
       finishes); the plan then says what was left (``plan.stopped``) and warns. None: no
@@ -376,6 +379,7 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   rows = max(1, jax.tree.leaves(s.batch)[0].shape[0] // (hosts * per_host))
   with measure.without_persistent_cache():
     done, made_from, ranked_out = search.rank(s, space, max_compiles, workers)
+    search.reversed_policies(s, done, made_from, workers)
     if not done and not ranked_out and not s.pruned and not s.stopped:
       raise ValueError(_all_refused(s.refused + s.skipped))
     if not any(c.fits for c in done):

@@ -9,6 +9,9 @@ Two phases, both on one `Search` (the inputs, the compile-only mesh and what was
    loss taking ``policy``, the remat policy is ranked by compiling, since only the compiled
    program shows the memory-bound work a policy saves: the budget goes to the fastest-ranked
    layout with each policy, then the next layout (`zero_jax.gpu.candidates.compile_order`).
+   Where a layout compiled under one policy beat, under the same policy, a layout whose
+   every policy was compiled (the estimate ranked them the wrong way round), its other
+   policies are compiled too, beyond ``max_compiles`` (`reversed_policies`).
 2. **Fit**, only when none of those fits, whatever ``max_compiles`` was: first those compiled,
    each with a leaner remat policy (`leaner_policies`, when the loss takes ``policy``); if
    none fits (`settle`), the leanest candidate of the space (smallest state by the formulas)
@@ -202,6 +205,32 @@ def _policy_jobs(s: Search, chosen: list, max_compiles: int) -> list:
     if got is not None and not s.out_of_time("remat policies not lowered"):
       jobs.append((o, s.lower(got[0]), got[1]))
   return jobs
+
+
+def reversed_policies(s: Search, done: list, made_from: list, workers: int) -> None:
+  """After phase 1: where a compiled layout beat, under the same remat policy, one whose every
+  policy was compiled (the lowered estimate ranked them the wrong way round), its other
+  policies are compiled too (`zero_jax.gpu.candidates.reversed_layouts`), until no such
+  layout is left: beyond ``max_compiles``, so that the best is never slower, by the plan's own
+  prediction, than that layout under the policy that made the best fast. Appends to ``done``
+  and ``made_from``."""
+  while not s.out_of_time("remat policies of layouts the estimate ranked too slow"):
+    todo = [o for o in cands.reversed_layouts(
+        [(o, c.step_time_s) for c, o in zip(done, made_from)]) if o not in made_from]
+    if not todo:
+      return
+    log.info("zj.plan: %d remat policies of layouts that compiled faster than ranked", len(todo))
+    jobs = []
+    for o in todo:
+      got = s.prepare(o)
+      if got is not None:
+        jobs.append((o, s.lower(got[0]), got[1]))
+    pairs = s.compile(jobs, workers)
+    done.extend(c for _, c in pairs)
+    made_from.extend(o for o, _ in pairs)
+    s.skipped[:] = [(o, why) for o, why in s.skipped if o not in made_from]
+    if len(pairs) < len(todo):  # refused, pruned or out of time: not tried again
+      return
 
 
 def leaner_policies(s: Search, done: list, made_from: list, workers: int) -> None:
