@@ -51,9 +51,13 @@ ATTENTION = ["written"]  # both sides' attention (`use_attention`: ``--attention
 CP = jax.checkpoint_policies
 POLICIES = {"none": None, "dots": CP.dots_saveable, "full": CP.nothing_saveable}
 GiB, MiB = 1 << 30, 1 << 20
-# The step's own options undone (`zero_jax.step.compile_options`): XLA:GPU's defaults on A100.
+# The step's own options undone (`zero_jax.step.compile_options`): XLA:GPU's defaults on A100
+# (combine thresholds: XLA's kDefault...CombineThreshold, 30 MiB).
 XLA_DEFAULTS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 1,
-                "xla_gpu_enable_latency_hiding_scheduler": False}
+                "xla_gpu_enable_latency_hiding_scheduler": False,
+                "xla_gpu_enable_while_loop_double_buffering": False,
+                **{f"xla_gpu_{op}_combine_threshold_bytes": 30 << 20
+                   for op in ("all_gather", "reduce_scatter", "all_reduce")}}
 
 
 def zero_jax_configs(hosts: int) -> dict:
@@ -111,18 +115,21 @@ def memory(compiled) -> dict:
                   + m.temp_size_in_bytes, "temp": m.temp_size_in_bytes}
 
 
-def layer_loops(program: predict.Loop, runs: int = 1) -> tuple[float, int]:
-  """``(bytes, iterations)``: what the innermost loops' (the layer loops') memory-bound
-  kernels move per step, and how many iterations they run (layers run outside a loop, such
-  as the one prefetching leaves for last, are not in either)."""
+def layer_loops(program: predict.Loop, layers: int, runs: int = 1) -> tuple[float, int]:
+  """``(bytes, layers run)``: what the innermost loops' (the layer loops') memory-bound
+  kernels move per step, and how many layers they run (layers run outside a loop, such as
+  the one prefetching leaves for last, are not in either). A loop of a model of ``layers``
+  layers runs ``round(layers / trips)`` of them an iteration: two where XLA unrolled it
+  (``xla_gpu_enable_while_loop_double_buffering``), one otherwise."""
   if not program.loops:
-    return ((runs * program.trips * program.elementwise_bytes, runs * program.trips)
+    per = max(1, round(layers / program.trips))
+    return ((runs * program.trips * program.elementwise_bytes, runs * program.trips * per)
             if program.trips > 1 else (0.0, 0))
-  got = [layer_loops(l, runs * program.trips) for l in program.loops]
+  got = [layer_loops(l, layers, runs * program.trips) for l in program.loops]
   return sum(b for b, _ in got), sum(n for _, n in got)
 
 
-def read(text: str, gpu: str) -> dict:
+def read(text: str, gpu: str, layers: int) -> dict:
   """One compiled program's figures from its text (see the module docstring)."""
   device = measure.device_for(targets.get_target(gpu), 8, "bf16")
   program = predict.analyze(text)
@@ -134,7 +141,7 @@ def read(text: str, gpu: str) -> dict:
   exposed = sum(l.step_exposed for l in predict.predict_scheduled(text, device))
   return {
       "intra": intra, "cross": cross, "memory_s": prediction.elementwise,
-      **dict(zip(("loop_memory_bytes", "loop_iterations"), layer_loops(program))),
+      **dict(zip(("loop_memory_bytes", "loop_layers"), layer_loops(program, layers))),
       "overlapped": sum(w.overlapped for w in windows), "in_loop": len(windows),
       "tflops": program.total_flops() / 1e12, "gemms": gemm_calls(program),
       "compute_s": compute, "exposed_s": exposed, "step_s": compute + exposed}
@@ -179,7 +186,7 @@ def compile_row(row, programs: pathlib.Path) -> dict:
   text = compiled.as_text()
   programs.mkdir(parents=True, exist_ok=True)
   (programs / (_slug(row) + ".hlo.gz")).write_bytes(gzip.compress(text.encode()))
-  return {**memory(compiled), **read(text, gpu)}
+  return {**memory(compiled), **read(text, gpu, cfg.layers)}
 
 
 def _slug(row) -> str:
@@ -191,7 +198,8 @@ def reread(out: dict, programs: pathlib.Path) -> dict:
   for row, r in out.items():
     path = programs / (_slug(row) + ".hlo.gz")
     if path.exists():
-      r.update(read(gzip.decompress(path.read_bytes()).decode(), row[1]))
+      r.update(read(gzip.decompress(path.read_bytes()).decode(), row[1],
+                    MODELS[row[0]].layers))
   return out
 
 
@@ -342,9 +350,9 @@ def goals(out: dict) -> list:
       more.append(f"{MODELS[k[0]].name} {k[1].upper()} {k[2]}x8 {k[4]} {k[6]}")
     if peers:
       peaks.append(r["peak"] / min(p["peak"] for p in peers))
-      per_layer = lambda x: x["loop_memory_bytes"] / max(x["loop_iterations"], 1)
-      loop_bytes = [per_layer(p) for p in peers if "loop_iterations" in p]
-      if "loop_iterations" in r and loop_bytes:
+      per_layer = lambda x: x["loop_memory_bytes"] / max(x["loop_layers"], 1)
+      loop_bytes = [per_layer(p) for p in peers if "loop_layers" in p]
+      if "loop_layers" in r and loop_bytes:
         ratio = per_layer(r) / min(loop_bytes, key=lambda b: abs(b - per_layer(r)))
         if abs(ratio - 1) > 0.05:
           apart.append(f"{MODELS[k[0]].name} {k[1].upper()} {k[2]}x8 {k[4]} {k[6]} ({ratio:.2f}x)")

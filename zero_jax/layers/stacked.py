@@ -82,10 +82,13 @@ class ShardedParam:
                         self.sink)
 
   def in_one_bucket(self) -> "ShardedParam":
-    """The same leaf, moved in one collective with every other such leaf of its dtype and
-    kind (no bucket size): `zero_jax.scan` moves a layer so, one collective per direction."""
-    return ShardedParam(self.block, self.layout, dataclasses.replace(self.comm, bucket_bytes=ONE),
-                        self.path, self.full, self.batch_axes, self.sink)
+    """The same leaf, moved with every other such leaf of its dtype and kind (no bucket
+    size), exactly as one collective per leaf in its own layout (`Comm.pack`), which XLA:GPU's
+    combiners join (`zero_jax.step.compile_options`): `zero_jax.scan` moves a layer so, one
+    collective per direction, with no copy into or out of a joined buffer."""
+    comm = dataclasses.replace(self.comm, bucket_bytes=ONE, pack=False)
+    return ShardedParam(self.block, self.layout, comm, self.path, self.full, self.batch_axes,
+                        self.sink)
 
   @property
   def differentiated(self) -> int:
