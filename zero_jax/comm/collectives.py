@@ -86,8 +86,9 @@ class Comm:
       into one variadic collective where the compile options let them (False:
       `zero_jax.scan`'s layers, whose joined buffer cost a copy of every weight into and
       out of it). The other leaves stay joined: gathered alone, XLA:GPU lays their whole
-      stacked leaf out transposed to suit NCCL (measured: more memory and bytes). Quantized
-      wires are always packed (their int8 bytes are one buffer).
+      stacked leaf out transposed to suit NCCL (measured on Llama-3-8B: 7% more memory-bound
+      bytes a layer than joined, and more memory). Quantized wires are always packed (their
+      int8 bytes are one buffer).
   """
   gather_axes: tuple[str, ...]
   outer_axes: tuple[str, ...] = ()

@@ -83,9 +83,10 @@ class ShardedParam:
 
   def in_one_bucket(self) -> "ShardedParam":
     """The same leaf, moved with every other such leaf of its dtype and kind (no bucket
-    size), exactly as one collective per leaf in its own layout (`Comm.pack`), which XLA:GPU's
-    combiners join (`zero_jax.step.compile_options`): `zero_jax.scan` moves a layer so, one
-    collective per direction, with no copy into or out of a joined buffer."""
+    size) and unpacked (`Comm.pack`): exactly, the leaves split along their first dimension
+    in collectives of their own, which XLA:GPU's combiners join with the others' joined rows
+    (`zero_jax.step.compile_options`). `zero_jax.scan` moves a layer so: one collective per
+    direction on GPUs, with no copy of those leaves into or out of a joined buffer."""
     comm = dataclasses.replace(self.comm, bucket_bytes=ONE, pack=False)
     return ShardedParam(self.block, self.layout, comm, self.path, self.full, self.batch_axes,
                         self.sink)

@@ -9,10 +9,11 @@ reduce-scatter waited with no compute in its window (``GPU_OPTIONS`` turns it on
 it on already). A layer's leaves travel in collectives of their own, which the combine
 thresholds (``GPU_OPTIONS``) let XLA join into one per direction, and its loops are double
 buffered. Each collective more in flight holds its buffers longer: the docs' speed guide
-gives the temporary memory this costs. The options go to the step's own ``jax.jit``. JAX takes compiler options only from the outermost jit: a step called inside a
-user's ``jax.jit`` or ``lax.scan`` compiles with that jit's options, so `jit` makes a user's
-jit with the step's options, and the step warns once when it is traced inside any other jit
-on GPUs.
+gives the temporary memory this costs. The options go to the step's own ``jax.jit``. JAX
+takes compiler options only from the outermost jit: a step called inside a user's
+``jax.jit`` or ``lax.scan`` compiles with that jit's options, so `jit` makes a user's jit
+with the step's options, and the step warns once when it is traced inside any other jit on
+GPUs.
 """
 
 from __future__ import annotations
