@@ -51,13 +51,9 @@ ATTENTION = ["written"]  # both sides' attention (`use_attention`: ``--attention
 CP = jax.checkpoint_policies
 POLICIES = {"none": None, "dots": CP.dots_saveable, "full": CP.nothing_saveable}
 GiB, MiB = 1 << 30, 1 << 20
-# The step's own options undone (`zero_jax.step.compile_options`): XLA:GPU's defaults on A100
-# (combine thresholds: XLA's kDefault...CombineThreshold, 30 MiB).
+# The step's own options undone (`zero_jax.step.compile_options`): XLA:GPU's defaults on A100.
 XLA_DEFAULTS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 1,
-                "xla_gpu_enable_latency_hiding_scheduler": False,
-                "xla_gpu_enable_while_loop_double_buffering": False,
-                **{f"xla_gpu_{op}_combine_threshold_bytes": 30 << 20
-                   for op in ("all_gather", "reduce_scatter", "all_reduce")}}
+                "xla_gpu_enable_latency_hiding_scheduler": False}
 
 
 def zero_jax_configs(hosts: int) -> dict:
@@ -308,26 +304,24 @@ READING_FUSED = [
     "section's programs carry) is left to tell them apart, and the verdict table's last column "
     "says where the predicted difference comes from: matmuls, memory-bound kernels, or "
     "communication left outside compute windows. On these rows communication is a few percent "
-    "of the step. zero_jax's layer loops move a layer without a joined buffer (each leaf split "
-    "along its first dimension in a collective of its own, which XLA joins into one each way; "
-    "the others still joined as rows), and the step's options double-buffer the loops, so the "
-    "layer gathered ahead is no longer copied into the loop's carry, nor the layer's input at "
-    "the ordering barrier. Against the packed buffer of the previous run (same programs "
-    "otherwise): memory-bound bytes per layer 764 -> 730 MiB (GPT-2 small, `dots`) and 4,762 -> "
-    "4,268 MiB (Llama-3-8B, `dots`), predicted steps 19.8 -> 19.5 and 634.6 -> 632.0 ms, peak "
-    "memory unchanged. GPT-2 small: zero_jax's best is ahead of GSPMD's best by its exposed "
-    "communication (memory-bound work now equal). Llama-3-8B: 0.5% behind GSPMD with NVIDIA's "
-    "flags, all of it exposed communication: unrolled by two, the backward loop's windows each "
-    "hold a layer's re-gather and a gradient reduce-scatter sharing the link (10.5 ms exposed "
-    "there against 6.3 before unrolling), while the memory-bound work is within 0.4 ms of "
-    "GSPMD's. Keeping activations (`none`), one of GPT-2 small's six loop windows (two a "
-    "loop iteration, unrolled) has no matmul in it. What remains of the loops' extra bytes (GPT-2 small, `dots`, per layer): the "
-    "joined rows of the two leaves split along their second dimension (the qkv and MLP input "
-    "kernels: 16 MiB sliced forward, 16 MiB backward, 16 MiB of gradients joined) and those "
-    "kernels transposed for the backward matmuls (16 MiB). With `full` remat the loops move "
-    "1.13x GSPMD's bytes a layer (454 against 384 MiB forward, 1,217 against 1,129 backward), "
-    "not yet broken down. Step times are predictions from the compiled program, not "
-    "measurements."]
+    "of the step and zero_jax's lead is gone: what remains is zero_jax's extra memory-bound "
+    "work per layer (the goal line above), read off the programs' layer loops (GPT-2 small, "
+    "`dots`): one collective per layer each way costs copies GSPMD's per-weight collectives "
+    "do not, the gathered buffer sliced into the layer's weights (about 27 MiB a forward "
+    "layer, 25 MiB a backward one), its gradients packed before the reduce-scatter (27 MiB) and "
+    "weights transposed for the backward matmuls (16 MiB), and the layer's input copied at the "
+    "loop's ordering barrier (24 MiB). Tried and not kept (measured on these programs, `dots`): "
+    "the leaves split along their first dimension in collectives of their own (XLA joins them "
+    "with combine thresholds of 512 MiB; gathered alone, a leaf split along a later dimension "
+    "makes XLA lay its whole stacked leaf out transposed, +7% bytes on Llama-3-8B) saves little "
+    "alone (GPT-2 small 764 -> 761 MiB a layer, 19.8 -> 19.75 ms; Llama-3-8B 4,762 -> 4,690 "
+    "MiB, 634.6 -> 635.4 ms, more exposed outside the loops), since the prefetched weights are "
+    "then copied into the loop's carry instead; with XLA's while-loop double buffering as well "
+    "those copies and the barrier's go (730 and 4,268 MiB a layer, within 2% of GSPMD; 19.5 "
+    "and 632.0 ms, peak unchanged), but keeping activations one of GPT-2 small's unrolled "
+    "backward windows holds no matmul (5 of 6 overlapped) and the 1 MiB layers of the GPU "
+    "tier's model expose 191 us against 170. Step times are predictions from the compiled "
+    "program, not measurements."]
 
 
 PAIRS = {"ZeRO-3": "GSPMD FSDP", "ZeRO-3 flat": "GSPMD FSDP flat", "ZeRO-3 hybrid": "GSPMD HSDP",

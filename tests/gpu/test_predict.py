@@ -21,14 +21,9 @@ def test_a_device_from_a_target_has_the_targets_figures():
 def test_the_default_compile_hides_what_a_limit_of_one_leaves_exposed(name):
   low = lowered(name)
   device = predict.H100_SXM
-  # The limit's own effect, with the loops as XLA builds them by default (not unrolled): the
-  # step's double buffering pairs two layers' collectives in each window of this model's tiny
-  # layers (1 MiB), where it exposes 191 us against 170 without it (limit 1: 174 against 178);
-  # it pays on GPT-2 small and Llama-3-8B (BENCHMARKS.md "peer (cudnn attention)").
-  single = {"xla_gpu_enable_while_loop_double_buffering": False}
-  ours = predict.predict_scheduled(low.compile(compiler_options=single).as_text(), device)
+  ours = predict.predict_scheduled(low.compile().as_text(), device)
   xla_default = predict.predict_scheduled(
-      low.compile(compiler_options={LIMIT: 1, **single}).as_text(), device)
+      low.compile(compiler_options={LIMIT: 1}).as_text(), device)
   loops = lambda p: [l for l in p if l.name != "ENTRY" and l.windows]
   for loop in loops(ours):  # every window holds compute, so each costs less than its ring
     assert all(w.compute > 0 and w.exposed < w.comm for w in loop.windows), loop

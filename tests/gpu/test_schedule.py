@@ -25,8 +25,7 @@ CONFIGS = {
     "both": (2, {"axis_name": ("group", "data"), "hpz_axis": "data", "replica_axis": "hosts"}),
 }
 GPUS = ("h100", "h200", "a100")
-NOT_THE_STEPS = {LIMIT: 1, "xla_gpu_enable_latency_hiding_scheduler": False,
-                 "xla_gpu_enable_while_loop_double_buffering": False}
+NOT_THE_STEPS = {LIMIT: 1, "xla_gpu_enable_latency_hiding_scheduler": False}
 
 
 def loss_fn(p, b):
@@ -82,23 +81,15 @@ def crosses_hosts(w):
   return any(len({d // 8 for d in g}) > 1 for g in w.groups)
 
 
-def unrolled(fwd) -> int:
-  """Layers one iteration runs: the forward loop's all-gathers, one a layer (two: the step
-  double-buffers its loops on GPUs, XLA unrolling each by two)."""
-  return len(fwd.windows)
-
-
 def check_overlapped(text, name):
   fwd, bwd = layer_loops(text)
-  # the next layer, while this computes: one all-gather a layer (its leaves joined by XLA)
-  k = unrolled(fwd)
-  assert [w.op for w in fwd.windows] == ["all-gather"] * k and k == 2  # double buffered
+  assert [w.op for w in fwd.windows] == ["all-gather"]  # the next layer, while this computes
   expected = {"one host": ["all-gather", "reduce-scatter"],
               "hpZ": ["all-gather", "reduce-scatter", "reduce-scatter"],
               "replica": ["all-gather", "all-reduce", "reduce-scatter"],
               "both": ["all-gather", "all-reduce", "reduce-scatter", "reduce-scatter"]}[name]
-  assert sorted(w.op for w in bwd.windows) == sorted(expected * k)
-  assert [crosses_hosts(w) for w in bwd.windows].count(True) == (name != "one host") * k
+  assert sorted(w.op for w in bwd.windows) == expected
+  assert [crosses_hosts(w) for w in bwd.windows].count(True) == (name != "one host")
   for loop in (fwd, bwd):
     for w in loop.windows:
       assert w.overlapped and w.flops > 0, (loop.name, w)
@@ -117,11 +108,8 @@ def test_every_layer_collective_has_another_layers_matmuls_in_its_window(compile
 
 
 def test_the_step_chooses_its_options_from_its_mesh_and_hops():
-  combine = {f"xla_gpu_{op}_combine_threshold_bytes": 512 << 20
-             for op in ("all_gather", "reduce_scatter", "all_reduce")}
   assert make_step("one host").compiler_options == {
-      LIMIT: 2, "xla_gpu_enable_latency_hiding_scheduler": True,
-      "xla_gpu_enable_while_loop_double_buffering": True, **combine}
+      LIMIT: 2, "xla_gpu_enable_latency_hiding_scheduler": True}
   assert make_step("hpZ").compiler_options[LIMIT] == 3
   assert make_step("replica").compiler_options[LIMIT] == 3
   assert make_step("both").compiler_options[LIMIT] == 4

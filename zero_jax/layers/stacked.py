@@ -82,14 +82,10 @@ class ShardedParam:
                         self.sink)
 
   def in_one_bucket(self) -> "ShardedParam":
-    """The same leaf, moved with every other such leaf of its dtype and kind (no bucket
-    size) and unpacked (`Comm.pack`): exactly, the leaves split along their first dimension
-    in collectives of their own, which XLA:GPU's combiners join with the others' joined rows
-    (`zero_jax.step.compile_options`). `zero_jax.scan` moves a layer so: one collective per
-    direction on GPUs, with no copy of those leaves into or out of a joined buffer."""
-    comm = dataclasses.replace(self.comm, bucket_bytes=ONE, pack=False)
-    return ShardedParam(self.block, self.layout, comm, self.path, self.full, self.batch_axes,
-                        self.sink)
+    """The same leaf, moved in one collective with every other such leaf of its dtype and
+    kind (no bucket size): `zero_jax.scan` moves a layer so, one collective per direction."""
+    return ShardedParam(self.block, self.layout, dataclasses.replace(self.comm, bucket_bytes=ONE),
+                        self.path, self.full, self.batch_axes, self.sink)
 
   @property
   def differentiated(self) -> int:

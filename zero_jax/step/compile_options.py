@@ -6,14 +6,12 @@ replica axis, across the replicas with both), and each must span a layer's matmu
 keeps one async collective in flight by default (`for_step` raises the limit to what the step
 has), and on Ampere (A100) its latency-hiding scheduler is off by default, so every in-loop
 reduce-scatter waited with no compute in its window (``GPU_OPTIONS`` turns it on; Hopper has
-it on already). A layer's leaves travel in collectives of their own, which the combine
-thresholds (``GPU_OPTIONS``) let XLA join into one per direction, and its loops are double
-buffered. Each collective more in flight holds its buffers longer: the docs' speed guide
-gives the temporary memory this costs. The options go to the step's own ``jax.jit``. JAX
-takes compiler options only from the outermost jit: a step called inside a user's
-``jax.jit`` or ``lax.scan`` compiles with that jit's options, so `jit` makes a user's jit
-with the step's options, and the step warns once when it is traced inside any other jit on
-GPUs.
+it on already). Each collective more in flight holds its buffers longer: the docs' speed
+guide gives the temporary memory this costs. The options go to the step's own
+``jax.jit``. JAX takes compiler options only from the outermost jit: a step called inside a
+user's ``jax.jit`` or ``lax.scan`` compiles with that jit's options, so `jit` makes a user's
+jit with the step's options, and the step warns once when it is traced inside any other jit
+on GPUs.
 """
 
 from __future__ import annotations
@@ -27,24 +25,8 @@ import jax
 LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 # Every compile (XLA:CPU accepts and ignores them); the limit is the step's own (`for_step`).
 COMPILER_OPTIONS: dict = {}
-# `zero_jax.scan` moves a layer's leaves split along their first dimension as collectives of
-# their own (no joined buffer to copy them into and out of:
-# `zero_jax.comm.collectives.Comm.pack`). XLA:GPU's combiners join a layer's into one variadic
-# collective per direction when the layer fits their thresholds (all-gathers count what they
-# return, reduce-scatters what they keep). XLA's default, 30 MiB, splits a Llama-3-8B layer
-# (416 MiB gathered in bf16) into six all-gathers, more than the step keeps in flight; 512 MiB
-# holds one such layer and no two (larger thresholds join the gathers outside the loops, the
-# first and last layers', and leave more of them exposed). A larger layer is moved in several
-# collectives. Double buffering unrolls each layer loop by two, so that the layer gathered
-# ahead lands in the other iteration's buffers instead of being copied into the loop's carry
-# (which a joined buffer's slices did before). Measured on compile-only H100s, GPT-2 small and
-# Llama-3-8B: BENCHMARKS.md, "peer (cudnn attention)".
-COMBINE_BYTES = 512 << 20
 # GPU meshes only.
-GPU_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
-               "xla_gpu_enable_while_loop_double_buffering": True,
-               **{f"xla_gpu_{op}_combine_threshold_bytes": COMBINE_BYTES
-                  for op in ("all_gather", "reduce_scatter", "all_reduce")}}
+GPU_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 _outer = threading.local()  # set while `jit` traces a user's function
 
