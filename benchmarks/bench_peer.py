@@ -111,18 +111,21 @@ def memory(compiled) -> dict:
                   + m.temp_size_in_bytes, "temp": m.temp_size_in_bytes}
 
 
-def layer_loops(program: predict.Loop, runs: int = 1) -> tuple[float, int]:
-  """``(bytes, iterations)``: what the innermost loops' (the layer loops') memory-bound
-  kernels move per step, and how many iterations they run (layers run outside a loop, such
-  as the one prefetching leaves for last, are not in either)."""
+def layer_loops(program: predict.Loop, layers: int, runs: int = 1) -> tuple[float, int]:
+  """``(bytes, layers run)``: what the innermost loops' (the layer loops') memory-bound
+  kernels move per step, and how many layers they run (layers run outside a loop, such as
+  the one prefetching leaves for last, are not in either). A loop of a model of ``layers``
+  layers runs ``round(layers / trips)`` of them an iteration: two where XLA unrolled it
+  (``xla_gpu_enable_while_loop_double_buffering``), one otherwise."""
   if not program.loops:
-    return ((runs * program.trips * program.elementwise_bytes, runs * program.trips)
+    per = max(1, round(layers / program.trips))
+    return ((runs * program.trips * program.elementwise_bytes, runs * program.trips * per)
             if program.trips > 1 else (0.0, 0))
-  got = [layer_loops(l, runs * program.trips) for l in program.loops]
+  got = [layer_loops(l, layers, runs * program.trips) for l in program.loops]
   return sum(b for b, _ in got), sum(n for _, n in got)
 
 
-def read(text: str, gpu: str) -> dict:
+def read(text: str, gpu: str, layers: int) -> dict:
   """One compiled program's figures from its text (see the module docstring)."""
   device = measure.device_for(targets.get_target(gpu), 8, "bf16")
   program = predict.analyze(text)
@@ -134,7 +137,7 @@ def read(text: str, gpu: str) -> dict:
   exposed = sum(l.step_exposed for l in predict.predict_scheduled(text, device))
   return {
       "intra": intra, "cross": cross, "memory_s": prediction.elementwise,
-      **dict(zip(("loop_memory_bytes", "loop_iterations"), layer_loops(program))),
+      **dict(zip(("loop_memory_bytes", "loop_layers"), layer_loops(program, layers))),
       "overlapped": sum(w.overlapped for w in windows), "in_loop": len(windows),
       "tflops": program.total_flops() / 1e12, "gemms": gemm_calls(program),
       "compute_s": compute, "exposed_s": exposed, "step_s": compute + exposed}
@@ -179,7 +182,7 @@ def compile_row(row, programs: pathlib.Path) -> dict:
   text = compiled.as_text()
   programs.mkdir(parents=True, exist_ok=True)
   (programs / (_slug(row) + ".hlo.gz")).write_bytes(gzip.compress(text.encode()))
-  return {**memory(compiled), **read(text, gpu)}
+  return {**memory(compiled), **read(text, gpu, cfg.layers)}
 
 
 def _slug(row) -> str:
@@ -191,7 +194,8 @@ def reread(out: dict, programs: pathlib.Path) -> dict:
   for row, r in out.items():
     path = programs / (_slug(row) + ".hlo.gz")
     if path.exists():
-      r.update(read(gzip.decompress(path.read_bytes()).decode(), row[1]))
+      r.update(read(gzip.decompress(path.read_bytes()).decode(), row[1],
+                    MODELS[row[0]].layers))
   return out
 
 
@@ -212,13 +216,14 @@ def measure_all(rows, results_path: pathlib.Path) -> dict:
   return {tuple(k.split("|")): v for k, v in done.items()}
 
 
-def render(out: dict) -> str:
-  """The section: the full table, then the verdict per (model, GPU, hosts)."""
+def render(out: dict, command: str = "python benchmarks/bench_peer.py") -> str:
+  """The section: the full table, then the verdict per (model, GPU, hosts); ``command``: the
+  command line that ran it."""
   lines = [
       f"## peer{'' if ATTENTION[0] == 'written' else ' (' + ATTENTION[0] + ' attention)'}: "
       f"zero_jax beside GSPMD FSDP on the compiled GPU program (PREDICTIONS for time)",
       "",
-      f"`python benchmarks/bench_peer.py` ({len(out)} programs, "
+      f"`{command}` ({len(out)} programs, "
       f"{sum(r.get('seconds', 0) for r in out.values()) / 60:.0f} min of compiles on this "
       f"2-core CPU, shared). "
       f"Every step is compiled by XLA:GPU for compile-only GPUs (`zj.compile_only_mesh`, no GPU "
@@ -305,8 +310,18 @@ READING_FUSED = [
     "do not, the gathered buffer sliced into the layer's weights (about 27 MiB a forward "
     "layer, 25 MiB a backward one), its gradients packed before the reduce-scatter (27 MiB) and "
     "weights transposed for the backward matmuls (16 MiB), and the layer's input copied at the "
-    "loop's ordering barrier (24 MiB). Step times are predictions from the compiled program, "
-    "not measurements."]
+    "loop's ordering barrier (24 MiB). Tried and not kept (measured on these programs, `dots`): "
+    "the leaves split along their first dimension in collectives of their own (XLA joins them "
+    "with combine thresholds of 512 MiB; gathered alone, a leaf split along a later dimension "
+    "makes XLA lay its whole stacked leaf out transposed, +7% bytes on Llama-3-8B) saves little "
+    "alone (GPT-2 small 764 -> 761 MiB a layer, 19.8 -> 19.75 ms; Llama-3-8B 4,762 -> 4,690 "
+    "MiB, 634.6 -> 635.4 ms, more exposed outside the loops), since the prefetched weights are "
+    "then copied into the loop's carry instead; with XLA's while-loop double buffering as well "
+    "those copies and the barrier's go (730 and 4,268 MiB a layer, within 2% of GSPMD; 19.5 "
+    "and 632.0 ms, peak unchanged), but keeping activations one of GPT-2 small's unrolled "
+    "backward windows holds no matmul (5 of 6 overlapped) and the 1 MiB layers of the GPU "
+    "tier's model expose 191 us against 170. Step times are predictions from the compiled "
+    "program, not measurements."]
 
 
 PAIRS = {"ZeRO-3": "GSPMD FSDP", "ZeRO-3 flat": "GSPMD FSDP flat", "ZeRO-3 hybrid": "GSPMD HSDP",
@@ -329,7 +344,7 @@ def goals(out: dict) -> list:
     ratio, share = z[1]["step_s"] / g[1]["step_s"], g[1]["exposed_s"] / g[1]["step_s"]
     where = f"{MODELS[key[0]].name} on {key[2]}x8 {key[1].upper()}"
     if ratio > 1:
-      slow.append(f"{where} ({ratio:.2f}x)")
+      slow.append(f"{where} ({ratio:.3f}x)")
     elif share >= 0.25 and ratio > 0.9:
       close.append(f"{where} ({ratio:.2f}x, communication {share:.0%} of GSPMD's step)")
   for k, r in out.items():
@@ -342,9 +357,9 @@ def goals(out: dict) -> list:
       more.append(f"{MODELS[k[0]].name} {k[1].upper()} {k[2]}x8 {k[4]} {k[6]}")
     if peers:
       peaks.append(r["peak"] / min(p["peak"] for p in peers))
-      per_layer = lambda x: x["loop_memory_bytes"] / max(x["loop_iterations"], 1)
-      loop_bytes = [per_layer(p) for p in peers if "loop_iterations" in p]
-      if "loop_iterations" in r and loop_bytes:
+      per_layer = lambda x: x["loop_memory_bytes"] / max(x["loop_layers"], 1)
+      loop_bytes = [per_layer(p) for p in peers if "loop_layers" in p]
+      if "loop_layers" in r and loop_bytes:
         ratio = per_layer(r) / min(loop_bytes, key=lambda b: abs(b - per_layer(r)))
         if abs(ratio - 1) > 0.05:
           apart.append(f"{MODELS[k[0]].name} {k[1].upper()} {k[2]}x8 {k[4]} {k[6]} ({ratio:.2f}x)")
@@ -466,13 +481,14 @@ def main() -> None:
   rows = rows_for(args.models.split(","), args.gpus.split(","),
                   [int(h) for h in args.hosts.split(",")])
   out = measure_all(rows, args.results)
-  out = {k: v for k, v in out.items() if k in {tuple(map(str, r)) for r in rows}}
+  out = {k: out[k] for k in (tuple(map(str, r)) for r in rows) if k in out}  # rows' order
   if args.reread:  # and kept, so that a later run without --reread renders the same
     out = reread(out, args.results.with_suffix(".programs"))
     done = json.loads(args.results.read_text())
     done.update({"|".join(k): v for k, v in out.items()})
     args.results.write_text(json.dumps(done, indent=1))
-  text = render(out)
+  text = render(out, f"python benchmarks/bench_peer.py --models {args.models} --gpus "
+                    f"{args.gpus} --hosts {args.hosts} --attention {args.attention}")
   print(text)
   if not args.no_write:
     from _report import write_section  # pylint: disable=g-import-not-at-top
