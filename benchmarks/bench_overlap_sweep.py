@@ -13,10 +13,11 @@ reports ``x/y``: the collectives with a matmul in their window out of those in t
 
 Before and after: ``--record FILE`` writes the results as JSON and nothing else; run it with
 the code before issue 46.4c's fix first imported (``PYTHONPATH=<a copy of that commit's
-zero_jax>``), then ``--before FILE`` puts them beside this code's in the section.
+zero_jax>``), then ``--before FILE`` puts them beside this code's in the section (``--now
+FILE``: this code's, recorded the same way, instead of compiling them again).
 
 Usage: ``python benchmarks/bench_overlap_sweep.py [--grid SPEC]... [--layers 8]
-[--record FILE | --before FILE] [--no-write]`` (needs JAX's CUDA plugin: the GPU tier's venv). Each
+[--record FILE | --before FILE [--now FILE]] [--no-write]`` (needs JAX's CUDA plugin: the GPU tier's venv). Each
 ``--grid`` is a product, ``gpus=a100,h100;meshes=1x8,2x8;kinds=residual,plain;
 policies=none,dots,full;shapes=512x128,8192x4096`` (width x rows per GPU; a key left out takes
 every value, shapes `SHAPES`); the cases are the union of the grids (`GRIDS` by default).
@@ -130,24 +131,27 @@ def main(argv=None):
   ap.add_argument("--layers", type=int, default=8)
   ap.add_argument("--record", help="write the results to this JSON file, and no section")
   ap.add_argument("--before", help="results recorded by --record with the code before the fix")
+  ap.add_argument("--now", help="this code's results recorded by --record (nothing compiled)")
   ap.add_argument("--no-write", action="store_true")
   args = ap.parse_args(argv)
   specs = args.grid or list(GRIDS)
   grid = list(dict.fromkeys(c for spec in specs for c in cases(spec)))
-  before = ({tuple(r["case"]): r for r in json.loads(pathlib.Path(args.before).read_text())}
-            if args.before else {})
-  start = time.perf_counter()
+  read = lambda f: {tuple(r["case"]): r for r in json.loads(pathlib.Path(f).read_text())}
+  before = read(args.before) if args.before else {}
+  now = read(args.now) if args.now else {}
   results, lines = [], []
   for case in grid:
-    r = compile_case(*case, args.layers)
-    results.append({"case": list(case), **r})
+    r = now[case] if args.now else compile_case(*case, args.layers)
+    results.append({**r, "case": list(case)})
     was = before.get(case)
     cells = ([_cell(was) if was else "-"] if args.before else []) + [_cell(r)]
     temps = (f"{was['temp'] / 2**20:.0f} / " if was else "- / " if args.before else "") + \
         f"{r['temp'] / 2**20:.0f}"
     lines.append(f"| {' | '.join(map(str, case))} | {' | '.join(cells)} | {temps} |")
     print(lines[-1], f"({r['seconds']:.1f} s)", flush=True)
-  minutes = (time.perf_counter() - start) / 60
+  minutes = {label: sum(r["seconds"] for r in rs) / 60
+             for label, rs in (("before", [before[c] for c in grid if c in before]),
+                               ("now", results)) if rs}
   if args.record:
     pathlib.Path(args.record).write_text(json.dumps(results, indent=1))
     return
@@ -160,8 +164,10 @@ def main(argv=None):
       "",
       f"`python benchmarks/bench_overlap_sweep.py "
       f"{' '.join(repr(f'--grid={g}') for g in specs)} --layers {args.layers}`: {len(grid)} "
-      f"cases in {minutes:.1f} min on {_report.machine()} (a 2-core CPU shared with other "
-      f"jobs), compile-only GPUs, no GPU run. Each case: a stage-3 bf16 AdamW step over a "
+      f"cases, XLA:GPU compile time "
+      f"{', '.join(f'{k} {v:.1f} min' for k, v in minutes.items())} on {_report.machine()} "
+      f"(a 2-core CPU shared with other jobs), compile-only GPUs, no GPU run. Each case: a "
+      f"stage-3 bf16 AdamW step over a "
       f"{args.layers}-layer MLP (width d, hidden 2d, gelu; residual `h + f(h)` or plain "
       f"`f(h)`), `zj.scan(prefetch=1, policy=...)` (none: keep what lax.scan keeps, dots: "
       f"`dots_saveable`, full: `nothing_saveable`), 1 x 8 GPUs or 2 x 8 with hpZ, compiled "
