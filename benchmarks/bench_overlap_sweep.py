@@ -159,6 +159,7 @@ def main(argv=None):
   summary = _summary("this code", results)
   if args.before:
     summary = _summary("before", [before[c] for c in grid if c in before]) + "; " + summary
+    summary += "; " + _growth(before, results)
   md = "\n".join([
       "## overlap sweep: every in-loop collective with a matmul in its window, by shape",
       "",
@@ -190,6 +191,20 @@ def main(argv=None):
 
 def _cell(r: dict) -> str:
   return f"{r['x']}/{r['y']}" + (f" (bare: {', '.join(r['bare'])})" if r["bare"] else "")
+
+
+def _growth(before: dict, results: list) -> str:
+  """The largest growth of the temporary bytes against ``before``, beside that case's layer
+  (its two weights gathered in bf16: the buffer one more layer in flight would cost)."""
+  grown = [(r["temp"] - before[tuple(r["case"])]["temp"], r["case"]) for r in results
+           if tuple(r["case"]) in before]
+  if not grown:
+    return "no case to compare temporaries with"
+  most, case = max(grown, key=lambda g: g[0])
+  layer = 2 * case[4] * 2 * case[4] * 2  # up and down, width x 2 width, bf16
+  return (f"temporaries: at most {most / 2**20:+.0f} MiB ({' '.join(map(str, case))}: "
+          f"{most / layer:.2f} of one gathered layer, {layer / 2**20:.0f} MiB), "
+          f"{sum(g < 0 for g, _ in grown)} cases lower, {sum(g == 0 for g, _ in grown)} equal")
 
 
 def _summary(label: str, results: list) -> str:
