@@ -4,7 +4,7 @@ layer's matmul in its window, whatever the model's shape? (compile-only GPUs, no
 Writes the ``overlap-sweep`` section of BENCHMARKS.md. Each case is an MLP of ``--layers``
 layers (width ``d``, hidden ``2 d``, gelu; ``residual``: ``h + f(h)``, ``plain``: ``f(h)``),
 stacked and looped with ``zj.scan(prefetch=1, policy=...)`` in a stage-3 bf16 AdamW step,
-``rows`` rows per GPU, on 1 x 8 GPUs or 2 x 8 with hpZ (the replica axis across hosts),
+``rows`` rows per GPU, on 1 x 8 GPUs or 2 x 8 with hpZ (weights gathered within a host),
 compiled for compile-only H100/H200/A100 with the step's own compiler options
 (``step.compiler_options``, as a user gets them from the step or ``step.jit``). For each
 program `zero_jax.gpu.schedule.loops` reads, in the forward and backward layer loops, every
@@ -17,8 +17,8 @@ zero_jax>``), then ``--before FILE`` puts them beside this code's in the section
 FILE``: this code's, recorded the same way, instead of compiling them again).
 
 Usage: ``python benchmarks/bench_overlap_sweep.py [--grid SPEC]... [--layers 8]
-[--record FILE | --before FILE [--now FILE]] [--no-write]`` (needs JAX's CUDA plugin: the GPU tier's venv). Each
-``--grid`` is a product, ``gpus=a100,h100;meshes=1x8,2x8;kinds=residual,plain;
+[--record FILE | --before FILE [--now FILE]] [--no-write]`` (needs JAX's CUDA plugin: the GPU
+tier's venv). Each ``--grid`` is a product, ``gpus=a100,h100;meshes=1x8,2x8;kinds=residual,plain;
 policies=none,dots,full;shapes=512x128,8192x4096`` (width x rows per GPU; a key left out takes
 every value, shapes `SHAPES`); the cases are the union of the grids (`GRIDS` by default).
 """
@@ -45,9 +45,9 @@ MESHES = ("1x8", "2x8")
 KINDS = ("residual", "plain")
 GPUS = ("a100", "h100", "h200")
 SHAPES = ("512x128", "2048x512", "8192x4096")  # width x rows per GPU
-# The default sweep, sized for a 2-core CPU (about 130 compiles): every target, layer kind and
-# policy on one host at a small, the A100 issue's and a large shape; two hosts (hpZ) at both
-# ends for residual layers.
+# The default sweep, sized for a 2-core CPU (66 cases, 20 to 30 min of compiles there): every
+# target, layer kind and policy on one host at a small, the A100 issue's and a large shape;
+# two hosts (hpZ) at both ends for residual layers.
 GRIDS = ("meshes=1x8",
          "meshes=2x8;kinds=residual;policies=none,full;shapes=512x128,8192x4096")
 
@@ -65,6 +65,7 @@ def loss_for(kind: str, policy):
 
 
 def make_step(gpu: str, mesh_name: str, kind: str, policy: str):
+  """The stage-3 bf16 AdamW step of one case, on compile-only GPUs."""
   if mesh_name == "1x8":
     mesh, opts = zj.compile_only_mesh((8,), ("data",), gpu=gpu), {}
   else:
@@ -75,6 +76,7 @@ def make_step(gpu: str, mesh_name: str, kind: str, policy: str):
 
 
 def inputs(step, width: int, rows: int, layers: int, mesh_name: str):
+  """``(abstract state, batch)`` of one case: shapes only."""
   shapes = {"up": (layers, width, 2 * width), "down": (layers, 2 * width, width)}
   params = {"layers": {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}}
   devices = 8 if mesh_name == "1x8" else 16
