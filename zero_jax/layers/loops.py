@@ -6,6 +6,17 @@ layer i-1 and reduces layer i+1's gradient while layer i's pullback runs. With h
 replica axes each hop across hosts comes one iteration after the one before it
 (`zero_jax.layers.stacked.hops`), so that no hop waits for another. With
 ``prefetch=0`` each layer is gathered, and its gradient reduced, in its own iteration.
+
+Each iteration ends at one `barrier` that everything it computed (carry, outputs, saved
+residuals; backward: the gradients) passes together with the collective results it hands to
+the next iteration; only the stores into the stacked buffers follow it. XLA:GPU's
+latency-hiding scheduler works from the end of the iteration: it places a collective's done
+early in that walk (late in time) once its uses are placed, and its start where its own cost
+estimate, which varies with the target and the shapes, says the latency is covered. With only
+stores after the barrier, the done lands after the layer's last matmul, which then runs inside
+the window (every case of benchmarks/bench_overlap_sweep.py; where the start goes stays
+XLA's choice). Before, the layer's stores and other work came after the barrier's inputs and
+an A100 MLP's gather waited before its layer's second matmul.
 """
 
 from __future__ import annotations
@@ -122,24 +133,32 @@ def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
   bufs = ([zeros(s, (length,)) for s in y_s], [zeros(s, (length,)) for s in new_s],
           residuals.buffers(lin, kept) if lin is not None else [])
 
-  def compute(i, c, w, bufs, last=False):
-    ys, news, saved = bufs
+  def layer(i, c, w):  # layer i: (carry, ys, new states), and its residuals with ``lin``
     args = [list(c), stack.use(sp, i, w), [at(x, i) for x in xs], list(ks)]
-    res = None
     if lin is None:
-      c, y, new = conv(*args[:3], *ks)
-    else:
-      outs, res = lin.forward(args)
-      c, y, new = split(outs, [len(c_s), len(y_s), len(new_s)])
-      saved = saved if last else [put(b, r, i) for b, r in zip(saved, res)]
+      return conv(*args[:3], *ks), []
+    outs, res = lin.forward(args)
+    return split(outs, [len(c_s), len(y_s), len(new_s)]), res
+
+  def store(i, out, res, bufs, last=False):
+    (c, y, new), (ys, news, saved) = out, bufs
+    if lin is not None and not last:
+      saved = [put(b, r, i) for b, r in zip(saved, res)]
     return c, ([put(b, v, i) for b, v in zip(ys, y)],
-               [put(b, v, i) for b, v in zip(news, new)], saved), res
+               [put(b, v, i) for b, v in zip(news, new)], saved)
+
+  def compute(i, c, w, bufs, last=False):
+    out, res = layer(i, c, w)
+    return (*store(i, out, res, bufs, last), res if lin is not None else None)
 
   def step(i, st):
     c, w, bufs = st
     w_next = stack.fetch(sp, i + 1)  # issued before layer i's compute
-    c, bufs, _ = compute(i, c, w, bufs)
-    w_next, c = barrier((w_next, c))
+    out, res = layer(i, c, w)
+    # everything the layer computed meets the gathered weights at the barrier: only the
+    # stores follow it, so the gather's done comes after the layer's last matmul
+    w_next, out, res = barrier((w_next, list(out), res))
+    c, bufs = store(i, out, res, bufs)
     return c, w_next, bufs
 
   if not stack.ahead:  # each layer gathered in its own iteration
@@ -255,7 +274,8 @@ class _Backward(NamedTuple):
       outs = [None if p is None else reduce(i + 1 + s, p, hops[s], s > 0)
               for s, p in enumerate(pending)]
       dc, g, dx, dk_i = self.back(i, dc, w)
-      w_prev, outs, dc = barrier((w_prev, outs, dc))
+      # as in `forward`: the collectives' results and all the pullback computed, together
+      w_prev, outs, dc, g, dx, dk_i = barrier((w_prev, outs, dc, g, dx, dk_i))
       dbl = dbl if outs[-1] is None else _put_all(dbl, outs[-1], i + k)
       return dc, w_prev, [g] + outs[:-1], _add(dk, dk_i), _put_all(dxb, dx, i), dbl
 
