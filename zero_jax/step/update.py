@@ -125,6 +125,9 @@ def _sources(spec: StepSpec, state: TrainState):
   for i in meta.train_idx:
     l, x = meta.param_layouts[i], leaves[i]
     m = next(masters) if state.master is not None else None
+    if meta.master[i] and meta.master_in_params:  # the parameter is the master copy
+      out.append(spec.to_logical(x, l))
+      continue
     if meta.master[i]:
       out.append(None if spec.offload else spec.to_logical(m, l))
       continue
@@ -197,11 +200,15 @@ def apply_update(spec: StepSpec, optimizer, state: TrainState, grads: list, loss
   else:
     src = _sources(spec, state)
     o_views = [spec.to_logical(x, l) for x, l in zip(o_leaves, meta.opt_layouts)]
-    new_src, new_o = jax.lax.cond(ok, lambda _: apply(src, o_views),
-                                  lambda _: (list(src), o_views), None)
+    # A select, not a ``lax.cond``: each new value is written over its old one in place (a
+    # cond's branch holds the whole new state at once beside the old: the step's peak at
+    # stage 3, 12 bytes a parameter with Adam), and a skipped step keeps the old bits.
+    new_src, new_o = apply(src, o_views)
+    new_src, new_o = (keep_if_skipped(ok, new_src, list(src)),
+                      keep_if_skipped(ok, new_o, o_views))
     new_o = [spec.to_storage(x, l) for x, l in zip(new_o, meta.opt_layouts)]
     master = None
-    if state.master is not None:
+    if meta.master_list:
       master = [spec.to_storage(s, l) if meta.master[i] else None
                 for s, i, l in zip(new_src, idx, t_layouts)]
   new_params = _new_params(spec, meta, leaves, new_src, t_layouts, ok)
