@@ -27,6 +27,7 @@ import _whole_leaf_model as W
 import test_lookup as L
 from zero_jax.checkpoint import master_form
 from zero_jax.step import state as state_lib
+from zero_jax.step import update as update_lib
 
 F32 = jnp.dtype(jnp.float32)
 STEPS = 4
@@ -240,3 +241,88 @@ def test_a_state_of_the_other_layout_is_refused_naming_it(mesh, monkeypatch):
   with pytest.raises(ValueError, match=r"float32 master copy lives: beside a half-precision "
                                        r"copy .* in the state, in params for this step"):
     step(old, M.batch(0))
+
+
+# -------------------------------------------------------------- checkpoints
+def test_checkpoints_of_either_layout_restore_into_the_other_and_into_stage_2(
+    mesh, monkeypatch, tmp_path):
+  """A checkpoint holds the half copy beside the master whatever the layout (the form every
+  zero_jax checkpoint of a bf16/fp16 run has had): one written by the previous layout (as
+  ``main``'s code wrote it) restores into this layout, continuing with the same bits, and one
+  written now restores into the previous layout and into stage 2."""
+  make = lambda stage=3: M.make_step(mesh, stage=stage, opt="adam", precision="bf16")
+  first, rest = batches(4)[:2], batches(4)[2:]
+  with previous_layout(monkeypatch):
+    old_step = make()
+    old = old_step.init(M.init_params())
+    for b in first:
+      old, _ = old_step(old, b)
+    with zj.CheckpointManager(tmp_path / "old") as mngr:
+      mngr.save(old)
+    saved_old = M.host((old.params, old.master, old.opt_state, old.loss_scale))
+    for b in rest:  # the previous layout, uninterrupted
+      old, m_old = old_step(old, b)
+    end_old = M.host((old_step.get_params(old), old.opt_state, m_old))
+
+  step = make()
+  with zj.CheckpointManager(tmp_path / "old") as mngr:
+    new = mngr.restore(step, M.init_params())
+    old_description = mngr.metadata()
+  assert new.meta.master_in_params and new.master is None
+  M.assert_bitwise_equal(M.host(jax.tree.leaves(new.params)), saved_old[1])  # the master
+  M.assert_bitwise_equal(M.host((new.opt_state, new.loss_scale)), saved_old[2:])
+  with zj.CheckpointManager(tmp_path / "new") as mngr:  # saved again in this layout
+    mngr.save(new)
+    new_description = mngr.metadata()
+  for b in rest:
+    new, m_new = step(new, b)
+  M.assert_bitwise_equal(M.host((step.get_params(new), new.opt_state, m_new)), end_old)
+  # The same description as the previous layout wrote: any zero_jax restores it.
+  for key in ("param_storage", "groups", "opt_signature", "trainable"):
+    assert new_description[key] == old_description[key], key
+
+  with previous_layout(monkeypatch), zj.CheckpointManager(tmp_path / "new") as mngr:
+    back = mngr.restore(old_step, M.init_params())
+    back_params = M.host(old_step.get_params(back))
+  M.assert_bitwise_equal(M.host((back.params, back.master, back.opt_state, back.loss_scale)),
+                         saved_old)
+  stage2 = make(stage=2)
+  with zj.CheckpointManager(tmp_path / "new") as mngr:
+    two = mngr.restore(stage2, M.init_params())
+  M.assert_bitwise_equal(M.host(stage2.get_params(two)), back_params)
+  assert {x.dtype for x in jax.tree.leaves(two.params)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_exports_give_the_float32_master_as_before(mesh, monkeypatch, tmp_path):
+  """`export_safetensors` writes what `get_params` returns: the float32 master, in both
+  layouts, byte for byte."""
+  make = lambda: M.make_step(mesh, stage=3, opt="adam", precision="bf16")
+  files = {}
+  for old in (False, True):
+    step, state, _ = run(make, M.init_params(), batches(2), monkeypatch, old=old)
+    with previous_layout(monkeypatch, old):
+      zj.export_safetensors(step, state, tmp_path / str(old))
+    files[old] = sorted((p.name, p.read_bytes()) for p in (tmp_path / str(old)).iterdir())
+  assert files[False] == files[True]
+  assert b'"F32"' in files[False][0][1]
+
+
+# ------------------------------------------------------------------ the update
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_the_gpu_update_by_select_gives_the_bits_of_the_cond(mesh, monkeypatch, opt):
+  """On GPUs the update keeps a skipped step's values by a select (each new value written over
+  the old one in place), elsewhere by a ``lax.cond`` (`zero_jax.step.update.selects`): the
+  same numbers, skipped fp16 steps included, bit for bit."""
+  make = lambda: M.make_step(mesh, stage=3, opt=opt, precision="fp16",
+                             loss_scale=zj.dynamic_loss_scale(2.0**19))
+  step, cond, m_cond = run(make, M.init_params(), batches(8), monkeypatch, old=False)
+  assert "stablehlo.case" in step.lower(cond, batches(1)[0]).as_text()
+  with monkeypatch.context() as m:
+    m.setattr(update_lib, "selects", lambda spec: True)
+    step, sel, m_sel = run(make, M.init_params(), batches(8), monkeypatch, old=False)
+    text = step.lower(sel, batches(1)[0]).as_text()
+  assert "stablehlo.case" not in text and "select" in text
+  finite = [bool(x["grads_finite"]) for x in m_sel]
+  assert not all(finite) and any(finite), finite
+  M.assert_bitwise_equal(m_sel, m_cond)
+  M.assert_bitwise_equal(M.host(sel), M.host(cond))
