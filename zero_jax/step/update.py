@@ -3,9 +3,9 @@
 Gradient blocks, optimizer state and master weights are viewed in their original shapes, still
 sharded, and the optax transformation runs on those views under XLA's SPMD partitioner, so any
 ``GradientTransformation`` gives its single-device result (one that takes extra arguments gets
-``value=``, the global loss). A step with non-finite gradients
-changes only the loss scale and skip counters (a ``lax.cond``); `full_params` gives the whole
-parameters. Details: the docs' "How it works"."""
+``value=``, the global loss). A step with non-finite gradients changes only the loss scale and
+skip counters (a ``lax.cond``; on GPUs a select, written in place); `full_params` gives the
+whole parameters. Details: the docs' "How it works"."""
 
 from __future__ import annotations
 
