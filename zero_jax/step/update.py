@@ -231,7 +231,7 @@ def _skip_or_apply(spec: StepSpec, ok, apply, src, o_views):
   On GPUs a select of each new value against its old one (XLA:GPU writes each over the old
   buffer; a ``lax.cond`` gets its results buffers of their own, so the whole new state
   would be held beside the old at once: the stage-3 step's peak, 12 bytes a parameter with
-  Adam, Llama-3-8B on 8 H100s 27.0 -> 21.8 GiB). Elsewhere a ``lax.cond``, which XLA:CPU
+  Adam: Llama-3-8B on 8 H100s 26.2 -> 21.8 GiB). Elsewhere a ``lax.cond``, which XLA:CPU
   updates in place and the select does not (an fp32 stage-2 Adam step's temporaries
   measured 4 MiB against 23 MiB)."""
   if selects(spec):
