@@ -516,10 +516,11 @@ def memory_section(step, state, params_shapes, optimizer, batch, args) -> str:
   row = report[args.stage]
   from zero_jax.step.memory import format_bytes as f  # pylint: disable=g-import-not-at-top
   lines = [str(report), "",
-           f"This run (ZeRO-{args.stage}), device 0's shards of the state: params "
-           f"{f(shard_bytes(state.params))} (report: {f(row.params)}), optimizer state "
-           f"{f(shard_bytes(state.opt_state))} (report: {f(row.optimizer_state)}), master "
-           f"{f(shard_bytes(state.master))} (report: {f(row.master)})."]
+           f"This run (ZeRO-{args.stage}), device 0's shards of the state: params and master "
+           f"copy {f(shard_bytes(state.params) + shard_bytes(state.master))} (report: "
+           f"{f(row.params + row.master)}; at stage 3 in bf16/fp16 the params are the master), "
+           f"optimizer state {f(shard_bytes(state.opt_state))} (report: "
+           f"{f(row.optimizer_state)})."]
   stats = step.lower(state, batch).compile().memory_analysis()
   if stats is not None:
     cm = zj.CompiledMemory(

@@ -6,7 +6,9 @@ Orbax or plain files), `writer` (the directory's lock, temporary names, failed w
 `integrity` (the record that tells a complete checkpoint from a damaged one), `preemption`
 (a signal to any process stops every process at the same step, saved), `hyperparams`
 (restored ``inject_hyperparams`` values), `whole_leaf` (``whole_leaf_update=`` states,
-stored as the step without the option keeps them), `export` (full parameters as a plain Orbax
+stored as the step without the option keeps them), `master_form` (stage-3 bf16/fp16 states,
+whose parameters are their float32 masters, stored with the rounded copy beside the master as
+every mixed-precision state is), `export` (full parameters as a plain Orbax
 checkpoint) and the safetensors files of Hugging Face: `safetensors_format` (names,
 headers, index), `blocks` (which part of a leaf each device writes), `safetensors_write`,
 `safetensors_files` (the files of a load, each opened once) and `safetensors_read`. It

@@ -22,6 +22,7 @@ from zero_jax.step import monitor
 from zero_jax.checkpoint import hyperparams as hyperparams_lib
 from zero_jax.checkpoint import store as store_lib
 from zero_jax.checkpoint import integrity
+from zero_jax.checkpoint import master_form
 from zero_jax.checkpoint import preemption as preemption_lib
 from zero_jax.checkpoint import whole_leaf
 from zero_jax.checkpoint import writer
@@ -211,7 +212,8 @@ class CheckpointManager:
     self._check_open("save")
     monitor.deliver()  # what the steps before this save went through, before it is kept
     step = int(state.step)
-    state = whole_leaf.saved_form(as_arrays(state))  # any device count restores it
+    # any device count and stage restores it
+    state = master_form.saved_form(whole_leaf.saved_form(as_arrays(state)))
     self._claim()
     self._finish()
     if (self.directory / str(step)).exists():
@@ -345,6 +347,7 @@ class CheckpointManager:
                                                 f"{self.directory}"),
             loss_scale=hyperparams_lib.static_scale(state.loss_scale,
                                                     train_step.initial_loss_scale)), target)
+        state = master_form.into_step(state, target)
         for d, why in damaged:
           warnings.warn(f"the checkpoint of step {d} in {self.directory} is damaged ({why}); "
                         f"restored step {s}, the newest intact one.", DamagedCheckpointWarning,
@@ -370,7 +373,8 @@ class CheckpointManager:
       where = f"the checkpoint of step {step} in {self.directory}"
       # A checkpoint written before integers were hyperparameters records the older name.
       rule = optimizer[1] if meta.get("optimizer") == optimizer[1] else optimizer[0]
-      into, mine = whole_leaf.read_target(meta, target, rule, where)
+      into, mine = whole_leaf.read_target(meta, master_form.abstract_saved(target), rule,
+                                          where)
       check_compatible(meta, mine, where)
       if not meta.get("optimizer"):
         warnings.warn(f"{where} does not record its optimizer's update rule (it was written "

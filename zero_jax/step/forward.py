@@ -4,8 +4,8 @@
 by the same pieces as the training step (`zero_jax.step.grads`): the batch split over the batch
 axes and into ``grad_accum_steps`` micro-batches in a ``lax.scan``, each micro-batch's parameters
 gathered as the step's loss gathers them (stage 3: stacked leaves left split for `zero_jax.scan`
-/ `zero_jax.gather`; hpZ and quantized gathers as configured; the compute-dtype copy under
-bf16/fp16), the loss reduced as the step reduces it (`WeightedLoss` over the global batch, aux by
+/ `zero_jax.gather`; hpZ and quantized gathers as configured; under bf16/fp16 the compute-dtype
+values, at stage 3 each block of the float32 master cast before its gather), the loss reduced as the step reduces it (`WeightedLoss` over the global batch, aux by
 its rules). `apply` is ``step.apply(state, fn, *args)``: any other forward use (logits,
 sampling) on the parameters as the loss sees them. Both leave the state as it was: NNX modules
 run as ``model.eval()`` sets them and whatever they or a loss change is dropped.

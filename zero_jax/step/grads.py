@@ -287,6 +287,19 @@ def _objective(spec: StepSpec, meta, loss_fn, params, frozen, leaves, scale):
   return objective
 
 
+def half_view(meta, leaves) -> list:
+  """Inside the loss's ``shard_map``: the device's parameter blocks in the dtype the loss
+  sees them in. Where the state keeps the float32 master as its parameters
+  (`zero_jax.step.state.master_in_params`), each master block is cast to the policy's
+  dtype here, before any gather: the wire stays half precision, the cast costs 1/N of the
+  model, and it equals the half copy the update used to write (the same rounding of the same
+  float32 value)."""
+  if not meta.master_in_params:
+    return list(leaves)
+  return [x.astype(meta.param_dtypes[i]) if meta.master[i] else x
+          for i, x in enumerate(leaves)]
+
+
 def loss_call(spec: StepSpec, meta, loss_fn, params, mb, ms, key):
   """``loss_fn`` on one device's micro-batch (`zero_jax.step.loss.call_loss`, checked) ->
   ``(LossOutput, w)``: ``w`` the micro-batch's global `WeightedLoss` weight (summed over the
@@ -329,7 +342,7 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
   (scaled, summed over micro-batches) for `reduce_model_split`.
   """
   meta, k, axes = state.meta, spec.grad_accum_steps, spec.batch_axes
-  leaves = jax.tree.leaves(state.params)
+  leaves = half_view(meta, jax.tree.leaves(state.params))
   if spec.gather_once:  # gather once; the rest is stage 2's path (`StepSpec.param_stage`)
     leaves = _gather_all(spec, meta, leaves)
   idx = meta.train_idx
@@ -451,7 +464,7 @@ def forward_params(spec: StepSpec, meta, params):
   `ShardedParam`s that `zero_jax.gather` / `zero_jax.scan` gather a layer at a time; with
   ``gather_once`` or at stages 1-2 the whole leaves. Every gathered value is device-invariant,
   as a replicated parameter is (`Comm.forward_only`)."""
-  treedef, leaves = jax.tree.structure(params), jax.tree.leaves(params)
+  treedef, leaves = jax.tree.structure(params), half_view(meta, jax.tree.leaves(params))
   if spec.gather_once:
     leaves = _gather_all(spec, meta, leaves)
   if spec.param_stage != 3:

@@ -19,7 +19,7 @@ Example:
   | DP (replicated) | 73.6 MiB | 73.6 MiB | 294 MiB | 147 MiB | 589 MiB | 1.00x |
   | ZeRO-1 | 73.6 MiB | 73.6 MiB | 36.8 MiB | 18.4 MiB | 202 MiB | 0.34x |
   | ZeRO-2 | 73.6 MiB | 9.2 MiB | 36.8 MiB | 18.4 MiB | 138 MiB | 0.23x |
-  | ZeRO-3 | 9.2 MiB | 9.2 MiB | 36.8 MiB | 18.4 MiB | 73.6 MiB | 0.13x |
+  | ZeRO-3 | 0 B | 9.2 MiB | 36.8 MiB | 18.4 MiB | 64.4 MiB | 0.11x |
 """
 
 from __future__ import annotations
@@ -51,7 +51,10 @@ class StageMemory(NamedTuple):
 
   Attributes:
     stage: 0 (plain data parallelism), 1, 2 or 3.
-    params: the parameters the loss sees.
+    params: the parameters as kept apart from the master copy (in the dtype the loss
+      sees them in). At stage 3 with ``"bf16"``/``"fp16"`` (without ``hpz_axis`` or
+      ``offload``) the float32 master copy is the parameter, counted once under
+      ``master``: a leaf with a master copy adds nothing here.
     gradients: the reduced gradient the update reads.
     optimizer_state: the optax state.
     master: the float32 master copy (0 when the policy keeps none).
@@ -186,8 +189,10 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
     >>> from flax import nnx
     >>> shapes = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}  # or jax.eval_shape(init)
     >>> report = zj.memory_report(shapes, optax.adamw(3e-4), n_devices=8, precision="bf16")
-    >>> report[2].gradients, report[3].params     # ZeRO-2 splits gradients, ZeRO-3 parameters
-    (262144, 262144)
+    >>> report[2].gradients, report[2].params     # ZeRO-2 splits gradients
+    (262144, 2097152)
+    >>> report[3].params, report[3].master        # ZeRO-3: the split fp32 master is the parameter
+    (0, 524288)
     >>> mesh = jax.sharding.AbstractMesh((16, 8), ("replica", "data"))   # 16 hosts x 8 GPUs
     >>> report = zj.memory_report(shapes, optax.adamw(3e-4), mesh=mesh, replica_axis="replica")
     >>> model = nnx.eval_shape(lambda: nnx.Linear(1024, 1024, rngs=nnx.Rngs(0)))  # nothing allocated
@@ -279,9 +284,12 @@ def memory_report(params: Any, optimizer: optax.GradientTransformation, *,
   for stage in stages:
     opt_bytes = sum(size(l, d, stage >= 1) for l, d in zip(meta.opt_layouts, opt_dtypes))
     master = sum(size(pl[i], jnp.float32, stage >= 1) for i in trained if meta.master[i])
+    # stage 3 keeps no half-precision copy beside the master (`state.master_in_params`)
+    single = stage == 3 and not hpz and offload is None and pol.master_dtype is not None
     rows.append(StageMemory(
         stage=stage,
-        params=sum(size(l, d, stage >= 3, spec.n_gather) for l, d in zip(pl, pdt)),
+        params=sum(size(pl[i], pdt[i], stage >= 3, spec.n_gather) for i in range(len(pl))
+                   if not (single and meta.master[i])),
         gradients=sum(size(pl[i], gdt[i], stage >= 2) for i in trained),
         optimizer_state=opt_bytes, master=master,
         host=opt_bytes + master if offload is not None and stage >= 1 else 0,

@@ -79,6 +79,9 @@ class StateMeta:
       units move to which home device), or None.
     lookup: one bool per parameter leaf (``lookup=``): a table split along a dimension
       after the first, looked up with `zero_jax.take` (``()``: none).
+    master_in_params: the float32 master copy is the only copy (`master_in_params`):
+      ``params`` holds it, split, for every leaf with ``master``, ``TrainState.master``
+      is None, and the loss sees it cast to ``param_dtypes`` before the gather.
   """
   param_layouts: tuple
   trainable: tuple
@@ -91,11 +94,22 @@ class StateMeta:
   opt_treedef: Any = None
   whole: Any = None
   lookup: tuple = ()
+  master_in_params: bool = False
 
   def _key(self):
     return (self.param_layouts, self.trainable, self.opt_layouts, self.stacked, self.master,
             self.param_dtypes, self.signature, self.module, self.opt_treedef, self.whole,
-            self.lookup)
+            self.lookup, self.master_in_params)
+
+  def stored_dtype(self, i: int):
+    """The dtype ``params`` holds leaf ``i`` in (float32 where it is the master copy)."""
+    return jnp.dtype(jnp.float32) if self.master_in_params and self.master[i] else \
+        self.param_dtypes[i]
+
+  @property
+  def master_list(self) -> bool:
+    """Whether ``TrainState.master`` is a list (some leaf keeps a separate master copy)."""
+    return any(self.master) and not self.master_in_params
 
   def is_lookup(self, i: int) -> bool:
     """Whether parameter leaf ``i`` is marked ``lookup=``."""
@@ -124,10 +138,14 @@ class TrainState:
     step: i32[] number of steps taken (skipped ones included).
     params: the parameters in the policy's parameter dtype. Stages 1-2: the
       original shapes, replicated over the data axes. Stage 3: the padded
-      storage view, sharded.
+      storage view, sharded; with ``precision="bf16"``/``"fp16"`` (without
+      ``hpz_axis`` or ``offload``) each leaf that keeps a float32 master copy
+      holds that copy itself, in float32, and the step casts each device's
+      block to bf16/fp16 before gathering it (no half-precision copy is kept).
     master: list, one f32 padded storage leaf per trainable parameter that
       keeps a master copy (``None`` for the others), sharded; ``None`` when
-      no parameter has one.
+      no parameter has one, or when ``params`` holds the master copies (stage 3
+      as said above).
     opt_state: the optax state, every leaf in its padded storage view, sharded.
     loss_scale: `LossScaleState` (replicated scalars; counts skipped steps).
     model_state: untrained model state such as BatchNorm statistics,
@@ -250,8 +268,20 @@ def build_meta(spec: StepSpec, optimizer, params, options: LeafOptions,
                  for t, d in zip(flags, dtypes))
   meta = StateMeta(tuple(layouts), flags, opt_layouts, stacks, master, stored,
                    step_signature(spec, optimizer), module, jax.tree.structure(opt_abstract),
-                   plan, looks if any(looks) else ())
+                   plan, looks if any(looks) else (),
+                   master_in_params(spec) and any(master))
   return treedef, meta
+
+
+def master_in_params(spec: StepSpec) -> bool:
+  """Whether a state keeps its float32 master copies as its parameters, with no
+  half-precision copy: stage 3 with a master-keeping policy (``"bf16"``, ``"fp16"``), whose
+  gathers cast each device's float32 block first, as FSDP2 does. Not with ``hpz_axis`` (the
+  secondary copy is a half-precision copy by design, split over fewer devices than the
+  master) nor with ``offload=`` (the master lives on the host; the devices keep the half
+  copy they gather from)."""
+  return (spec.stage == 3 and spec.policy.master_dtype is not None and spec.offload is None
+          and not spec.comm.outer_axes)
 
 
 def opt_structure(spec: StepSpec, optimizer, treedef, src, flags, plan, paths, layouts):
@@ -307,7 +337,7 @@ def partition_specs(spec: StepSpec, meta: StateMeta, treedef, model_state, rng,
   o_def = meta.opt_treedef
   store = lambda l: l.spec(spec.data_axes)
   master = None
-  if any(meta.master):
+  if meta.master_list:
     master = [store(l) if m else None for l, m, t in
               zip(meta.param_layouts, meta.master, meta.trainable) if t]
   return TrainState(
@@ -335,11 +365,12 @@ def init_state(spec: StepSpec, optimizer, meta: StateMeta, treedef, leaves, mode
   opt_state = _init_opt(optimizer, meta, treedef, src)
   o_leaves, o_def = jax.tree.flatten(opt_state)
   o_leaves = [spec.to_storage(x, l) for x, l in zip(o_leaves, meta.opt_layouts)]
-  params = [x.astype(prec.param_dtype(pol, x.dtype)) if t else x for x, t in zip(leaves, tr)]
+  params = [x.astype(meta.stored_dtype(i)) if t else x
+            for i, (x, t) in enumerate(zip(leaves, tr))]
   params = [spec.constrain(lay.pad(x, l) if spec.stage == 3 else x, param_spec(spec, l))
             for x, l in zip(params, meta.param_layouts)]
   master = None
-  if any(meta.master):
+  if meta.master_list:
     master = [spec.to_storage(x.astype(jnp.float32), l) if m else None
               for x, l, m, t in zip(leaves, meta.param_layouts, meta.master, tr) if t]
   return TrainState(step=jnp.zeros((), jnp.int32), params=jax.tree.unflatten(treedef, params),
@@ -400,6 +431,13 @@ def _differences(mine: StateMeta, theirs: StateMeta, paths) -> list[str]:
     out.append("whole_leaf_update= differs (which leaves move home, or their homes)")
   if mine.module != theirs.module and not out:
     out.append("the NNX module's structure differs")
+  if mine.master_in_params != theirs.master_in_params and not out:
+    out.append("where the float32 master copy lives: "
+               + ("in params (stage 3 without hpz_axis or offload)" if theirs.master_in_params
+                  else "beside a half-precision copy (hpz_axis= or offload=)")
+               + " in the state, "
+               + ("in params" if mine.master_in_params else "beside a half-precision copy")
+               + " for this step")
   return out
 
 

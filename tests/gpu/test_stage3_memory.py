@@ -1,0 +1,69 @@
+"""Stage 3 bf16 on compile-only H100s: no half-precision copy at rest, and the update in place.
+
+A stacked stage-3 step whose peak is its update (16 layers of 1024 x 1024, 64 rows per GPU,
+full remat, AdamW): Ψ/N = 2,099,200 parameters per GPU. The arguments must be exactly the
+float32 master and Adam's two moments (12 bytes a parameter, plus the count), where the
+previous layout (`zero_jax.step.state.master_in_params` False) also kept the bf16 copy (2 more);
+and XLA:GPU's temporaries must not hold the whole new state: a ``lax.cond`` around the update
+(what the step did before, and still does off GPUs) gave every new value a buffer of its own,
+the select (`zero_jax.step.update.selects`) writes each over its old one.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zero_jax as zj
+from zero_jax.step import state as state_lib
+from zero_jax.step import update as update_lib
+
+L, D, N = 16, 1024, 8
+PER_GPU = (L * D * D + L * D) // N  # both leaves split evenly over 8
+
+
+def _loss(p, b):
+  layer = lambda h, lp: (jnp.tanh(h @ lp["w"] + lp["b"]), None)
+  h, _ = zj.scan(layer, b, p, policy=jax.checkpoint_policies.nothing_saveable)
+  return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def _memory(monkeypatch, *, half_copy=False, cond=False):
+  with monkeypatch.context() as m:
+    if half_copy:
+      m.setattr(state_lib, "master_in_params", lambda spec: False)
+    if cond:
+      m.setattr(update_lib, "selects", lambda spec: False)
+    mesh = zj.compile_only_mesh((N,), ("data",), gpu="h100")
+    step = zj.make_sharded_train_step(_loss, optax.adamw(1e-3), mesh=mesh, stage=3,
+                                      precision="bf16", stacked=True)
+    params = {"w": jax.ShapeDtypeStruct((L, D, D), jnp.float32),
+              "b": jax.ShapeDtypeStruct((L, D), jnp.float32)}
+    batch = jax.ShapeDtypeStruct((N * 64, D), jnp.bfloat16)
+    return step.lower(step.abstract_state(params), batch).compile().memory_analysis()
+
+
+@pytest.fixture(scope="module")
+def programs():
+  mp = pytest.MonkeyPatch()
+  try:
+    return {k: _memory(mp, **kw) for k, kw in {
+        "new": {}, "half_copy": dict(half_copy=True), "cond": dict(cond=True)}.items()}
+  finally:
+    mp.undo()
+
+
+def test_the_arguments_are_the_master_and_the_moments_only(programs):
+  batch = 64 * D * 2  # each GPU's rows, bf16
+  scalars = 64  # the step, the loss scale's scalars, Adam's count: a few 4-byte values
+  new, old = programs["new"].argument_size_in_bytes, programs["half_copy"].argument_size_in_bytes
+  assert 12 * PER_GPU <= new - batch <= 12 * PER_GPU + scalars
+  assert old - new == 2 * PER_GPU  # the bf16 copy the previous layout kept
+
+
+def test_the_update_writes_in_place_where_a_cond_held_the_whole_new_state(programs):
+  new_state = 12 * PER_GPU
+  assert programs["cond"].temp_size_in_bytes >= new_state
+  assert programs["new"].temp_size_in_bytes < new_state
+  peak = lambda m: m.argument_size_in_bytes + m.temp_size_in_bytes
+  assert peak(programs["new"]) <= peak(programs["half_copy"])
