@@ -272,6 +272,8 @@ def main() -> None:
                  default=pathlib.Path(tempfile.gettempdir()) / "zero_jax_regime.json")
   p.add_argument("--reread", action="store_true", help="read every kept program again")
   p.add_argument("--compile-only", action="store_true", help="compile, render nothing")
+  p.add_argument("--render-only", action="store_true",
+                 help="compile nothing: render the rows the results file already holds")
   p.add_argument("--no-write", action="store_true", help="print only")
   args = p.parse_args()
   systems = [s for s in SYSTEMS if s in args.systems.split(",")] if args.systems else []
@@ -282,7 +284,7 @@ def main() -> None:
                                               results=args.results))
   rows = rows_for(args.models.split(","), [int(h) for h in args.hosts.split(",")],
                   [int(s) for s in args.seqs.split(",")], systems)
-  out = measure_all(rows, args.results)
+  out = measure_all([] if args.render_only else rows, args.results)
   if args.compile_only:
     return
   wanted = {tuple(map(str, r)) for r in rows}

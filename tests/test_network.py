@@ -83,26 +83,37 @@ def test_one_device_per_host_sends_everything_over_its_share():
   assert overlap.transfer_time(t, DEV) == pytest.approx(1 / 2 * S / 1e8 + 1 * 1e-5, rel=1e-12)
 
 
-@pytest.mark.parametrize("op, wire, crossing, steps", [
+@pytest.mark.parametrize("op, wire, crossing, steps, inter", [
     # one ring over both hosts' 8 devices: it enters and leaves each host once, so of the wire
-    # each device sends 1/4 (4 members a host) crosses on average; the rest stays within.
-    ("all-gather", 7 / 8 * S, 7 / 8 * S / 4, 7),
-    ("reduce-scatter", 7 * S, 7 * S / 4, 7),
-    ("all-reduce", 2 * 7 / 8 * S, 2 * 7 / 8 * S / 4, 14),
-    # an all-to-all sends the 4/8 of its buffer addressed to the other host across
-    ("all-to-all", 7 / 8 * S, 4 / 8 * S, 7),
+    # each device sends 1/4 (4 members a host) crosses on average; the rest stays within. Of
+    # its steps, one per pass crosses hosts (NCCL's nInterSteps = nNodes - 1 per pass).
+    ("all-gather", 7 / 8 * S, 7 / 8 * S / 4, 7, 1),
+    ("reduce-scatter", 7 * S, 7 * S / 4, 7, 1),
+    ("all-reduce", 2 * 7 / 8 * S, 2 * 7 / 8 * S / 4, 14, 2),
+    # an all-to-all sends the 4/8 of its buffer addressed to the other host across, 4 of its
+    # 7 sends
+    ("all-to-all", 7 / 8 * S, 4 / 8 * S, 7, 4),
 ])
-def test_a_flat_group_is_timed_by_what_crosses_hosts(op, wire, crossing, steps):
+def test_a_flat_group_is_timed_by_what_crosses_hosts(op, wire, crossing, steps, inter):
   t = overlap.Transfer(op, S, (tuple(range(8)),))
   assert overlap.wire_bytes(t, DEV) == pytest.approx(wire, rel=1e-12)
   assert overlap.cross_host_bytes(t, DEV) == pytest.approx(crossing, rel=1e-12)
   slower = max(crossing / 1e8, (wire - crossing) / 1e9)   # the two parts run pipelined
-  assert overlap.transfer_time(t, DEV) == pytest.approx(slower + steps * 1e-5, rel=1e-12)
+  latency = inter * 1e-5 + (steps - inter) * 1e-6
+  assert overlap.transfer_time(t, DEV) == pytest.approx(slower + latency, rel=1e-12)
   # what all 4 devices of a host send across, over the host's whole network (4 x 1e8): the
   # same time. The host's network is shared by its devices, not each device's own.
   host = 4 * overlap.cross_host_bytes(t, DEV) / (4 * 1e8)
-  assert overlap.transfer_time(t, DEV) - steps * 1e-5 == pytest.approx(
+  assert overlap.transfer_time(t, DEV) - latency == pytest.approx(
       max(host, (wire - crossing) / 1e9), rel=1e-12)
+
+
+def test_a_ring_over_many_hosts_pays_the_cross_host_latency_once_per_host():
+  big = DEV._replace(devices_per_host=8)
+  flat = overlap.Transfer("all-gather", 0.0, (tuple(range(256)),))       # 32 hosts
+  across = overlap.Transfer("all-gather", 0.0, tuple(tuple(range(i, 256, 8)) for i in range(8)))
+  assert overlap.transfer_time(flat, big) == pytest.approx(31 * 1e-5 + 224 * 1e-6, rel=1e-12)
+  assert overlap.transfer_time(across, big) == pytest.approx(31 * 1e-5, rel=1e-12)
 
 
 def test_bytes_across_hosts_follow_hosts_for_a_flat_ring_and_not_for_one_per_host():

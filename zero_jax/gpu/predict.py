@@ -213,7 +213,11 @@ def transfer_time(t: Transfer, device: Device, link_efficiency: float = 1.0) -> 
   buffer, a collective-permute all of it in one step. A group that spans hosts is timed by the
   slower of its two parts, pipelined: what crosses hosts (`cross_host_bytes`) on each device's
   share of the network (``device.cross``: every device of a host sends at once, so each gets
-  the host's network over ``devices_per_host``), and the rest within the host on ``intra``.
+  the host's network over ``devices_per_host``), and the rest within the host on ``intra``;
+  of its ring steps, those that cross hosts (one per host it spans, less one, per pass)
+  take the cross-host latency and the others the latency within a host, as NCCL's own
+  tuning model counts a ring (``nInterSteps``, src/graph/tuning.cc); an all-to-all's steps
+  to other hosts cross.
   """
   n, link = _link(t, device)
   if n <= 1:
@@ -223,7 +227,13 @@ def transfer_time(t: Transfer, device: Device, link_efficiency: float = 1.0) -> 
     return wire / (link.bandwidth * link_efficiency) + steps * link.latency
   cross = cross_host_bytes(t, device)
   seconds = max(cross / device.cross.bandwidth, (wire - cross) / device.intra.bandwidth)
-  return seconds / link_efficiency + steps * link.latency
+  _, m = _per_host(t, device)
+  hosts = round(n / m)
+  inter = {"all-reduce": 2 * (hosts - 1), "all-to-all": n - m,
+           "collective-permute": 1}.get(t.op, hosts - 1)
+  inter = min(inter, steps)
+  return (seconds / link_efficiency + inter * device.cross.latency
+          + (steps - inter) * device.intra.latency)
 
 
 def compute_time(dots, device: Device, compute_efficiency: float = 1.0) -> float:

@@ -105,7 +105,9 @@ def get_target(gpu: str | Target) -> Target:
 # The network between hosts, Gb/s each way per host, of the systems the targets' default
 # ``cross_bandwidth`` describes: DGX/HGX H100 (and H200) have 8 x 400 Gb/s NDR InfiniBand ports,
 # one per GPU (3.2 Tb/s per host); DGX A100 has 8 x 200 Gb/s HDR (1.6 Tb/s per host).
+#: DGX/HGX H100 and H200: 8 x 400 Gb/s NDR per host, Gb/s (the H100/H200 targets' network).
 DGX_H100_GBPS = 3200
+#: DGX A100: 8 x 200 Gb/s HDR per host, Gb/s (the A100 target's network).
 DGX_A100_GBPS = 1600
 
 
