@@ -43,7 +43,7 @@ import _gspmd  # noqa: E402
 import _lm  # noqa: E402
 import bench_peer  # noqa: E402
 import zero_jax as zj  # noqa: E402
-from zero_jax.gpu import measure, targets  # noqa: E402
+from zero_jax.gpu import measure, predict, targets  # noqa: E402
 
 GPU = "h100"
 NETWORKS_GBPS = (100, 400, 3200)  # per host, each way
@@ -89,8 +89,27 @@ def lower(cfg, hosts: int, seqs: int, system: str):
 
 
 def read_all(text: str) -> dict:
-  """The program's figures at each network (`bench_peer.read` on each target)."""
-  return {str(g): bench_peer.read(text, network(g)) for g in NETWORKS_GBPS}
+  """The program's figures at each network, as `bench_peer.read` gives them (bytes sent within
+  and across hosts, compute, memory-bound and exposed time, the step), with its most exposed
+  collectives (``top``: ``(where, op, MiB of one call, ms exposed per step)``); the program is
+  read once."""
+  program = predict.analyze(text)
+  out = {}
+  for gbps in NETWORKS_GBPS:
+    device = measure.device_for(network(gbps), 8, "bf16")
+    intra, cross = measure.sent_bytes(program, device)
+    prediction = predict.predict(program, device)
+    windows = []
+    for loop in predict.predict_scheduled(text, device):
+      where = "outside loops" if loop.name == "ENTRY" else f"in a loop of {loop.trips}"
+      windows += [(where, w.op, w.nbytes / MiB, 1e3 * w.exposed * loop.trips * loop.runs)
+                  for w in loop.windows]
+    exposed = sum(w[3] for w in windows) / 1e3
+    out[str(gbps)] = {"intra": intra, "cross": cross, "memory_s": prediction.elementwise,
+                      "compute_s": prediction.compute, "exposed_s": exposed,
+                      "step_s": prediction.compute + exposed,
+                      "top": sorted(windows, key=lambda w: -w[3])[:3]}
+  return out
 
 
 def compile_row(row, programs: pathlib.Path) -> dict:
@@ -139,10 +158,13 @@ def measure_all(rows, results_path: pathlib.Path) -> dict:
   return {tuple(k.split("|")): v for k, v in done.items()}
 
 
-def reread(out: dict, programs: pathlib.Path) -> dict:
+def reread(out: dict, programs: pathlib.Path, every: bool) -> dict:
+  """Rows read again from their kept programs: ``every`` one, or those read before the
+  results held each network's ``top`` collectives (an older reader)."""
   for row, r in out.items():
     path = programs / (bench_peer._slug(row) + ".hlo.gz")
-    if path.exists() and "error" not in r:
+    stale = every or any("top" not in n for n in r.get("net", {}).values())
+    if path.exists() and "error" not in r and stale:
       r["net"] = read_all(gzip.decompress(path.read_bytes()).decode())
   return out
 
@@ -194,7 +216,12 @@ def attribution(z, g) -> str:
 
 
 def render(out: dict) -> str:
-  keys = list(dict.fromkeys(k[:3] for k in out))
+  order = lambda k: (list(MODELS).index(k[0]), int(k[1]), int(k[2]), list(SYSTEMS).index(k[3]))
+  out = dict(sorted(out.items(), key=lambda kr: order(kr[0])))
+  # Only cases with every system compiled are compared (an interrupted run leaves some out).
+  keys = [key for key in dict.fromkeys(k[:3] for k in out)
+          if all(key + (s,) in out for s in SYSTEMS)]
+  out = {k: r for k, r in out.items() if k[:3] in keys}
   minutes = sum(r.get("seconds", 0) for r in out.values()) / 60
   lines = [
       "## regime: many hosts, thin networks, 1-2 sequences per GPU (PREDICTIONS for time)", "",
@@ -240,7 +267,7 @@ def render(out: dict) -> str:
             "best | ratio | lossy ratio | exact - GSPMD | lossy - GSPMD | goals |",
             "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | --- | --- | "
             "--- |"]
-  failed = []
+  failed, why = [], []
   for key in keys:
     for gbps in NETWORKS_GBPS:
       v = verdict(out, key, gbps)
@@ -252,11 +279,51 @@ def render(out: dict) -> str:
       ratio = lambda x: "does not fit" if x is None else f"{x[1]['step_s'] / g[1]['step_s']:.2f}"
       miss = goal_failures(v)
       failed += [f"{MODELS[key[0]].name} {key[1]}x8 {key[2]} seq {gbps:,} Gb/s: {m}" for m in miss]
+      if miss:
+        why.append(explain(MODELS[key[0]].name, key, gbps, v))
       lines.append(f"{head} {g[0]} | {g[1]['step_s'] * 1e3:.1f} | {v['share']:.0%} | "
                    f"{z[0] if z else '-'} | {ratio(z)} | {ratio(q)} | {attribution(z, g)} | "
                    f"{attribution(q, g)} | {'; '.join(miss) if miss else 'met'} |")
   lines += ["", f"**Goals missed:** {'; '.join(failed) if failed else 'none'}.", ""]
+  if why:
+    lines += ["Where each missed goal's time goes, read off the compiled programs at that "
+              "network (MiB each GPU sends across hosts per step; the collectives leaving the "
+              "most communication exposed per step, with the bytes of one call):", "", *why, ""]
   return "\n".join(lines)
+
+
+def cause(v: dict, gbps: int, miss: str) -> str:
+  """Why one goal is missed, from the figures: the network's floor when zero_jax sends as many
+  bytes across hosts as GSPMD, else the parts of the difference."""
+  g = v["gspmd"]
+  z = v["exact"] if miss.startswith("exact") else v["lossy"]
+  floor = z[1]["cross"] / network(gbps).cross_bandwidth  # its bytes across, alone, at full rate
+  bound = GOAL_EXACT if miss.startswith("exact") else GOAL_LOSSY
+  if floor >= bound * g[1]["step_s"]:
+    return (f"{z[0]} sends {z[1]['cross'] / MiB:,.0f} MiB across hosts (GSPMD "
+            f"{g[1]['cross'] / MiB:,.0f}): at {gbps:,} Gb/s per host that alone takes "
+            f"{floor * 1e3:,.0f} ms per GPU, {floor / g[1]['step_s']:.2f}x of GSPMD's step, so "
+            f"no step sending those bytes reaches {bound}x")
+  d = [a - b for a, b in zip(_parts(z[1]), _parts(g[1]))]
+  return (f"{z[0]} - GSPMD: matmuls {d[0]:+.1f} ms, memory-bound kernels {d[1]:+.1f} ms, "
+          f"exposed communication {d[2]:+.1f} ms; its own exposed communication "
+          f"{z[1]['exposed_s'] * 1e3:.1f} ms of a {z[1]['step_s'] * 1e3:.1f} ms step")
+
+
+def explain(name: str, key: tuple, gbps: int, v: dict) -> str:
+  """One line per missed goal: the bytes across hosts of both sides and what is exposed."""
+  g = v["gspmd"]
+  causes = "; ".join(f"{m.split(' ')[0]}: {cause(v, gbps, m)}" for m in goal_failures(v))
+  cross = lambda r: f"{r[1]['cross'] / MiB:,.0f} MiB across"
+  top = lambda r: "; ".join(f"{op} of {mib:,.1f} MiB {where}: {ms:.2f} ms"
+                            for where, op, mib, ms in r[1].get("top", ()))
+  sides = [x for x in (v["exact"], v["lossy"]) if x is not None]
+  return (f"- {name} {key[1]}x8, {key[2]} seq/GPU, {gbps:,} Gb/s. **Cause:** {causes}. "
+          f"**Exposed:** GSPMD {g[0]} "
+          f"{cross(g)}, exposed {g[1]['exposed_s'] * 1e3:.1f} of {g[1]['step_s'] * 1e3:.1f} ms "
+          f"({top(g)}); " + "; ".join(
+              f"zero_jax {z[0]} {cross(z)}, exposed {z[1]['exposed_s'] * 1e3:.1f} of "
+              f"{z[1]['step_s'] * 1e3:.1f} ms ({top(z)})" for z in sides) + ".")
 
 
 def main() -> None:
@@ -270,7 +337,9 @@ def main() -> None:
   p.add_argument("--attention", default="cudnn", choices=("cudnn", "written"))
   p.add_argument("--results", type=pathlib.Path,
                  default=pathlib.Path(tempfile.gettempdir()) / "zero_jax_regime.json")
-  p.add_argument("--reread", action="store_true", help="read every kept program again")
+  p.add_argument("--reread", action="store_true",
+                 help="read the kept programs of rows read by an older reader again")
+  p.add_argument("--reread-all", action="store_true", help="read every kept program again")
   p.add_argument("--compile-only", action="store_true", help="compile, render nothing")
   p.add_argument("--render-only", action="store_true",
                  help="compile nothing: render the rows the results file already holds")
@@ -289,8 +358,8 @@ def main() -> None:
     return
   wanted = {tuple(map(str, r)) for r in rows}
   out = {k: v for k, v in out.items() if k in wanted}
-  if args.reread:
-    out = reread(out, args.results.with_suffix(".programs"))
+  if args.reread or args.reread_all:
+    out = reread(out, args.results.with_suffix(".programs"), args.reread_all)
     done = json.loads(args.results.read_text())
     done.update({"|".join(k): v for k, v in out.items()})
     args.results.write_text(json.dumps(done, indent=1))
