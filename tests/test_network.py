@@ -146,3 +146,23 @@ def test_a_thinner_network_slows_only_collectives_across_hosts():
   bandwidth = lambda d: overlap.transfer_time(across, d) - 2 * d.cross.latency
   assert bandwidth(thin) == pytest.approx(32 * bandwidth(wide), rel=1e-12)
   assert bandwidth(thin) == pytest.approx(S / (100e9 / 64), rel=1e-12)
+
+
+def test_a_small_all_reduce_over_many_hosts_takes_nccls_tree():
+  # NCCL picks the faster of ring and tree for an all-reduce (src/graph/tuning.cc). 32 hosts of
+  # 8, 12 KiB (a bias's gradient): the ring's 2 x 255 steps (62 across) against the tree's
+  # 2 x (7 within + log2(32) = 5 across); the tree moves the bytes at 0.9 of the ring's rate.
+  big = DEV._replace(devices_per_host=8)
+  t = overlap.Transfer("all-reduce", 12 * 1024, (tuple(range(256)),))
+  cross = overlap.cross_host_bytes(t, big)
+  seconds = max(cross / 1e8, (overlap.wire_bytes(t, big) - cross) / 1e9)
+  ring = seconds + 62 * 1e-5 + 448 * 1e-6
+  tree = seconds / 0.9 + 2 * (7 * 1e-6 + 5 * 1e-5)
+  assert tree < ring
+  assert overlap.transfer_time(t, big) == pytest.approx(tree, rel=1e-12)
+  # a large one stays on the ring (its bandwidth term dominates)
+  t = t._replace(nbytes=1 << 30)
+  cross = overlap.cross_host_bytes(t, big)
+  seconds = max(cross / 1e8, (overlap.wire_bytes(t, big) - cross) / 1e9)
+  assert overlap.transfer_time(t, big) == pytest.approx(
+      seconds + 62 * 1e-5 + 448 * 1e-6, rel=1e-12)

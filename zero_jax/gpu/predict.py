@@ -62,6 +62,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple
 
@@ -232,8 +233,17 @@ def transfer_time(t: Transfer, device: Device, link_efficiency: float = 1.0) -> 
   inter = {"all-reduce": 2 * (hosts - 1), "all-to-all": n - m,
            "collective-permute": 1}.get(t.op, hosts - 1)
   inter = min(inter, steps)
-  return (seconds / link_efficiency + inter * device.cross.latency
+  ring = (seconds / link_efficiency + inter * device.cross.latency
           + (steps - inter) * device.intra.latency)
+  if t.op != "all-reduce":
+    return ring
+  # NCCL's all-reduce across hosts takes the faster of a ring and a tree (src/graph/tuning.cc):
+  # the tree's latency is 2 * ((devices a host - 1) intra steps + log2(hosts) cross steps), its
+  # bandwidth 0.9 of the ring's. A small all-reduce over many hosts (a replicated bias's
+  # gradient) is latency-bound: the tree takes log2(hosts) steps across, the ring 2 (hosts-1).
+  tree = (seconds / (0.9 * link_efficiency) + 2 * (
+      (math.ceil(m) - 1) * device.intra.latency + math.ceil(math.log2(hosts)) * device.cross.latency))
+  return min(ring, tree)
 
 
 def compute_time(dots, device: Device, compute_efficiency: float = 1.0) -> float:
