@@ -240,6 +240,11 @@ def render(out: dict) -> str:
       f"(MaxText-style), FSDP flat over all GPUs and HSDP (split within a host, replicated "
       f"across), each with XLA's defaults and with NVIDIA's flags.",
       "",
+      "Cases compiled (every system of each; hosts 4 and 16, and the rest of the 2-sequence "
+      "cases, did not fit this session's CPU time): " + "; ".join(
+          f"{MODELS[m].name}: " + ", ".join(f"{h} hosts x {q} seq" for mm, h, q in keys if mm == m)
+          for m in dict.fromkeys(k[0] for k in keys)) + ".",
+      "",
       f"**Goals (predicted):** where exposed communication is at least {GOAL_SHARE:.0%} of "
       f"GSPMD's best step, zero_jax exact at most {GOAL_EXACT}x of it and with quantization at "
       f"most {GOAL_LOSSY}x; nowhere above {GOAL_ANY}x. Rows that do not fit an 80 GB H100 are "
