@@ -240,8 +240,8 @@ def render(out: dict) -> str:
       f"(MaxText-style), FSDP flat over all GPUs and HSDP (split within a host, replicated "
       f"across), each with XLA's defaults and with NVIDIA's flags.",
       "",
-      "Cases compiled (every system of each; hosts 4 and 16, and the rest of the 2-sequence "
-      "cases, did not fit this session's CPU time): " + "; ".join(
+      "Cases compiled (every system of each; hosts 4 and 16 were left out for this shared "
+      "CPU's time): " + "; ".join(
           f"{MODELS[m].name}: " + ", ".join(f"{h} hosts x {q} seq" for mm, h, q in keys if mm == m)
           for m in dict.fromkeys(k[0] for k in keys)) + ".",
       "",
@@ -300,7 +300,7 @@ def render(out: dict) -> str:
 
 
 READING = [
-    "**Reading it** (figures from the 1-sequence rows above; predictions). *Bytes across hosts*: "
+    "**Reading it** (predictions; figures from the rows above). *Bytes across hosts*: "
     "zero_jax's hybrid and hpZ steps send the same bytes across hosts, 2 (h-1)/h of each GPU's "
     "eighth of the bf16 gradient (Llama-3-8B: 1,915 MiB per GPU on 2 hosts, 3,709 on 32; the "
     "GPU tier pins the formula), as GSPMD's HSDP does (1,945 and 3,709 MiB); GSPMD's flat FSDP "
@@ -316,9 +316,10 @@ READING = [
     "meets 0.7x on every 1-sequence row at 100 and 400 Gb/s per host, but not at 3.2 Tb/s, where "
     "communication within the "
     "host, the embedding's gathers outside the loops and the memory-bound copies below remain. "
-    "*Where zero_jax is slower at 3.2 Tb/s* (1B and Llama-3-8B on 2 and 8 hosts, GSPMD's flat "
-    "FSDP with NVIDIA's flags best, communication 17-27% of its step): the difference is "
-    "memory-bound kernels, +6 to +49 ms a step, the per-layer copies that one collective per "
+    "*Where zero_jax is slower at 3.2 Tb/s* (1B and Llama-3-8B on 2 and 8 hosts with one "
+    "sequence a GPU, and on 2 to 32 hosts with two; GSPMD's flat FSDP with NVIDIA's flags best, "
+    "communication 7-27% of its step): the difference is "
+    "memory-bound kernels, +6 to +50 ms a step, the per-layer copies that one collective per "
     "layer costs (the gathered buffer sliced into the weights, the gradients packed before the "
     "reduce-scatter; \"peer (cudnn attention)\" measures them per layer), more than the "
     "exposed communication it saves; per-leaf collectives that XLA combines are the fix under "
