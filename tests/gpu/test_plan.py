@@ -409,3 +409,16 @@ def test_the_llama_examples_plan_flag_plans_a_config_without_weights(tmp_path):
   assert "Plan for 1 x 2 NVIDIA H100 80GB HBM3" in out.stdout and "**best**" in out.stdout
   assert [l for l in out.stdout.splitlines() if l.startswith("| ZeRO-3")]
   assert out.stderr.count("zj.plan: compiled ZeRO-3") == 1   # progress, printed once
+
+
+def test_a_plan_on_a_thinner_network_predicts_its_candidates_on_that_network():
+  # zj.gpu.with_network: 100 Gb/s per host of 2 GPUs (6.25 GB/s each) against the H100
+  # target's 3.2 Tb/s per 8 GPUs (50 GB/s each). The programs are the same (the network does
+  # not change what XLA compiles): the same candidate sends the same bytes, across hosts
+  # more slowly.
+  thin = zj.gpu.with_network("h100", gbps_per_host=100, gpus_per_host=2)
+  plans = [make_plan(max_compiles=1, stage=3, gpu=g) for g in ("h100", thin)]
+  assert plans[1].target.cross_bandwidth == 100e9 / 8 / 2
+  wide, narrow = (p.best for p in plans)
+  assert narrow.name == wide.name and narrow.cross_bytes == wide.cross_bytes > 0
+  assert narrow.step_time_s > wide.step_time_s

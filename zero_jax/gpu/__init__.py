@@ -10,6 +10,7 @@ async collective's window), `search` (how the planner ranks candidates and settl
 anything fits), `plan` (`zero_jax.plan`: the fastest candidate that fits).
 """
 
-from zero_jax.gpu.targets import (A100, H100, H200, TARGETS, Target, compile_only_mesh,
-                                  get_target, target_config)
+from zero_jax.gpu.targets import (A100, DGX_A100_GBPS, DGX_H100_GBPS, H100, H200, TARGETS,
+                                  Target, compile_only_mesh, get_target, target_config,
+                                  with_network)
 from zero_jax.gpu.plan import Candidate, Plan

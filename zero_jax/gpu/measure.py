@@ -106,13 +106,17 @@ def estimate(lowered, device: predict.Device, prefetch) -> float:
 
 
 def sent_bytes(program: predict.Loop, device: predict.Device) -> tuple[float, float]:
-  """``(within hosts, across hosts)``: bytes one device sends in one run of ``program``."""
-  unit = device._replace(intra=predict.Link(1.0, 0.0), cross=predict.Link(1.0, 0.0))
+  """``(within hosts, across hosts)``: bytes one device sends in one run of ``program``
+  (averaged over the devices: of a ring spanning hosts with ``m`` members in each, ``1/m``
+  crosses, `zero_jax.gpu.predict.cross_host_bytes`)."""
   totals = [0.0, 0.0]
 
   def visit(loop: predict.Loop, runs: int) -> None:
     for t in loop.transfers:
-      totals[predict.crosses_hosts(t, device)] += runs * loop.trips * predict.transfer_time(t, unit)
+      sent = predict.wire_bytes(t, device)
+      cross = predict.cross_host_bytes(t, device)
+      totals[0] += runs * loop.trips * (sent - cross)
+      totals[1] += runs * loop.trips * cross
     for inner in loop.loops:
       visit(inner, runs * loop.trips)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -99,6 +100,71 @@ def get_target(gpu: str | Target) -> Target:
   raise ValueError(f"gpu={gpu!r}: zero_jax knows {sorted(TARGETS)}. For another card pass a "
                    f"zero_jax.gpu.Target with its figures (e.g. "
                    f"zero_jax.gpu.H100._replace(name=..., memory_bytes=...)).")
+
+
+# The network between hosts, Gb/s each way per host, of the systems the targets' default
+# ``cross_bandwidth`` describes: DGX/HGX H100 (and H200) have 8 x 400 Gb/s NDR InfiniBand ports,
+# one per GPU (3.2 Tb/s per host); DGX A100 has 8 x 200 Gb/s HDR (1.6 Tb/s per host).
+#: DGX/HGX H100 and H200: 8 x 400 Gb/s NDR per host, Gb/s (the H100/H200 targets' network).
+DGX_H100_GBPS = 3200
+#: DGX A100: 8 x 200 Gb/s HDR per host, Gb/s (the A100 target's network).
+DGX_A100_GBPS = 1600
+
+
+def with_network(gpu: str | Target, *, gbps_per_host: float, gpus_per_host: int = 8) -> Target:
+  """``gpu``'s `Target` on a cluster whose hosts are linked at ``gbps_per_host`` Gb/s.
+
+  The network between hosts is a property of the cluster, not of the card: the targets'
+  defaults are NVIDIA's reference systems, DGX/HGX H100 and H200 with 8 x 400 Gb/s NDR ports
+  per host (3.2 Tb/s, `DGX_H100_GBPS`) and DGX A100 with 8 x 200 Gb/s HDR (1.6 Tb/s,
+  `DGX_A100_GBPS`). Many clusters have less: one or two 100-400 Gb/s NICs per host. When the
+  GPUs of a host all send across hosts at once (every data-parallel collective does), they
+  share the host's network, so each GPU's share, ``cross_bandwidth``, is
+  ``gbps_per_host / gpus_per_host`` (in bytes/s: ``* 1e9 / 8``).
+
+  Pass the result as ``gpu=`` to `zero_jax.plan` or `zero_jax.compile_only_mesh`, or to
+  `zero_jax.gpu.predict.device_from_target`, with the same GPUs per host (``per_host=``).
+
+  Example:
+    >>> import zero_jax as zj
+    >>> t = zj.gpu.with_network("h100", gbps_per_host=400)   # one 400 Gb/s NIC per host
+    >>> t.cross_bandwidth / 1e9                               # GB/s, each GPU's share
+    6.25
+    >>> zj.gpu.with_network("h100", gbps_per_host=zj.gpu.DGX_H100_GBPS) == zj.gpu.H100
+    True
+
+  Args:
+    gpu: ``"h100"``, ``"h200"``, ``"a100"`` or a `Target`.
+    gbps_per_host: the host's network to other hosts, gigabits per second each way (the sum
+      of its NICs' rates: 8 x 400 Gb/s is 3200).
+    gpus_per_host: GPUs sharing that network (the ``per_host=`` of the cluster).
+
+  Returns:
+    The `Target` with ``cross_bandwidth`` set; its other figures unchanged.
+
+  Raises:
+    ValueError: ``gbps_per_host`` is not a positive, finite number, or ``gpus_per_host`` not
+      an int >= 1.
+  """
+  t = get_target(gpu)
+  if (isinstance(gbps_per_host, bool) or not isinstance(gbps_per_host, (int, float))
+      or not math.isfinite(gbps_per_host) or gbps_per_host <= 0):
+    raise ValueError(f"gbps_per_host={gbps_per_host!r}: expected a positive number of gigabits "
+                     f"per second between one host and the others, each way (e.g. 400 for one "
+                     f"400 Gb/s NIC, {DGX_H100_GBPS} for DGX H100's 8 x 400 Gb/s).")
+  if isinstance(gpus_per_host, bool) or not isinstance(gpus_per_host, int) or gpus_per_host < 1:
+    raise ValueError(f"gpus_per_host={gpus_per_host!r}: expected an int >= 1, the GPUs of one "
+                     f"host that share its network (8 on DGX/HGX systems).")
+  share = gbps_per_host * 1e9 / 8 / gpus_per_host
+  if gbps_per_host < 10:
+    warnings.warn(f"with_network: gbps_per_host={gbps_per_host} is below 10 Gb/s per host; the "
+                  f"figure is in gigabits per second (3.2 Tb/s is 3200).", stacklevel=2)
+  elif share > t.intra_bandwidth:
+    warnings.warn(f"with_network: gbps_per_host={gbps_per_host} gives each of {gpus_per_host} "
+                  f"GPUs {share / 1e9:.0f} GB/s across hosts, more than {t.name}'s links within "
+                  f"a host ({t.intra_bandwidth / 1e9:.0f} GB/s); the figure is in gigabits per "
+                  f"second (3.2 Tb/s is 3200), not bits or bytes.", stacklevel=2)
+  return t._replace(cross_bandwidth=share)
 
 
 def target_config(t: Target) -> str:
