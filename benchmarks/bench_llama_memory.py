@@ -2,10 +2,10 @@
 
 Writes the ``llama-memory`` section of BENCHMARKS.md. The model is ``examples/llama``'s, of
 Meta-Llama-3-8B's ``config.json`` (tests/data/hf_configs/llama3_8b: 32 layers, hidden 4096,
-8.03e9 parameters); the step is ``examples/finetune_llama.py``'s: ZeRO-3, bf16 parameters with
-a float32 master copy, AdamW, next-token cross-entropy. Each program is compiled by XLA:GPU for
-8 compile-only H100s (`zj.compile_only_mesh`; JAX's CUDA plugin, no GPU) and its
-``memory_analysis()`` gives the peak per GPU: arguments + outputs - aliased + temporaries.
+8.03e9 parameters); the step is ``examples/finetune_llama.py``'s: ZeRO-3, ``precision="bf16"``
+(the split float32 master is the parameter at stage 3, cast to bf16 before each gather), AdamW,
+next-token cross-entropy. Each program is compiled by XLA:GPU for 8 compile-only H100s
+(`zj.compile_only_mesh`; JAX's CUDA plugin, no GPU) and its ``memory_analysis()`` gives the peak per GPU: arguments + outputs - aliased + temporaries.
 
 Two layouts of the same model:
 
@@ -112,11 +112,12 @@ def render(cfg: LlamaConfig, out: dict) -> str:
       "",
       f"`python benchmarks/bench_llama_memory.py`: examples/finetune_llama.py's model and step "
       f"for Meta-Llama-3-8B's config.json ({n / 1e9:.2f}e9 parameters, 32 layers of "
-      f"{layer / 1e6:.0f}e6), ZeRO-3, bf16 parameters and a float32 master copy, AdamW, "
+      f"{layer / 1e6:.0f}e6), ZeRO-3, `precision=\"bf16\"` (bf16 compute; at stage 3 the split "
+      f"float32 master is the parameter, cast to bf16 before each gather), AdamW, "
       f"{PER_GPU} x {SEQ} tokens per GPU, compiled by XLA:GPU for 8 compile-only H100s "
       f"(80 GiB each). The model's bytes: {gib(2 * n)} GiB in bf16, {gib(4 * n)} GiB in float32; "
-      f"its state (bf16 parameters, float32 master, AdamW's two moments: 14 bytes a parameter) "
-      f"{gib(14 * n)} GiB, {gib(14 * n / GPUS)} GiB per GPU split 8 ways. One layer: "
+      f"its state (the float32 master and AdamW's two moments: 12 bytes a parameter) "
+      f"{gib(12 * n)} GiB, {gib(12 * n / GPUS)} GiB per GPU split 8 ways. One layer: "
       f"{gib(2 * layer)} GiB in bf16. Both layouts read the embedding with `zj.take` from a "
       f"table the step leaves split (`lookup=`). *stacked*: the example's layout (blocks built "
       f"with `nnx.vmap`, step made with `stacked=`, `zj.scan(prefetch=1)`, `--remat {REMAT}`); "
@@ -144,7 +145,7 @@ def render(cfg: LlamaConfig, out: dict) -> str:
   lines += [
       "",
       "*XLA peak* is the compiled program's own: arguments + outputs - aliased + temporaries. "
-      "`evaluate` and `apply` read only the parameters (the step's bf16 copy, split 8 ways), so "
+      "`evaluate` and `apply` read only the parameters (the float32 master, split 8 ways), so "
       "their programs take that much of the state as arguments; the rest of the state (master "
       "copy, AdamW's moments) stays on the GPU while they run, and *state + temporaries* is "
       "what is then in use (the train step's arguments plus the program's temporaries)."]
@@ -161,9 +162,10 @@ def render(cfg: LlamaConfig, out: dict) -> str:
         f"({gib(2 * cfg.vocab_size * cfg.hidden_size)} GiB in bf16), the one parameter neither "
         f"stacked nor a lookup table, gathered whole before the loss. The embedding stays split "
         f"(`lookup=`): it moves only the rows the batch reads, never the table (the table's "
-        f"gather and its gradient's reduce-scatter were 877 MiB each way per GPU); the peak is "
-        f"the same with or without it (27.05 GiB before `lookup=` too): the gathered table was "
-        f"not live at the program's peak."]
+        f"gather and its gradient's reduce-scatter were 877 MiB each way per GPU). It saves "
+        f"communication, not peak: with the split bf16 copy the state kept until this release "
+        f"the peak was 27.05 GiB with and without `lookup=` (the gathered table was not live at "
+        f"the program's peak)."]
   if pair("stacked evaluate", "unstacked evaluate"):
     a, b = peaks["stacked evaluate"], peaks["unstacked evaluate"]
     lines += [
@@ -171,16 +173,20 @@ def render(cfg: LlamaConfig, out: dict) -> str:
         f"Without a backward pass the unstacked program does not hold the whole model either: "
         f"no gathered parameter is needed after its layer, and XLA's scheduler places each "
         f"all-gather next to its use ({gib(b)} GiB, against {gib(a)} stacked). The stacked "
-        f"programs' {gib(a - b)} GiB more are the head: XLA's memory-usage report "
-        f"(`--xla_dump_to`) of the stacked evaluate has the gathered bf16[{cfg.hidden_size},"
-        f"{cfg.vocab_size}] head as its largest buffer ({gib(2 * cfg.vocab_size * cfg.hidden_size)}"
-        f" GiB), live across the layer loop (the step gathers the parameters that are neither "
-        f"stacked nor lookup tables before the loss), where the unstacked program gathers it "
-        f"next to its use. The embedding is gathered in neither (`lookup=`; before it, the "
-        f"stacked evaluate held the gathered table beside the head: 4.76 GiB). Evaluating and "
+        f"programs' {gib(a - b)} GiB more, read off XLA's memory-usage report (`--xla_dump_to`) "
+        f"of the stacked evaluate: the gathered bf16[{cfg.hidden_size},{cfg.vocab_size}] head, "
+        f"its largest buffer ({gib(2 * cfg.vocab_size * cfg.hidden_size)} GiB), live across the "
+        f"layer loop (the step gathers the parameters that are neither stacked nor lookup tables "
+        f"before the loss), and the bf16 cast of the device's float32 block of each stacked "
+        f"leaf, made whole before the loop (the MLP's bf16[32,4096,1792] and bf16[32,1792,4096], "
+        f"448 MiB each, and the attention's), where the unstacked program casts each leaf next "
+        f"to its gather. Casting each layer's slice inside `zj.scan` would remove the latter "
+        f"(not built). With the split bf16 copy the state kept until this release these "
+        f"programs read 2 bytes a parameter, not 4, and the stacked evaluate held 4.32 GiB "
+        f"(4.76 before `lookup=`). The embedding is gathered in neither. Evaluating and "
         f"sampling an 8B model thus fit in either layout; "
-        f"training is where stacking counts. (Llama-3-70B's state is 14 bytes x "
-        f"{EX.n_params(big) / 1e9:.1f}e9 parameters = {gib(14 * EX.n_params(big) / GPUS)} GiB "
+        f"training is where stacking counts. (Llama-3-70B's state is 12 bytes x "
+        f"{EX.n_params(big) / 1e9:.1f}e9 parameters = {gib(12 * EX.n_params(big) / GPUS)} GiB "
         f"per GPU on 8: it needs 16 or more H100s in either layout, and its whole model in "
         f"bf16, {gib(2 * EX.n_params(big))} GiB, would not fit one.)"]
   return "\n".join(lines)
