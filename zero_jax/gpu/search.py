@@ -207,6 +207,20 @@ def _policy_jobs(s: Search, chosen: list, max_compiles: int) -> list:
   return jobs
 
 
+def _compile_more(s: Search, options: list, done: list, made_from: list, workers: int) -> list:
+  """``(options, candidate)`` of those of ``options`` that build, lowered and compiled;
+  appended to ``done`` and ``made_from``."""
+  jobs = []
+  for o in options:
+    got = s.prepare(o)
+    if got is not None:
+      jobs.append((o, s.lower(got[0]), got[1]))
+  pairs = s.compile(jobs, workers)
+  done.extend(c for _, c in pairs)
+  made_from.extend(o for o, _ in pairs)
+  return pairs
+
+
 def reversed_policies(s: Search, done: list, made_from: list, workers: int) -> None:
   """After phase 1: where a compiled layout beat, under the same remat policy, one whose every
   policy was compiled (the lowered estimate ranked them the wrong way round), its other
@@ -220,14 +234,7 @@ def reversed_policies(s: Search, done: list, made_from: list, workers: int) -> N
     if not todo:
       return
     log.info("zj.plan: %d remat policies of layouts that compiled faster than ranked", len(todo))
-    jobs = []
-    for o in todo:
-      got = s.prepare(o)
-      if got is not None:
-        jobs.append((o, s.lower(got[0]), got[1]))
-    pairs = s.compile(jobs, workers)
-    done.extend(c for _, c in pairs)
-    made_from.extend(o for o, _ in pairs)
+    pairs = _compile_more(s, todo, done, made_from, workers)
     s.skipped[:] = [(o, why) for o, why in s.skipped if o not in made_from]
     if len(pairs) < len(todo):  # refused, pruned or out of time: not tried again
       return
@@ -252,14 +259,7 @@ def leaner_policies(s: Search, done: list, made_from: list, workers: int) -> Non
     if not nxt or s.out_of_time(f"{len(nxt)} leaner remat policies"):
       return
     log.info("zj.plan: none fits; %d of those compiled with a leaner remat policy", len(nxt))
-    jobs = []
-    for o in nxt:
-      got = s.prepare(o)
-      if got is not None:
-        jobs.append((o, s.lower(got[0]), got[1]))
-    pairs = s.compile(jobs, workers)
-    done.extend(c for _, c in pairs)
-    made_from.extend(o for o, _ in pairs)
+    pairs = _compile_more(s, nxt, done, made_from, workers)
     current = [o for o, c in pairs if not c.fits]
 
 
