@@ -41,6 +41,9 @@ VARIANTS = {
     "hybrid_stage2_adam": dict(stage=2, opt="adam", hybrid=True),
     "hybrid_stage3_sgd": dict(stage=3, opt="sgd", hybrid=True),
     # ZeRO++: hpZ within a process, int8 weights and gradients across (and within) them.
+    # Stage 3 in bf16 keeps the split fp32 master as the params (StateMeta.master_in_params)
+    # and gathers bf16 casts of it; its gradients are reduce-scattered in bf16.
+    "bf16_stage3_sgd": dict(stage=3, opt="sgd", precision="bf16"),
     "hpz_qwz_qgz_stage3_adam": dict(stage=3, opt="adam", hybrid=True, hpz=True,
                                     precision="bf16", quantize=True),
 }

@@ -134,6 +134,13 @@ def test_one_process_reference_matches_plain_optax(variant, one_process):
     _close(one_process[variant]["params"][k], plain[k], rtol=1e-5)
 
 
+def test_the_bf16_stage3_variant_runs_the_layout_that_keeps_the_master_as_params():
+  """So that the two-process parity above covers that layout (and fails if it moves)."""
+  step = W.make_step("bf16_stage3_sgd")
+  state = step.init(W.init_params())
+  assert state.meta.master_in_params and state.master is None
+
+
 def test_every_process_gets_the_same_params_and_python_metrics(two_processes):
   r0, r1 = two_processes["results"]
   assert sorted(r0) == sorted(r1)
