@@ -4,8 +4,9 @@ layer's matmul in its window, whatever the model's shape? (compile-only GPUs, no
 Writes the ``overlap-sweep`` section of BENCHMARKS.md. Each case is an MLP of ``--layers``
 layers (width ``d``, hidden ``2 d``, gelu; ``residual``: ``h + f(h)``, ``plain``: ``f(h)``),
 stacked and looped with ``zj.scan(prefetch=1, policy=...)`` in a stage-3 bf16 AdamW step,
-``rows`` rows per GPU, on 1 x 8 GPUs or 2 x 8 with hpZ (weights gathered within a host),
-compiled for compile-only H100/H200/A100 with the step's own compiler options
+``rows`` rows per GPU, on 1 x 8 GPUs, 2 x 8 with hpZ (weights gathered within a host) or 2 x 8
+with a replica axis across the hosts (``2x8-replica``: ``replica_axis="hosts"``, hybrid
+sharding as FSDP2's HSDP: state split within a host, gradients all-reduced across), compiled for compile-only H100/H200/A100 with the step's own compiler options
 (``step.compiler_options``, as a user gets them from the step or ``step.jit``). For each
 program `zero_jax.gpu.schedule.loops` reads, in the forward and backward layer loops, every
 async collective and the matmuls XLA:GPU scheduled between its start and its done; a case
@@ -17,7 +18,7 @@ zero_jax>``), then ``--before FILE`` puts them beside this code's in the section
 FILE``: this code's, recorded the same way, instead of compiling them again).
 
 Usage: ``python benchmarks/bench_overlap_sweep.py [--grid SPEC]... [--layers 8]
-[--record FILE | --before FILE [--now FILE]] [--no-write]`` (needs JAX's CUDA plugin: the GPU
+[--record FILE | --before FILE [--now FILE]] [--note TEXT] [--no-write]`` (needs JAX's CUDA plugin: the GPU
 tier's venv). Each ``--grid`` is a product, ``gpus=a100,h100;meshes=1x8,2x8;kinds=residual,plain;
 policies=none,dots,full;shapes=512x128,8192x4096`` (width x rows per GPU; a key left out takes
 every value, shapes `SHAPES`); the cases are the union of the grids (`GRIDS` by default).
@@ -41,15 +42,17 @@ from zero_jax.gpu import schedule
 
 POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_saveable,
             "full": jax.checkpoint_policies.nothing_saveable}
-MESHES = ("1x8", "2x8")
+MESHES = ("1x8", "2x8", "2x8-replica")
 KINDS = ("residual", "plain")
 GPUS = ("a100", "h100", "h200")
 SHAPES = ("512x128", "2048x512", "8192x4096")  # width x rows per GPU
-# The default sweep, sized for a 2-core CPU (66 cases, 20 to 30 min of compiles there): every
+# The default sweep, sized for a 2-core CPU (102 cases, 25 to 40 min of compiles there): every
 # target, layer kind and policy on one host at a small, the A100 issue's and a large shape;
-# two hosts (hpZ) at both ends for residual layers.
+# two hosts (hpZ) at both ends for residual layers; two hosts with a replica axis (hybrid):
+# every target, layer kind and policy at two widths between those.
 GRIDS = ("meshes=1x8",
-         "meshes=2x8;kinds=residual;policies=none,full;shapes=512x128,8192x4096")
+         "meshes=2x8;kinds=residual;policies=none,full;shapes=512x128,8192x4096",
+         "meshes=2x8-replica;shapes=1024x256,4096x1024")
 
 
 def loss_for(kind: str, policy):
@@ -70,7 +73,8 @@ def make_step(gpu: str, mesh_name: str, kind: str, policy: str):
     mesh, opts = zj.compile_only_mesh((8,), ("data",), gpu=gpu), {}
   else:
     mesh = zj.compile_only_mesh((2, 8), ("hosts", "data"), gpu=gpu, hosts=2)
-    opts = {"axis_name": ("hosts", "data"), "hpz_axis": "data"}
+    opts = ({"replica_axis": "hosts"} if mesh_name == "2x8-replica" else
+            {"axis_name": ("hosts", "data"), "hpz_axis": "data"})
   return zj.make_sharded_train_step(loss_for(kind, POLICIES[policy]), optax.adam(1e-3),
                                     mesh=mesh, stage=3, stacked=True, precision="bf16", **opts)
 
@@ -134,6 +138,7 @@ def main(argv=None):
   ap.add_argument("--record", help="write the results to this JSON file, and no section")
   ap.add_argument("--before", help="results recorded by --record with the code before the fix")
   ap.add_argument("--now", help="this code's results recorded by --record (nothing compiled)")
+  ap.add_argument("--note", help="a paragraph put after the summary (where rows come from)")
   ap.add_argument("--no-write", action="store_true")
   args = ap.parse_args(argv)
   specs = args.grid or list(GRIDS)
@@ -173,16 +178,19 @@ def main(argv=None):
       f"stage-3 bf16 AdamW step over a "
       f"{args.layers}-layer MLP (width d, hidden 2d, gelu; residual `h + f(h)` or plain "
       f"`f(h)`), `zj.scan(prefetch=1, policy=...)` (none: keep what lax.scan keeps, dots: "
-      f"`dots_saveable`, full: `nothing_saveable`), 1 x 8 GPUs or 2 x 8 with hpZ, compiled "
-      f"with the step's own compiler options. A cell is x/y: of the y async collectives in "
+      f"`dots_saveable`, full: `nothing_saveable`), 1 x 8 GPUs, 2 x 8 with hpZ, or 2 x 8 "
+      f"with a replica axis across the hosts (`2x8-replica`: `replica_axis=\"hosts\"`, "
+      f"hybrid sharding), compiled with the step's own compiler options. A cell is x/y: of the y async collectives in "
       f"the forward and backward layer loops, x have a matmul scheduled between their start "
       f"and their done (`zero_jax.gpu.schedule.loops`); the bare ones are named by loop. "
       + ("`before`: the same cases compiled with the code before issue 46.4c's fix (recorded "
-         "with `--record`, read with `--before`). " if args.before else "")
+         "with `--record`, read with `--before`; `-`: a case not compiled with it). "
+         if args.before else "")
       + "Temp: XLA's temporary bytes per GPU (`memory_analysis()`).",
       "",
       f"Summary: {summary}.",
       "",
+      *([args.note, ""] if args.note else []),
       "| gpu | mesh | layer | policy | width | rows/GPU | " + " | ".join(cols)
       + " | temp MiB" + (" (before / now)" if args.before else "") + " |",
       "|" + "---|" * (7 + len(cols)),

@@ -27,12 +27,10 @@ Usage: ``python benchmarks/bench_peer.py [--quick] [--models small,1b,8b] [--gpu
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import pathlib
 import tempfile
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -42,6 +40,7 @@ import optax  # noqa: E402
 
 import _gspmd  # noqa: E402
 import _lm  # noqa: E402
+import _peer_common  # noqa: E402
 import zero_jax as zj  # noqa: E402
 from zero_jax.gpu import measure, predict, schedule, targets  # noqa: E402
 
@@ -180,40 +179,25 @@ def compile_row(row, programs: pathlib.Path) -> dict:
                **(_gspmd.nvidia_flags(cfg) if flags == "NVIDIA flags" else {})}
   compiled = lowered.compile(compiler_options=options)
   text = compiled.as_text()
-  programs.mkdir(parents=True, exist_ok=True)
-  (programs / (_slug(row) + ".hlo.gz")).write_bytes(gzip.compress(text.encode()))
+  _peer_common.keep_program(programs, row, text)
   return {**memory(compiled), **read(text, gpu, cfg.layers)}
-
-
-def _slug(row) -> str:
-  return "".join(c if c.isalnum() else "_" for c in "|".join(map(str, row)))
 
 
 def reread(out: dict, programs: pathlib.Path) -> dict:
   """Every row's figures read again from its kept text (after a change to the reader)."""
   for row, r in out.items():
-    path = programs / (_slug(row) + ".hlo.gz")
-    if path.exists():
-      r.update(read(gzip.decompress(path.read_bytes()).decode(), row[1],
-                    MODELS[row[0]].layers))
+    text = _peer_common.kept_program(programs, row)
+    if text is not None:
+      r.update(read(text, row[1], MODELS[row[0]].layers))
   return out
 
 
 def measure_all(rows, results_path: pathlib.Path) -> dict:
-  done = json.loads(results_path.read_text()) if results_path.exists() else {}
-  programs = results_path.with_suffix(".programs")
-  for row in rows:
-    key = "|".join(map(str, row))
-    if key in done:
-      continue
-    t0 = time.perf_counter()
-    done[key] = {**compile_row(row, programs), "seconds": time.perf_counter() - t0}
-    results_path.write_text(json.dumps(done, indent=1))
-    r = done[key]
+  def say(key: str, r: dict) -> None:
     print(f"{key:70s} peak {r['peak'] / GiB:6.1f} GiB  sent {r['intra'] / MiB:7.0f}+"
           f"{r['cross'] / MiB:5.0f} MiB  overlap {r['overlapped']}/{r['in_loop']}  "
           f"step {r['step_s'] * 1e3:7.1f} ms  ({r['seconds']:.0f} s)", flush=True)
-  return {tuple(k.split("|")): v for k, v in done.items()}
+  return _peer_common.compile_kept(rows, results_path, compile_row, say)
 
 
 def render(out: dict, command: str = "python benchmarks/bench_peer.py") -> str:

@@ -27,12 +27,10 @@ Usage: ``python benchmarks/bench_regime.py [--models small,1b,8b] [--hosts 2,8,3
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import pathlib
 import tempfile
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -41,6 +39,7 @@ import optax  # noqa: E402
 
 import _gspmd  # noqa: E402
 import _lm  # noqa: E402
+import _peer_common  # noqa: E402
 import bench_peer  # noqa: E402
 import zero_jax as zj  # noqa: E402
 from zero_jax.gpu import measure, predict, targets  # noqa: E402
@@ -120,8 +119,7 @@ def compile_row(row, programs: pathlib.Path) -> dict:
              **(_gspmd.nvidia_flags(MODELS[m]) if flags == "NVIDIA flags" else {})}
   compiled = lowered.compile(compiler_options=options)
   text = compiled.as_text()
-  programs.mkdir(parents=True, exist_ok=True)
-  (programs / (bench_peer._slug(row) + ".hlo.gz")).write_bytes(gzip.compress(text.encode()))
+  _peer_common.keep_program(programs, row, text)
   return {**bench_peer.memory(compiled), "net": read_all(text)}
 
 
@@ -133,39 +131,23 @@ def rows_for(models, hosts_list, seqs_list, systems) -> list:
 
 
 def measure_all(rows, results_path: pathlib.Path) -> dict:
-  done = json.loads(results_path.read_text()) if results_path.exists() else {}
-  programs = results_path.with_suffix(".programs")
-  for row in rows:
-    key = "|".join(map(str, row))
-    if key in done:
-      continue
-    t0 = time.perf_counter()
-    try:
-      done[key] = {**compile_row(row, programs), "seconds": time.perf_counter() - t0}
-    except Exception as e:  # pylint: disable=broad-except  (kept, said in the section)
-      done[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                   "seconds": time.perf_counter() - t0}
-    results_path.write_text(json.dumps(done, indent=1))
-    r = done[key]
-    if "error" in r:
-      print(f"{key:70s} FAILED {r['error']}", flush=True)
-      continue
+  def say(key: str, r: dict) -> None:
     n = r["net"]["400"]
     print(f"{key:70s} peak {r['peak'] / GiB:6.1f} GiB  sent {n['intra'] / MiB:7.0f}+"
           f"{n['cross'] / MiB:5.0f} MiB  step@100/400/3200 "
           f"{'/'.join('%.1f' % (r['net'][str(g)]['step_s'] * 1e3) for g in NETWORKS_GBPS)} ms "
           f"({r['seconds']:.0f} s)", flush=True)
-  return {tuple(k.split("|")): v for k, v in done.items()}
+  return _peer_common.compile_kept(rows, results_path, compile_row, say, keep_errors=True)
 
 
 def reread(out: dict, programs: pathlib.Path, every: bool) -> dict:
   """Rows read again from their kept programs: ``every`` one, or those read before the
   results held each network's ``top`` collectives (an older reader)."""
   for row, r in out.items():
-    path = programs / (bench_peer._slug(row) + ".hlo.gz")
     stale = every or any("top" not in n for n in r.get("net", {}).values())
-    if path.exists() and "error" not in r and stale:
-      r["net"] = read_all(gzip.decompress(path.read_bytes()).decode())
+    text = _peer_common.kept_program(programs, row) if "error" not in r and stale else None
+    if text is not None:
+      r["net"] = read_all(text)
   return out
 
 

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import zero_jax as zj
-from zero_jax.checkpoint import blocks
+from zero_jax.checkpoint import blocks, layer_names
 from zero_jax.checkpoint import safetensors_files
 from zero_jax.checkpoint import safetensors_format as fmt
 
@@ -364,11 +364,11 @@ def test_layers_past_the_leafs_first_dimension_are_an_error_or_with_strict_false
 
 
 def test_layer_index_of_a_name_under_a_template():
-  assert fmt.layer_of("h.{i}.w", "h.12.w") == 12
-  assert fmt.layer_of("h.{i}.w", "h.012.w") is None  # not a name {i} makes
-  assert fmt.layer_of("h.{i}.w.{i}", "h.1.w.1") == 1
-  assert fmt.layer_of("h.{i}.w.{i}", "h.1.w.2") is None
-  assert fmt.layer_of("h.{i}.w", "h.1.w.x") is None
+  assert layer_names.layer_of("h.{i}.w", "h.12.w") == 12
+  assert layer_names.layer_of("h.{i}.w", "h.012.w") is None  # not a name {i} makes
+  assert layer_names.layer_of("h.{i}.w.{i}", "h.1.w.1") == 1
+  assert layer_names.layer_of("h.{i}.w.{i}", "h.1.w.2") is None
+  assert layer_names.layer_of("h.{i}.w", "h.1.w.x") is None
 
 
 def test_layers_sliced_on_their_devices_give_the_same_bytes(tmp_path, monkeypatch):

@@ -59,9 +59,10 @@ def checkpoint_tensors(directory: str) -> dict:
   else the index's), each header read and checked by zero_jax's own parser (a damaged or
   truncated file is a ``ValueError`` naming it; so is an index naming a file outside its
   folder: through ``..``, an absolute path, or a link leading out)."""
+  from zero_jax.checkpoint import safetensors_files
   from zero_jax.checkpoint import safetensors_format as fmt
   out = {}
-  for path in fmt.find_files(directory).files:
+  for path in safetensors_files.find_files(directory).files:
     for name, e in fmt.header_of(path).items():
       out[name] = (e.code, e.shape, path)
   return out

@@ -10,9 +10,11 @@ stored as the step without the option keeps them), `master_form` (stage-3 bf16/f
 whose parameters are their float32 masters, stored with the rounded copy beside the master as
 every mixed-precision state is), `export` (full parameters as a plain Orbax
 checkpoint) and the safetensors files of Hugging Face: `safetensors_format` (names,
-headers, index), `blocks` (which part of a leaf each device writes), `safetensors_write`,
-`safetensors_files` (the files of a load, each opened once) and `safetensors_read`. It
-sits above the step and imports it; nothing of the step imports it.
+headers, the index written), `layer_names` (``{i}``: one tensor per layer of a stacked
+leaf), `blocks` (which part of a leaf each device writes), `safetensors_write`,
+`safetensors_files` (the files of a load found, the index checked, each file opened once)
+and `safetensors_read`. It sits above the step and imports it; nothing of the step imports
+it.
 """
 
 from zero_jax.checkpoint.export import export_params

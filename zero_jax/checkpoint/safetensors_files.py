@@ -1,23 +1,27 @@
 """The files of one load, each opened and its header parsed once, read with positioned reads.
 
 `load_safetensors` reads many blocks (a block per device of a tensor per leaf) from few
-files. `open_files` opens each file once for the whole load and parses its header
-(`safetensors_format.read_header`); the index's ``weight_map``, when there is one, is
-checked against the headers. A block is read with positioned reads (``os.preadv``) into
-its own buffer: straight into it when it lies in the file as long runs of bytes in the
-leaf's dtype (a block of whole rows), else through one bounded buffer a chunk of the
-tensor's rows at a time (a transposed or converted leaf, a column block). Nothing is
-mapped: a file that shrinks while it is read gives a short read, an error naming it (a
-memory map would kill the process with SIGBUS), and the resident set holds the blocks read,
-never the files.
+files. `find_files` finds them (one file, or the files a ``model.safetensors.index.json``
+lists, its shape checked and each shard name held inside the index's folder:
+`check_shard_name`); `open_files` opens each file once for the whole load and parses its
+header (`safetensors_format.read_header`); the index's ``weight_map``, when there is one, is
+checked against the headers (`check_index`). A block is read with positioned reads
+(``os.preadv``) into its own buffer: straight into it when it lies in the file as long runs
+of bytes in the leaf's dtype (a block of whole rows), else through one bounded buffer a
+chunk of the tensor's rows at a time (a transposed or converted leaf, a column block).
+Nothing is mapped: a file that shrinks while it is read gives a short read, an error naming
+it (a memory map would kill the process with SIGBUS), and the resident set holds the blocks
+read, never the files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
-from typing import Iterator
+import warnings
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +29,7 @@ import numpy as np
 
 from zero_jax.checkpoint import blocks
 from zero_jax.checkpoint import safetensors_format as fmt
+from zero_jax.checkpoint.safetensors_format import INDEX, SINGLE
 
 ALIGN = 64  # bytes: a cache line, and the alignment jax's CPU client takes without a copy
 CHUNK_BYTES = 2 << 20  # of a tensor's rows read into the staging buffer at a time
@@ -243,9 +248,160 @@ def _narrows(src: np.dtype, dst: np.dtype) -> bool:
   return exact(src) and exact(dst) and not np.can_cast(src, dst, "safe")
 
 
+# ------------------------------------------------------- the files and the index
+class Found(NamedTuple):
+  """The safetensors files of a path (`find_files`).
+
+  Attributes:
+    files: their paths.
+    index: the ``model.safetensors.index.json`` they come with, or None for one file.
+    weight_map: the index's ``{tensor name: path of its file}``, or None for one file.
+  """
+  files: list[str]
+  index: str | None = None
+  weight_map: dict[str, str] | None = None
+
+
+def find_files(path) -> Found:
+  """The safetensors files of ``path``: a file, an index, or a directory holding
+  ``model.safetensors`` or ``model.safetensors.index.json``. A directory holding both gives
+  ``model.safetensors``, as transformers' ``from_pretrained`` takes it, with a warning
+  naming both (one of them is almost surely stale)."""
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    single, index = (os.path.join(path, name) for name in (SINGLE, INDEX))
+    if os.path.exists(single) and os.path.exists(index):
+      warnings.warn(f"{path} holds both {SINGLE} and {INDEX}: reading {SINGLE}, as "
+                    f"transformers' from_pretrained does; the index and the files it lists "
+                    f"are left unread. Remove whichever is stale.", stacklevel=4)
+    for name in (single, index):
+      if os.path.exists(name):
+        return find_files(name)
+    raise FileNotFoundError(f"{path} holds neither {INDEX} nor {SINGLE}; pass the directory "
+                            f"of a safetensors export or the path of one .safetensors file.")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist.")
+  if not path.endswith(".json"):
+    return Found([path])
+  try:
+    with open(path, "rb") as f:
+      index = json.load(f)
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise ValueError(f"{path} is not a safetensors index: it is not JSON ({e}). Download or "
+                     f"export the model again.") from None
+  weight_map = _weight_map(path, index)
+  base = os.path.dirname(path)
+  for f, name in {f: k for k, f in reversed(weight_map.items())}.items():
+    check_shard_name(path, name, f)  # once per file, naming its first tensor
+  files = sorted(set(weight_map.values()))
+  missing = [f for f in files if not os.path.exists(os.path.join(base, f))]
+  if missing:
+    raise FileNotFoundError(f"{path} lists {missing[:4]}, which are not in {base}: the "
+                            f"download or export is incomplete.")
+  return Found([os.path.join(base, f) for f in files], path,
+               {k: os.path.join(base, v) for k, v in weight_map.items()})
+
+
+def _json_kind(x) -> str:
+  """What JSON calls the value ``x`` was read from (for messages)."""
+  for types, kind in ((bool, "true/false"), (dict, "an object"), (list, "an array"),
+                      (str, "a string"), ((int, float), "a number"), (type(None), "null")):
+    if isinstance(x, types):
+      return kind
+  return type(x).__name__
+
+
+def _weight_map(path: str, index) -> dict:
+  """The ``weight_map`` of the index read from ``path``, its shape checked: an object
+  ``{"metadata": {...}, "weight_map": {tensor name: file name}}``."""
+  again = "Download or export the model again."
+  if not isinstance(index, dict):
+    raise ValueError(f"{path} is not a safetensors index: it holds {_json_kind(index)}, and an "
+                     f"index is an object {{\"metadata\": {{...}}, \"weight_map\": {{tensor "
+                     f"name: file name}}}}. {again}")
+  if "weight_map" not in index:
+    raise ValueError(f"{path} has no weight_map; it is not a safetensors index (an object "
+                     f"{{\"metadata\": {{...}}, \"weight_map\": {{tensor name: file name}}}}). "
+                     f"{again}")
+  weight_map, metadata = index["weight_map"], index.get("metadata", {})
+  if not isinstance(weight_map, dict):
+    raise ValueError(f"{path}: its weight_map is {_json_kind(weight_map)}; it must be a JSON "
+                     f"object {{tensor name: file name}}. {again}")
+  if not weight_map:
+    raise ValueError(f"{path}: its weight_map is empty, it places no tensor in any file. "
+                     f"{again}")
+  if not isinstance(metadata, dict):
+    raise ValueError(f"{path}: its metadata is {_json_kind(metadata)}; it must be a JSON "
+                     f"object ({{\"total_size\": bytes}}). {again}")
+  for k, v in weight_map.items():
+    if not isinstance(v, str) or not v:
+      raise ValueError(f"{path} maps {k!r} to {v!r}, {_json_kind(v)}; a weight_map maps each "
+                       f"tensor name to the name of its file, a non-empty string. {again}")
+  return weight_map
+
+
+def check_shard_name(index: str, name: str, file: str) -> None:
+  """Raises naming the entry when ``file``, where ``index`` places tensor ``name``, is not a
+  file inside the index's folder: an absolute path, a path through ``..``, or one whose
+  symbolic links resolve outside the folder. Shard names are file names in the folder;
+  one exception: a file of a Hugging Face cache snapshot (``.../snapshots/<revision>/``)
+  may link into that repository's ``blobs/`` folder, as the cache stores every file."""
+  base = os.path.dirname(index) or "."
+  parts = file.replace("\\", "/").split("/")
+  if os.path.isabs(file) or ".." in parts or file.startswith(("/", "\\")):
+    why = "an absolute path" if os.path.isabs(file) or file[:1] in "/\\" else \
+        "a path through '..'"
+    raise ValueError(f"{index} places tensor {name!r} in {file!r}, {why}: shard names in an "
+                     f"index are file names inside its folder {base}, and an index cannot "
+                     f"reach outside it. Put the shards beside the index and list them by "
+                     f"name.")
+  root = os.path.realpath(base)
+  target = os.path.realpath(os.path.join(base, file))
+  if _inside(target, root) or _cache_blob(root, target):
+    return
+  raise ValueError(f"{index} places tensor {name!r} in {file!r}, which is a symbolic link (or "
+                   f"in a linked folder) resolving to {target}, outside the index's folder "
+                   f"{base}: an index cannot reach outside its folder. Copy the file into "
+                   f"{base} in place of the link.")
+
+
+def _inside(path: str, root: str) -> bool:
+  return os.path.commonpath([path, root]) == root
+
+
+def _cache_blob(root: str, target: str) -> bool:
+  """``target`` is a file of the ``blobs/`` folder of the Hugging Face cache repository
+  whose snapshot is ``root`` (``<repo>/snapshots/<revision>``)."""
+  snapshots = os.path.dirname(root)
+  if os.path.basename(snapshots) != "snapshots":
+    return False
+  blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+  return os.path.dirname(target) == blobs
+
+
+def check_index(index: str, weight_map: dict[str, str], held: dict[str, dict]) -> None:
+  """Raises naming the tensors when the index's ``weight_map`` ({name: file}) and what the
+  files' headers hold (``held``: {file: {name: ...}}) disagree: a tensor the index places
+  in one file but found in another or in none, or one a file holds that the index omits."""
+  where = {name: f for f, names in held.items() for name in names}
+  wrong = []
+  for name, f in weight_map.items():
+    if name not in held.get(f, ()):
+      found = f"it is in {where[name]}" if name in where else \
+          "none of the files the index lists holds it"
+      wrong.append(f"{name!r} is placed in {f}, but {found}")
+  wrong += [f"{name!r} is in {f}, which the index does not list for it"
+            for name, f in where.items() if name not in weight_map]
+  if wrong:
+    raise ValueError(f"{index} does not match the headers of its files: " + "; ".join(wrong[:6])
+                     + (f" and {len(wrong) - 6} more" if len(wrong) > 6 else "")
+                     + ". Download or export the model again (the index and the files are "
+                     "from different copies?).")
+
+
 @contextlib.contextmanager
 def open_files(path, *, max_header_bytes: int = fmt.MAX_HEADER) -> Iterator[OpenFiles]:
-  """The safetensors files of ``path`` (`safetensors_format.find_files`), each opened and
+  """The safetensors files of ``path`` (`find_files`), each opened and
   its header parsed once, closed when the block ends.
 
   Raises:
@@ -266,7 +422,7 @@ def open_files(path, *, max_header_bytes: int = fmt.MAX_HEADER) -> Iterator[Open
     array([[4., 5.],
            [8., 9.]], dtype=float32)
   """
-  found = fmt.find_files(path)
+  found = find_files(path)
   with contextlib.ExitStack() as stack:
     files, entries = {}, {}
     for f in found.files:
@@ -279,5 +435,5 @@ def open_files(path, *, max_header_bytes: int = fmt.MAX_HEADER) -> Iterator[Open
       held: dict[str, dict] = {f: {} for f in found.files}
       for name, e in entries.items():
         held[e.file][name] = e
-      fmt.check_index(found.index, found.weight_map, held)
+      check_index(found.index, found.weight_map, held)
     yield OpenFiles(files, entries)

@@ -6,9 +6,10 @@ offsets relative to the end of the header), then every tensor's row-major bytes.
 header depends on names, shapes and dtypes alone, so every tensor's byte range is known
 before any data is written. Several files come with ``model.safetensors.index.json``
 (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``), as Hugging Face
-writes them; its file names are files inside the index's folder (`check_shard_name`).
-A stacked leaf may be named per layer, as the Hub names layers: a name with ``{i}``
-(`LAYER`) is one tensor per layer (`layer_tensors`). Reading and writing data is
+writes them (`index`); finding the files and checking an index someone else wrote is
+`zero_jax.checkpoint.safetensors_files`' job. A stacked leaf may be named per layer, as the
+Hub names layers: a name with ``{i}`` is one tensor per layer
+(`zero_jax.checkpoint.layer_names`). Reading and writing data is
 `zero_jax.checkpoint.safetensors_read` (with ``safetensors_files``) /
 ``safetensors_write``'s job.
 """
@@ -18,10 +19,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import struct
-import warnings
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -98,79 +97,6 @@ def default_name(path, *, variable: bool = False) -> str:
   if variable and keys and getattr(keys[-1], "name", None) == "value":
     keys = keys[:-1]
   return ".".join(_key_str(k) for k in keys)
-
-
-LAYER = "{i}"  # in a name from rename=: one tensor per layer of a stacked leaf
-
-
-def _check_braces(name: str, default: str, leaf: str) -> None:
-  """Refuses braces in a name other than `LAYER`'s (another format field, an escape)."""
-  if "{" in name.replace(LAYER, "") or "}" in name.replace(LAYER, ""):
-    raise ValueError(f"rename({default!r}) for the leaf {leaf} returned {name!r}, which holds "
-                     f"braces other than '{LAYER}': a tensor name may hold '{LAYER}' (replaced "
-                     f"by the layer index of a stacked leaf, one tensor per layer) and no other "
-                     f"'{{' or '}}' (no other field such as '{{j}}', '{{}}' or '{{i:02d}}').")
-
-
-def apply_rename(rename: Callable | None, default: str, leaf: str, ndim: int, *,
-                 stacked: bool = False) -> tuple[str, bool]:
-  """``rename(default)`` checked: ``(name, transpose)``.
-
-  ``rename`` returns a name, or ``(name, transpose)`` with ``transpose`` a bool (the
-  file holds the 2-D leaf transposed: PyTorch's ``Linear.weight`` is ``(out, in)``,
-  Flax's ``kernel`` ``(in, out)``). A name holding ``{i}`` on a ``stacked`` leaf (layers
-  along its first dimension) names one tensor per layer (`layer_tensors`); ``transpose``
-  then applies to each layer's 2-D slice.
-
-  >>> apply_rename(lambda n: ("model.layers.{i}.w", True), "blocks.w", "params['blocks']",
-  ...              3, stacked=True)
-  ('model.layers.{i}.w', True)
-  """
-  if rename is None:
-    return default, False
-  out = rename(default)
-  name, transpose = (out if isinstance(out, tuple) and len(out) == 2 else (out, False))
-  if not isinstance(name, str) or not name or not isinstance(transpose, (bool, np.bool_)):
-    raise TypeError(f"rename({default!r}) for the leaf {leaf} returned {out!r}; it must return "
-                    f"a non-empty str, or (name, transpose) with transpose a bool.")
-  if name == "__metadata__":
-    raise ValueError(f"rename({default!r}) for the leaf {leaf} returned '__metadata__', the "
-                     f"name of a safetensors file's metadata entry; give the tensor another name.")
-  _check_braces(name, default, leaf)
-  layers = LAYER in name
-  if layers and not stacked:
-    raise ValueError(f"rename({default!r}) for the leaf {leaf} returned {name!r}, whose "
-                     f"'{LAYER}' asks for one tensor per layer, but the step does not hold "
-                     f"{leaf} as a stack of layers. Mark it with make_sharded_train_step(..., "
-                     f"stacked=...) if its first dimension is the layers, or return a name "
-                     f"without '{LAYER}'.")
-  if transpose and ndim - layers != 2:
-    what = (f"named per layer ('{LAYER}'), whose layers have {ndim - 1} dimensions" if layers
-            else f"which has {ndim} dimensions")
-    raise ValueError(f"rename({default!r}) asks to transpose the leaf {leaf}, {what}; only "
-                     f"2-D {'layers' if layers else 'leaves'} (kernels) can be transposed.")
-  return name, bool(transpose)
-
-
-def layer_tensors(t: Tensor, layers: int) -> list[Tensor]:
-  """The per-layer tensors of a stacked leaf's ``t`` (its name holding `LAYER`, its shape
-  a layer's in the file): ``{i}`` replaced by 0, 1, ..., ``layers - 1``.
-
-  >>> [u.name for u in layer_tensors(Tensor("h.{i}.w", (2,), np.dtype("f4"), "w"), 3)]
-  ['h.0.w', 'h.1.w', 'h.2.w']
-  """
-  return [t._replace(name=t.name.replace(LAYER, str(i)), layer=i,
-                     leaf=f"{t.leaf} (layer {i} of {layers})") for i in range(layers)]
-
-
-def layer_of(template: str, name: str) -> int | None:
-  """The layer index ``name`` has under ``template`` (``"h.{i}.w"``, ``"h.12.w"`` -> 12), or
-  None when it is not one of its names (a layer index as `layer_tensors` writes it: no
-  leading zeros)."""
-  first, *rest = (re.escape(p) for p in template.split(LAYER))
-  fields = ["(?P<i>0|[1-9][0-9]*)"] + ["(?P=i)"] * (len(rest) - 1)
-  m = re.fullmatch(first + "".join(f + p for f, p in zip(fields, rest)), name)
-  return int(m.group("i")) if m else None
 
 
 def check_unique(tensors: list[Tensor]) -> None:
@@ -385,153 +311,3 @@ def header_of(path, *, max_header_bytes: int = MAX_HEADER) -> dict[str, Entry]:
   path = os.fspath(path)
   with open(path, "rb") as f:
     return read_header(f, path, max_header_bytes=max_header_bytes)
-
-
-class Found(NamedTuple):
-  """The safetensors files of a path (`find_files`).
-
-  Attributes:
-    files: their paths.
-    index: the ``model.safetensors.index.json`` they come with, or None for one file.
-    weight_map: the index's ``{tensor name: path of its file}``, or None for one file.
-  """
-  files: list[str]
-  index: str | None = None
-  weight_map: dict[str, str] | None = None
-
-
-def find_files(path) -> Found:
-  """The safetensors files of ``path``: a file, an index, or a directory holding
-  ``model.safetensors`` or ``model.safetensors.index.json``. A directory holding both gives
-  ``model.safetensors``, as transformers' ``from_pretrained`` takes it, with a warning
-  naming both (one of them is almost surely stale)."""
-  path = os.fspath(path)
-  if os.path.isdir(path):
-    single, index = (os.path.join(path, name) for name in (SINGLE, INDEX))
-    if os.path.exists(single) and os.path.exists(index):
-      warnings.warn(f"{path} holds both {SINGLE} and {INDEX}: reading {SINGLE}, as "
-                    f"transformers' from_pretrained does; the index and the files it lists "
-                    f"are left unread. Remove whichever is stale.", stacklevel=4)
-    for name in (single, index):
-      if os.path.exists(name):
-        return find_files(name)
-    raise FileNotFoundError(f"{path} holds neither {INDEX} nor {SINGLE}; pass the directory "
-                            f"of a safetensors export or the path of one .safetensors file.")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} does not exist.")
-  if not path.endswith(".json"):
-    return Found([path])
-  try:
-    with open(path, "rb") as f:
-      index = json.load(f)
-  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-    raise ValueError(f"{path} is not a safetensors index: it is not JSON ({e}). Download or "
-                     f"export the model again.") from None
-  weight_map = _weight_map(path, index)
-  base = os.path.dirname(path)
-  for f, name in {f: k for k, f in reversed(weight_map.items())}.items():
-    check_shard_name(path, name, f)  # once per file, naming its first tensor
-  files = sorted(set(weight_map.values()))
-  missing = [f for f in files if not os.path.exists(os.path.join(base, f))]
-  if missing:
-    raise FileNotFoundError(f"{path} lists {missing[:4]}, which are not in {base}: the "
-                            f"download or export is incomplete.")
-  return Found([os.path.join(base, f) for f in files], path,
-               {k: os.path.join(base, v) for k, v in weight_map.items()})
-
-
-def _json_kind(x) -> str:
-  """What JSON calls the value ``x`` was read from (for messages)."""
-  for types, kind in ((bool, "true/false"), (dict, "an object"), (list, "an array"),
-                      (str, "a string"), ((int, float), "a number"), (type(None), "null")):
-    if isinstance(x, types):
-      return kind
-  return type(x).__name__
-
-
-def _weight_map(path: str, index) -> dict:
-  """The ``weight_map`` of the index read from ``path``, its shape checked: an object
-  ``{"metadata": {...}, "weight_map": {tensor name: file name}}``."""
-  again = "Download or export the model again."
-  if not isinstance(index, dict):
-    raise ValueError(f"{path} is not a safetensors index: it holds {_json_kind(index)}, and an "
-                     f"index is an object {{\"metadata\": {{...}}, \"weight_map\": {{tensor "
-                     f"name: file name}}}}. {again}")
-  if "weight_map" not in index:
-    raise ValueError(f"{path} has no weight_map; it is not a safetensors index (an object "
-                     f"{{\"metadata\": {{...}}, \"weight_map\": {{tensor name: file name}}}}). "
-                     f"{again}")
-  weight_map, metadata = index["weight_map"], index.get("metadata", {})
-  if not isinstance(weight_map, dict):
-    raise ValueError(f"{path}: its weight_map is {_json_kind(weight_map)}; it must be a JSON "
-                     f"object {{tensor name: file name}}. {again}")
-  if not weight_map:
-    raise ValueError(f"{path}: its weight_map is empty, it places no tensor in any file. "
-                     f"{again}")
-  if not isinstance(metadata, dict):
-    raise ValueError(f"{path}: its metadata is {_json_kind(metadata)}; it must be a JSON "
-                     f"object ({{\"total_size\": bytes}}). {again}")
-  for k, v in weight_map.items():
-    if not isinstance(v, str) or not v:
-      raise ValueError(f"{path} maps {k!r} to {v!r}, {_json_kind(v)}; a weight_map maps each "
-                       f"tensor name to the name of its file, a non-empty string. {again}")
-  return weight_map
-
-
-def check_shard_name(index: str, name: str, file: str) -> None:
-  """Raises naming the entry when ``file``, where ``index`` places tensor ``name``, is not a
-  file inside the index's folder: an absolute path, a path through ``..``, or one whose
-  symbolic links resolve outside the folder. Shard names are file names in the folder;
-  one exception: a file of a Hugging Face cache snapshot (``.../snapshots/<revision>/``)
-  may link into that repository's ``blobs/`` folder, as the cache stores every file."""
-  base = os.path.dirname(index) or "."
-  parts = file.replace("\\", "/").split("/")
-  if os.path.isabs(file) or ".." in parts or file.startswith(("/", "\\")):
-    why = "an absolute path" if os.path.isabs(file) or file[:1] in "/\\" else \
-        "a path through '..'"
-    raise ValueError(f"{index} places tensor {name!r} in {file!r}, {why}: shard names in an "
-                     f"index are file names inside its folder {base}, and an index cannot "
-                     f"reach outside it. Put the shards beside the index and list them by "
-                     f"name.")
-  root = os.path.realpath(base)
-  target = os.path.realpath(os.path.join(base, file))
-  if _inside(target, root) or _cache_blob(root, target):
-    return
-  raise ValueError(f"{index} places tensor {name!r} in {file!r}, which is a symbolic link (or "
-                   f"in a linked folder) resolving to {target}, outside the index's folder "
-                   f"{base}: an index cannot reach outside its folder. Copy the file into "
-                   f"{base} in place of the link.")
-
-
-def _inside(path: str, root: str) -> bool:
-  return os.path.commonpath([path, root]) == root
-
-
-def _cache_blob(root: str, target: str) -> bool:
-  """``target`` is a file of the ``blobs/`` folder of the Hugging Face cache repository
-  whose snapshot is ``root`` (``<repo>/snapshots/<revision>``)."""
-  snapshots = os.path.dirname(root)
-  if os.path.basename(snapshots) != "snapshots":
-    return False
-  blobs = os.path.join(os.path.dirname(snapshots), "blobs")
-  return os.path.dirname(target) == blobs
-
-
-def check_index(index: str, weight_map: dict[str, str], held: dict[str, dict]) -> None:
-  """Raises naming the tensors when the index's ``weight_map`` ({name: file}) and what the
-  files' headers hold (``held``: {file: {name: ...}}) disagree: a tensor the index places
-  in one file but found in another or in none, or one a file holds that the index omits."""
-  where = {name: f for f, names in held.items() for name in names}
-  wrong = []
-  for name, f in weight_map.items():
-    if name not in held.get(f, ()):
-      found = f"it is in {where[name]}" if name in where else \
-          "none of the files the index lists holds it"
-      wrong.append(f"{name!r} is placed in {f}, but {found}")
-  wrong += [f"{name!r} is in {f}, which the index does not list for it"
-            for name, f in where.items() if name not in weight_map]
-  if wrong:
-    raise ValueError(f"{index} does not match the headers of its files: " + "; ".join(wrong[:6])
-                     + (f" and {len(wrong) - 6} more" if len(wrong) > 6 else "")
-                     + ". Download or export the model again (the index and the files are "
-                     "from different copies?).")

@@ -22,6 +22,7 @@ from zero_jax.layers import nnx as nnx_lib
 from zero_jax.step import state as st
 from zero_jax.step.options import stacked_flags
 from zero_jax.checkpoint import progress as progress_lib
+from zero_jax.checkpoint import layer_names
 from zero_jax.checkpoint import safetensors_format as fmt
 from zero_jax.checkpoint import safetensors_files as files_lib
 from zero_jax.step.train_step import ShardedTrainStep
@@ -98,7 +99,7 @@ def _check_layers(path, t: fmt.Tensor, ts: list[fmt.Tensor], entries: dict[str, 
           + f" (in {entries[odd[0].name].file}); the layers of a stacked leaf are one "
           f"{what}. Name tensors of one {what} with '{{i}}' in rename=.")
   extra = sorted((k, n) for n in entries
-                 if (k := fmt.layer_of(t.name, n)) is not None and k >= len(ts))
+                 if (k := layer_names.layer_of(t.name, n)) is not None and k >= len(ts))
   if extra:
     msg = (f"{path} holds layers past the {len(ts)} of the stacked leaf {t.leaf} (its first "
            f"dimension), which reads {layers}: {_listing([n for _, n in extra])}.")
@@ -278,12 +279,12 @@ def _tensors(params, rename, cast: bool, stacked) -> list[tuple[fmt.Tensor, list
                       f"in the machine's byte order (safetensors files are little-endian): "
                       f"give `like` native-order dtypes, x.astype(x.dtype.newbyteorder('=')).")
     dtype = _jax_dtype(x.dtype, leaf, cast)
-    name, transpose = fmt.apply_rename(rename, fmt.default_name(p, variable=variable), leaf,
-                                       len(shape), stacked=s)
-    layers = fmt.LAYER in name
+    name, transpose = layer_names.apply_rename(
+        rename, fmt.default_name(p, variable=variable), leaf, len(shape), stacked=s)
+    layers = layer_names.LAYER in name
     part = shape[1:] if layers else shape
     t = fmt.Tensor(name, part[::-1] if transpose else part, dtype, leaf, transpose)
-    out.append((t, fmt.layer_tensors(t, shape[0]) if layers else [t]))
+    out.append((t, layer_names.layer_tensors(t, shape[0]) if layers else [t]))
   fmt.check_unique([t for _, ts in out for t in ts])
   return out
 
@@ -306,7 +307,7 @@ def _load(path, files: files_lib.OpenFiles, leaves, step, source, *, cast, stric
   """`load_safetensors` once the files are open and ``like`` read (``leaves``: `_tensors`)."""
   module, params = source.module, source.params
   for t, ts in leaves:
-    if fmt.LAYER in t.name:
+    if layer_names.LAYER in t.name:
       _check_layers(path, t, ts, files.entries, strict)
   _check(path, [u for _, ts in leaves for u in ts], files.entries, cast, strict)
   flat, treedef = jax.tree_util.tree_flatten(params)

@@ -23,6 +23,7 @@ import numpy as np
 from zero_jax.processes import distributed
 from zero_jax.layers import nnx as nnx_lib
 from zero_jax.checkpoint import blocks
+from zero_jax.checkpoint import layer_names
 from zero_jax.checkpoint import progress as progress_lib
 from zero_jax.checkpoint import safetensors_format as fmt
 from zero_jax.checkpoint import writer
@@ -61,14 +62,15 @@ def _plan(state: TrainState, rename, dtype) -> list[_Leaf]:
   for (path, _), x, layout, stacked in zip(paths, arrays, meta.param_layouts, meta.stacked):
     leaf = f"params{jax.tree_util.keystr(path)}"
     shape = tuple(layout.shape)
-    name, transpose = fmt.apply_rename(rename, fmt.default_name(path, variable=variable), leaf,
-                                       len(shape), stacked=stacked)
+    name, transpose = layer_names.apply_rename(
+        rename, fmt.default_name(path, variable=variable), leaf, len(shape), stacked=stacked)
     dt = _file_dtype(x.dtype, dtype, leaf)
     fmt.dtype_code(dt, leaf)
-    layers = fmt.LAYER in name
+    layers = layer_names.LAYER in name
     part = shape[1:] if layers else shape
     t = fmt.Tensor(name, part[::-1] if transpose else part, dt, leaf, transpose)
-    out += [_Leaf(u, x, shape) for u in (fmt.layer_tensors(t, shape[0]) if layers else [t])]
+    tensors = layer_names.layer_tensors(t, shape[0]) if layers else [t]
+    out += [_Leaf(u, x, shape) for u in tensors]
   fmt.check_unique([l.tensor for l in out])
   return out
 

@@ -4,6 +4,7 @@ The family's files in the order work flows through them: `targets` (the cards' f
 compile-only meshes of them), `candidates` (the planner's search space, its fallbacks, and the
 memory formulas that prune it), `measure` (one candidate compiled for a target and read),
 `program` (what an HLO program does: loops, matmuls, memory-bound kernels, collectives),
+`links` (how long one collective takes on a target's links, within and across hosts),
 `predict` (how long a program takes on a target, and how much communication it leaves
 exposed: a prediction, not a measurement) and `schedule` (what XLA:GPU scheduled inside each
 async collective's window), `search` (how the planner ranks candidates and settles whether

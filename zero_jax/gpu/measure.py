@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from zero_jax.gpu import predict
+from zero_jax.gpu import links, predict
 from zero_jax.gpu.targets import Target
 from zero_jax.step.memory import CompiledMemory
 from zero_jax.step.train_step import make_sharded_train_step
@@ -105,16 +105,16 @@ def estimate(lowered, device: predict.Device, prefetch) -> float:
   return p.step(prefetch or 0)
 
 
-def sent_bytes(program: predict.Loop, device: predict.Device) -> tuple[float, float]:
+def sent_bytes(program: predict.Loop, device: links.Device) -> tuple[float, float]:
   """``(within hosts, across hosts)``: bytes one device sends in one run of ``program``
   (averaged over the devices: of a ring spanning hosts with ``m`` members in each, ``1/m``
-  crosses, `zero_jax.gpu.predict.cross_host_bytes`)."""
+  crosses, `zero_jax.gpu.links.cross_host_bytes`)."""
   totals = [0.0, 0.0]
 
   def visit(loop: predict.Loop, runs: int) -> None:
     for t in loop.transfers:
-      sent = predict.wire_bytes(t, device)
-      cross = predict.cross_host_bytes(t, device)
+      sent = links.wire_bytes(t, device)
+      cross = links.cross_host_bytes(t, device)
       totals[0] += runs * loop.trips * (sent - cross)
       totals[1] += runs * loop.trips * cross
     for inner in loop.loops:
