@@ -151,23 +151,15 @@ def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
     out, res = layer(i, c, w)
     return (*store(i, out, res, bufs, last), res if lin is not None else None)
 
-  host = lin.host if lin is not None else ()
-
   def step(i, st):
     c, w, bufs = st
     w_next = stack.fetch(sp, i + 1)  # issued before layer i's compute
     out, res = layer(i, c, w)
-    c, (ys, news, saved) = store(i, out, res, bufs)
-    # everything the layer computed, stored, meets the gathered weights at the barrier, so
-    # the gather's done comes after the layer's last matmul. The stores come before it: a
-    # value stored after it would be written out at the barrier and copied into its stack
-    # (and the layer's input, kept as a residual, copied out of the carry's buffer).
-    on_device = [j for j in range(len(saved)) if not (j < len(host) and host[j])]
-    w_next, c, ys, news, kept = barrier((w_next, c, ys, news, [saved[j] for j in on_device]))
-    saved = list(saved)
-    for j, b in zip(on_device, kept):
-      saved[j] = b
-    return c, w_next, (ys, news, saved)
+    # everything the layer computed meets the gathered weights at the barrier: only the
+    # stores follow it, so the gather's done comes after the layer's last matmul
+    w_next, out, res = barrier((w_next, list(out), res))
+    c, bufs = store(i, out, res, bufs)
+    return c, w_next, bufs
 
   if not stack.ahead:  # each layer gathered in its own iteration
     c, bufs = jax.lax.fori_loop(0, length, lambda i, st: compute(i, st[0], None, st[1])[:2],
