@@ -289,23 +289,55 @@ READING_FUSED = [
     "says where the predicted difference comes from: matmuls, memory-bound kernels, or "
     "communication left outside compute windows. On these rows communication is a few percent "
     "of the step and zero_jax's lead is gone: what remains is zero_jax's extra memory-bound "
-    "work per layer (the goal line above), read off the programs' layer loops (GPT-2 small, "
-    "`dots`): one collective per layer each way costs copies GSPMD's per-weight collectives "
-    "do not, the gathered buffer sliced into the layer's weights (about 27 MiB a forward "
-    "layer, 25 MiB a backward one), its gradients packed before the reduce-scatter (27 MiB) and "
-    "weights transposed for the backward matmuls (16 MiB), and the layer's input copied at the "
-    "loop's ordering barrier (24 MiB). Tried and not kept (measured on these programs, `dots`): "
-    "the leaves split along their first dimension in collectives of their own (XLA joins them "
-    "with combine thresholds of 512 MiB; gathered alone, a leaf split along a later dimension "
-    "makes XLA lay its whole stacked leaf out transposed, +7% bytes on Llama-3-8B) saves little "
-    "alone (GPT-2 small 764 -> 761 MiB a layer, 19.8 -> 19.75 ms; Llama-3-8B 4,762 -> 4,690 "
-    "MiB, 634.6 -> 635.4 ms, more exposed outside the loops), since the prefetched weights are "
-    "then copied into the loop's carry instead; with XLA's while-loop double buffering as well "
-    "those copies and the barrier's go (730 and 4,268 MiB a layer, within 2% of GSPMD; 19.5 "
-    "and 632.0 ms, peak unchanged), but keeping activations one of GPT-2 small's unrolled "
-    "backward windows holds no matmul (5 of 6 overlapped) and the 1 MiB layers of the GPU "
-    "tier's model expose 191 us against 170. Step times are predictions from the compiled "
-    "program, not measurements."]
+    "work per layer (the goal line above). Since this release the reader sees through bitcasts "
+    "(`zero_jax.gpu.program`): it had counted GSPMD's slice of a layer out of a stacked weight, "
+    "and its in-place stores into stacked gradients, as reading the whole stack (Llama-3-8B, "
+    "`dots`: GSPMD 4,188 -> 3,154 MiB a layer, zero_jax 4,828 -> 4,751), so Llama-3-8B's "
+    "ratio reads 1.03x where the same programs read 1.01x before.",
+    "",
+    "*Where zero_jax's extra bytes are* (`dots`, MiB read and written per iteration of the "
+    "layer loops, each kernel that GSPMD's loops have no counterpart of; GPT-2 small / "
+    "Llama-3-8B):",
+    "",
+    "| loop | kernel | GPT-2 small | Llama-3-8B | why it is there |",
+    "| --- | --- | ---: | ---: | --- |",
+    "| forward | the gathered layer buffer sliced into the layer's weights | 27 | 832 | one "
+    "all-gather a layer returns every device's block of every weight side by side; each weight "
+    "must be contiguous for its matmul. Removable only with double-buffered loops: gathered "
+    "per weight instead (tried: the `perleaf` branch), the prefetched weights are copied into "
+    "the single-buffered loop carry instead, as the gather writes them while this layer reads "
+    "the last ones |",
+    "| forward | the device's blocks packed into the gather's send buffer (and, for weights split "
+    "along their last dimension, transposed) | 5 | 160 | the same, on the send side |",
+    "| forward | the layer's input copied out of the carry | 24 | 128 | the loop's ordering "
+    "barrier (every computed value meets the next layer's weights there, so the gather waits "
+    "after the last matmul): the input, kept as a residual, is stored after the new carry is "
+    "written. Tried: the stores before the barrier remove it (and on `none` the residuals "
+    "written out then copied into their stacks: 1,822 -> 1,475 MiB a forward layer on GPT-2 "
+    "small), but XLA then schedules the A100 MLP's gather beside the stores, with no matmul in "
+    "its window (tests/gpu/test_overlap_shapes.py fails) |",
+    "| backward | the gathered layer buffer sliced into the weights | 27 | 832 | as forward |",
+    "| backward | the gradients packed into the reduce-scatter's buffer | 27 | 832 | as the "
+    "slices: one reduce-scatter a layer; per weight, the delayed gradients would be copied into "
+    "the carry instead |",
+    "| backward | the device's blocks packed for the re-gather, the reduced row split back | 8 | "
+    "264 | as forward |",
+    "| backward | *removed this release:* the gradients of weights split along their last "
+    "dimension transposed before packing, and (GPT-2 small) the cotangent carry's copy | "
+    "16 + 24 | 448 | the loop now carries each gradient with its split dimension first, so the "
+    "matmul writes it so |",
+    "",
+    "GSPMD's loops have their own that zero_jax's lack: the layer's block sliced out of the "
+    "stacked weights, forward and backward (GPT-2 small 6 MiB, Llama-3-8B 208 MiB a "
+    "layer), and (GPT-2 small) the cotangent carry's copy (24 MiB). "
+    "In all, per layer: GPT-2 small 741 MiB against 705 (1.05x, 1.08x before this release), "
+    "Llama-3-8B 4,530 against 3,154 (1.44x, 1.51x). The remaining gap is the price of "
+    "prefetching through a single-buffered loop: each weight copied once a pass and each "
+    "gradient once. Double-buffered loops (two layers an iteration, the gathers written where "
+    "the layer after next reads them) would remove it; XLA's own double buffering did (the "
+    "`perleaf` attempt: within 2% of GSPMD's bytes) but left one of GPT-2 small's backward "
+    "windows without a matmul. Step times are predictions from the compiled program, not "
+    "measurements."]
 
 
 PAIRS = {"ZeRO-3": "GSPMD FSDP", "ZeRO-3 flat": "GSPMD FSDP flat", "ZeRO-3 hybrid": "GSPMD HSDP",

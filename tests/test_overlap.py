@@ -272,6 +272,54 @@ def test_a_fused_kernel_moves_its_operands_its_slices_and_its_result_once():
   assert overlap.analyze(FUSED, elementwise=False).elementwise_bytes == 0
 
 
+VIEWED = """HloModule m
+
+pieces {
+  r = f32[1,4096] parameter(0)
+  flat = f32[4096] bitcast(r)
+  a = f32[16] slice(flat), slice={[0:16]}
+  b = f32[32] slice(flat), slice={[16:48]}
+  ROOT t = (f32[16], f32[32]) tuple(a, b)
+}
+
+whole {
+  r = f32[1,4096] parameter(0)
+  flat = f32[4096] bitcast(r)
+  a = f32[16] slice(flat), slice={[0:16]}
+  ROOT t = (f32[16], f32[4096]) tuple(a, flat)
+}
+
+into {
+  buf = f32[8,256] parameter(0)
+  view = f32[8,1,256] bitcast(buf)
+  u = f32[1,1,256] parameter(1)
+  i = s32[] parameter(2)
+  z = s32[] constant(0)
+  ROOT d = f32[8,1,256] dynamic-update-slice(view, u, i, z, z)
+}
+
+ENTRY main {
+  r = f32[1,4096] parameter(0)
+  buf = f32[8,256] parameter(1)
+  u = f32[1,1,256] parameter(2)
+  i = s32[] parameter(3)
+  p = (f32[16], f32[32]) fusion(r), kind=kLoop, calls=pieces
+  w = (f32[16], f32[4096]) fusion(r), kind=kLoop, calls=whole
+  d = f32[8,1,256] fusion(buf, u, i), kind=kLoop, calls=into
+  ROOT t = ((f32[16], f32[32]), (f32[16], f32[4096]), f32[8,1,256]) tuple(p, w, d)
+}
+"""
+
+
+def test_a_fused_kernel_sees_through_bitcasts_to_its_slices_and_updates():
+  # pieces: a reduced row split into leaves through a bitcast (a view): 48 floats read, 48
+  # written, not the whole row. whole: the bitcast is also a result, so the row is read
+  # whole (4096) and 16 + 4096 floats written. into: a buffer seen through a bitcast and
+  # updated in place: its 256-float update read and written, and the 4-byte index read.
+  assert overlap.analyze(VIEWED).elementwise_bytes == (
+      4 * ((48 + 48) + (4096 + 16 + 4096)) + (4 * 256 + 4 + 4 * 256))
+
+
 def test_a_compiled_elementwise_program_counts_what_it_reads_and_writes():
   text = jax.jit(lambda x: jnp.sin(x) * 2 + 1).lower(jnp.ones(4096)).compile().as_text()
   assert overlap.analyze(text).elementwise_bytes == 2 * 4096 * 4

@@ -34,10 +34,12 @@ def test_on_cudnn_attention_both_sides_call_the_fused_kernel_and_zero_jax_keeps_
   written-out [batch, heads, seq, seq] scores are left, and at `dots` zero_jax runs no more
   matmuls, sends no more bytes and overlaps every in-loop collective. Its layer loops' memory-
   bound bytes per layer (both with ``prevent_cse=False`` in the scan, as MaxText sets it) are
-  within 10% of GSPMD's: 1.065x here, the copies that one collective per layer costs (the
-  gathered buffer sliced into the weights, the gradients packed before the reduce-scatter,
-  each about a layer's bf16 bytes per step of the loop: 2 x 14 MiB of 752 MiB per layer), and
-  the carry copied at the loop's ordering barrier (24 MiB)."""
+  within 6% of GSPMD's: 1.051x here (741 against 705 MiB), the copies that prefetching a
+  layer through a single-buffered loop costs (the gathered buffer sliced into the weights,
+  forward and backward, and the gradients packed before the reduce-scatter, each a read and a
+  write of the layer's 13.5 MiB of bf16 weights) and the layer's input copied at the forward
+  loop's ordering barrier (24 MiB). Before this release it was 1.077x: the gradients of the
+  leaves split along their last dimension were also transposed (16 MiB) before packing."""
   impl, why = bench_peer._lm.fused_attention("h100")
   assert impl == "cudnn", why  # the tier installs nvidia-cudnn-cu12 (ci/gpu_tier.sh)
   cfg = bench_peer._lm.with_attention(bench_peer.MODELS["small"], "cudnn")
@@ -55,4 +57,4 @@ def test_on_cudnn_attention_both_sides_call_the_fused_kernel_and_zero_jax_keeps_
   assert ours["intra"] + ours["cross"] <= peer["intra"] + peer["cross"], (ours, peer)
   assert ours["overlapped"] == ours["in_loop"] > 0, ours
   per_layer = lambda r: r["loop_memory_bytes"] / r["loop_layers"]
-  assert per_layer(ours) <= 1.10 * per_layer(peer), (per_layer(ours), per_layer(peer))
+  assert per_layer(ours) <= 1.06 * per_layer(peer), (per_layer(ours), per_layer(peer))

@@ -47,6 +47,7 @@ _FREE = frozenset({
 _ANNOTATIONS = ("Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "xla.sdy.",
                 "annotate_device_placement", "MoveToHost", "MoveToDevice")
 _SLICING = ("slice", "dynamic-slice", "gather")
+_VIEWS = ("bitcast", "reshape")
 
 
 class Transfer(NamedTuple):
@@ -126,10 +127,10 @@ def _fused_bytes(comps: dict, ins: hlo.Instruction, shapes: dict) -> float:
     m = re.search(r"parameter\((\d+)\)", i.line) if i.op == "parameter" else None
     if not m or int(m.group(1)) >= len(ins.operands):
       continue
-    uses = users.get(i.name, [])
-    if uses and all(u.op in _SLICING and u.operands[0] == i.name for u in uses):
-      total += sum(sizes[u.name] for u in uses)
-    elif uses and all(u.op == "dynamic-update-slice" and u.operands[0] == i.name for u in uses):
+    uses = _through_views(i.name, users) or [(i.name, u) for u in users.get(i.name, [])]
+    if uses and all(u.op in _SLICING and u.operands[0] == v for v, u in uses):
+      total += sum(sizes[u.name] for _, u in uses)
+    elif uses and all(u.op == "dynamic-update-slice" and u.operands[0] == v for v, u in uses):
       continue  # updated in place: only the update is written (below)
     else:
       total += shapes.get(ins.operands[int(m.group(1))], ((), sizes[i.name]))[1]
@@ -137,6 +138,24 @@ def _fused_bytes(comps: dict, ins: hlo.Instruction, shapes: dict) -> float:
   if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
     return total + sizes.get(root.operands[1], 0)
   return total + _nbytes(ins.shape_text)
+
+
+def _through_views(name: str, users: dict) -> list:
+  """``(operand name, user)`` of every use of ``name`` past views of it (bitcasts and
+  reshapes, which move nothing inside a fusion): a parameter seen through a bitcast and
+  sliced is read only where sliced, and a buffer seen through one and updated in place is
+  not read. Empty if no view lies between."""
+  out, views = [], False
+  todo = [name]
+  while todo:
+    v = todo.pop()
+    for u in users.get(v, []):
+      if u.op in _VIEWS and u.operands[0] == v:
+        views = True
+        todo.append(u.name)
+      else:
+        out.append((v, u))
+  return out if views else []
 
 
 def kernel_bytes(comps: dict, ins: hlo.Instruction, shapes: dict) -> float:

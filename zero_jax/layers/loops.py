@@ -212,6 +212,26 @@ def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
           [match_vma(d, x) for d, x in zip(dxb, xs)], [match_vma(d, k) for d, k in zip(dk, ks)]]
 
 
+def _split_first(layer: list, gs: list, back: bool = False) -> list:
+  """A layer's gradients ``gs`` (of its `ShardedParam`s ``layer``) with each one's split
+  dimension moved first, as the reduce-scatter lays them out, or (``back``) moved back.
+
+  The backward loop carries a layer's gradients to the next iteration's reduce-scatter in
+  this order, so that the transpose into it is made where the matmul that computes them
+  can write it (XLA folds it into the matmul's output layout); carried in their own order
+  they were transposed, a copy of each such gradient, before being packed. Exact (a
+  transpose, undone before the reduction: XLA cancels the pair).
+  """
+  out = []
+  for p, g in zip(layer, gs):
+    d = None if p.layout.dim is None else p.layout.dim - 1  # one layer's dimensions
+    if g is None or not d:
+      out.append(g)
+    else:
+      out.append(jnp.moveaxis(g, 0, d) if back else jnp.moveaxis(g, d, 0))
+  return out
+
+
 def _add(a, b):
   return [None if x is None else x + y for x, y in zip(a, b)]
 
@@ -259,21 +279,27 @@ class _Backward(NamedTuple):
     the gradients' reduction (`zero_jax.layers.stacked.hops`) one layer later than the one
     before it: layer i+1's within the host, layer i+2's across hosts (and with replica axes
     too, layer i+3's across the replicas), all spanning layer i's pullback."""
-    stack, sp, reduce, top, k = self.stack, self.sp, self.reduce, self.length - 1, len(hops)
+    stack, sp, top, k = self.stack, self.sp, self.length - 1, len(hops)
+    layer = stack.at(sp, 0)
+
+    def hop(i, p, t):  # ``p``, layer i's gradient through hops[:t], through hops[t]
+      return self.reduce(i, _split_first(layer, p, back=True) if t == 0 else p, hops[t], t > 0)
+
     w = stack.fetch(sp, top, after=after)  # the backward pass's gathers wait for a cotangent
     w_prev = stack.fetch(sp, top - 1, after=after) if self.length > 1 else None
     dc, g, dk, dxb, dbl = self._first(top, dc, w)
     if self.length == 1:
-      return dc, dk, dxb, _put_all(dbl, reduce(0, g), 0)
+      return dc, dk, dxb, _put_all(dbl, self.reduce(0, g), 0)
+    g = _split_first(layer, g)
     w_prev, dc = barrier((w_prev, dc))
 
     def step(j, st):  # pending[s]: layer i+1+s's gradient, through hops[:s]
       i = top - 1 - j
       dc, w, pending, dk, dxb, dbl = st
       w_prev = stack.fetch(sp, i - 1, after=dc)  # layer i-1, before layer i's pullback
-      outs = [None if p is None else reduce(i + 1 + s, p, hops[s], s > 0)
-              for s, p in enumerate(pending)]
+      outs = [None if p is None else hop(i + 1 + s, p, s) for s, p in enumerate(pending)]
       dc, g, dx, dk_i = self.back(i, dc, w)
+      g = _split_first(layer, g)  # carried to the next iteration's reduce-scatter
       # as in `forward`: the collectives' results and all the pullback computed, together
       w_prev, outs, dc, g, dx, dk_i = barrier((w_prev, outs, dc, g, dx, dk_i))
       dbl = dbl if outs[-1] is None else _put_all(dbl, outs[-1], i + k)
@@ -289,7 +315,7 @@ class _Backward(NamedTuple):
     for s, p in enumerate(pending):  # layers 1.. k: their remaining hops
       if p is not None:
         for t in range(s, k):
-          p = reduce(1 + s, p, hops[t], t > 0)
+          p = hop(1 + s, p, t)
         dbl = _put_all(dbl, p, 1 + s)
     dc, g, dx, dk_0 = self.back(0, dc, w)
-    return dc, _add(dk, dk_0), _put_all(dxb, dx, 0), _put_all(dbl, reduce(0, g), 0)
+    return dc, _add(dk, dk_0), _put_all(dxb, dx, 0), _put_all(dbl, self.reduce(0, g), 0)
