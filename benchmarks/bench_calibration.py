@@ -100,7 +100,8 @@ def lower(run: Published, target):
   loss = _lm.llama_loss_with(cfg, lambda blocks, x: zj.scan(
       flash_block(cfg), x, blocks, prefetch=1, policy=run.policy)[0])
   step = zj.make_sharded_train_step(loss, optax.adamw(1e-4), mesh=mesh, stage=3,
-                                    precision="bf16", stacked=_lm.in_blocks)
+                                    precision="bf16", stacked=_lm.in_blocks,
+                                    lookup=_lm.in_embedding)  # the loss reads it by zj.take
   return step.lower(step.abstract_state(params), _lm.gpt_batch_shape(cfg, 8 * run.rows_per_gpu))
 
 
