@@ -38,13 +38,13 @@ def publish(name: str, markdown: str, *, write: bool) -> None:
 
 
 # How a predicted step time is labelled: the overlap model against published measurements
-# (BENCHMARKS.md "calibration": predicted/measured 1.19 against MaxText's Llama 2 7B on 8
-# H100s, 1.76-2.03 against torchtitan's Llama 3.1 8B).
+# (BENCHMARKS.md "calibration": predicted/measured 1.22 against MaxText's Llama 2 7B on 8
+# H100s, 1.80-2.08 against torchtitan's Llama 3.1 8B).
 PREDICTED = ("PREDICTED by `zero_jax.gpu.predict` from the compiled program (what `zj.plan` "
              "ranks by: matmuls at the card's measured efficiency, memory-bound kernels at HBM "
              "bandwidth, compute under a collective slowed for NCCL's SMs, concurrent "
              "collectives sharing the link), not measured; at least 1.2x optimistic: "
-             "predicted/measured 1.19 to 2.03 in the \"calibration\" section")
+             "predicted/measured 1.22 to 2.08 in the \"calibration\" section")
 
 
 def attention_words(implementation: str, why: str) -> str:
