@@ -5,8 +5,9 @@ by the same pieces as the training step (`zero_jax.step.grads`): the batch split
 axes and into ``grad_accum_steps`` micro-batches in a ``lax.scan``, each micro-batch's parameters
 gathered as the step's loss gathers them (stage 3: stacked leaves left split for `zero_jax.scan`
 / `zero_jax.gather`; hpZ and quantized gathers as configured; under bf16/fp16 the compute-dtype
-values, at stage 3 each block of the float32 master cast before its gather), the loss reduced as the step reduces it (`WeightedLoss` over the global batch, aux by
-its rules). `apply` is ``step.apply(state, fn, *args)``: any other forward use (logits,
+values, at stage 3 the float32 master cast as it is gathered: a stacked leaf a layer at a time),
+the loss reduced as the step reduces it (`WeightedLoss` over the global batch, aux by its
+rules). `apply` is ``step.apply(state, fn, *args)``: any other forward use (logits,
 sampling) on the parameters as the loss sees them. Both leave the state as it was: NNX modules
 run as ``model.eval()`` sets them and whatever they or a loss change is dropped.
 """

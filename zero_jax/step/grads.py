@@ -49,6 +49,15 @@ def _bucket_shapes(spec: StepSpec, meta) -> set:
   return shapes
 
 
+def _cast_shapes(spec: StepSpec, meta) -> set:
+  """Shapes of the device blocks that stage 3's gathers cast (`StateMeta.gather_dtype`) inside
+  the loss: recomputed from the float32 block in the backward pass, never saved (a saved cast
+  would be the half-precision copy the layout does without)."""
+  n = math.prod(spec.mesh.shape[a] for a in spec.gather_axes)
+  return {lay.local_storage_shape(l, n) for i, l in enumerate(meta.param_layouts)
+          if meta.gather_dtype(i) is not None and l.dim is not None}
+
+
 def regather_policy(layouts, extra_shapes=frozenset()):
   """Stage-3 remat policy: save activations, never a gathered parameter.
 
@@ -134,14 +143,17 @@ def _gather_groups(spec: StepSpec, meta, idx) -> tuple:
 
 
 def _gather(spec: StepSpec, meta, leaves: dict, to: str) -> dict:
-  """Stage 3: ``{i: block}`` -> ``{i: gathered leaf}``, bucketed, named for the remat policy."""
+  """Stage 3: ``{i: block}`` -> ``{i: gathered leaf}``, bucketed, named for the remat policy;
+  each block cast to its `StateMeta.gather_dtype` as it is gathered."""
   idx = sorted(leaves)
   groups = _gather_groups(spec, meta, idx)
   blocks, layouts = [leaves[i] for i in idx], [meta.param_layouts[i] for i in idx]
+  dtypes = [meta.gather_dtype(i) for i in idx]
   if to == "varying":
-    full = collectives.gather_in_loss(blocks, layouts, groups, spec.comm)
+    full = collectives.gather_in_loss(blocks, layouts, groups, spec.comm, dtypes=dtypes)
   else:
-    full = collectives.all_gather_many(blocks, layouts, groups, spec.comm, to=to)
+    full = collectives.all_gather_many(blocks, layouts, groups, spec.comm, to=to,
+                                       dtypes=dtypes)
   return {i: checkpoint_name(x, _GATHERED) for i, x in zip(idx, full)}
 
 
@@ -159,14 +171,15 @@ def _gather_all(spec: StepSpec, meta, blocks) -> list:
   """Stage 3 with ``gather_once``: every block gathered (bucketed), identical on all devices."""
   full = collectives.all_gather_many(
       blocks, meta.param_layouts, _gather_groups(spec, meta, range(len(blocks))),
-      spec.comm, to="invarying")
+      spec.comm, to="invarying", dtypes=[meta.gather_dtype(i) for i in range(len(blocks))])
   return [checkpoint_name(x, _GATHERED) for x in full]
 
 
 def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
   """The parameter tree ``loss_fn`` sees: stage 3 gathers (or wraps stacked leaves, and
-  ``lookup=`` tables as `zero_jax.layers.lookup.LookupTable`s); stage 2 wraps the stacked
-  leaves whose gradient is reduced in the loop."""
+  ``lookup=`` tables as `zero_jax.layers.lookup.LookupTable`s, each carrying the dtype its
+  gather casts to: `StateMeta.gather_dtype`); stage 2 wraps the stacked leaves whose
+  gradient is reduced in the loop."""
   in_loop = reduced_in_loop(spec, meta)
   if spec.param_stage != 3:
     full = {**frozen, **train}
@@ -181,11 +194,14 @@ def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
     full.update(_gather(spec, meta, plain, to))
     # A table's gradient is reduced over the gather axes by `take`'s transpose (and over
     # the other axes by `reduce_some`, as a gathered leaf's): no sink, as for a plain leaf.
-    full.update({i: lookup.LookupTable(x, meta.param_layouts[i], spec.comm, paths[i])
+    full.update({i: lookup.LookupTable(x, meta.param_layouts[i], spec.comm, paths[i],
+                                       gather_dtype=meta.gather_dtype(i))
                  for i, x in part.items() if meta.is_lookup(i)})
+    # the block differentiated, or with a sink (`reduced_in_loop`) the block as it is
     full.update({i: ShardedParam(leaves[i], meta.param_layouts[i], spec.comm, paths[i],
-                                 sink=x) if in_loop[i] else
-                 ShardedParam(x, meta.param_layouts[i], spec.comm, paths[i])
+                                 sink=x, gather_dtype=meta.gather_dtype(i)) if in_loop[i] else
+                 ShardedParam(x, meta.param_layouts[i], spec.comm, paths[i],
+                              gather_dtype=meta.gather_dtype(i))
                  for i, x in part.items() if meta.stacked[i]})
   return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
 
@@ -243,14 +259,17 @@ def _upcast(g):
   return g.astype(jnp.promote_types(g.dtype, jnp.float32))
 
 
-def reduce_some(spec: StepSpec, layouts, grads, which, stacked) -> list:
+def reduce_some(spec: StepSpec, layouts, grads, which, stacked, wire=None) -> list:
   """Local gradients -> reduced blocks for the leaves marked in ``which`` (bucketed);
   the others are only upcast. Stage 3's arrive reduced over the gather axes (the
-  gather's transpose); `outer_reduced` ones are reduced over the other axes here."""
+  gather's transpose); `outer_reduced` ones are reduced over the other axes here, in
+  ``wire`` (per leaf: the dtype it was gathered in, whose gradient the gather's transpose
+  widened to the float32 master's; None: as it is)."""
   idx = [j for j, w in enumerate(which) if w]
   out = [_upcast(g) for g in grads]
   if not idx or (spec.param_stage == 3 and not outer_reduced(spec)):
     return out
+  grads = collectives.in_gather_dtype(grads, wire)
   if spec.stage == 1:
     for j in idx:  # XLA combines these all-reduces itself; one device needs none
       if spec.n_batch > 1 or layouts[j].dim is None:
@@ -283,21 +302,8 @@ def _objective(spec: StepSpec, meta, loss_fn, params, frozen, leaves, scale):
 
   if spec.param_stage == 3 and not any(meta.stacked):  # re-gather for the backward pass
     objective = jax.checkpoint(objective, policy=regather_policy(
-        meta.param_layouts, _bucket_shapes(spec, meta)))
+        meta.param_layouts, _bucket_shapes(spec, meta) | _cast_shapes(spec, meta)))
   return objective
-
-
-def half_view(meta, leaves) -> list:
-  """Inside the loss's ``shard_map``: the device's parameter blocks in the dtype the loss
-  sees them in. Where the state keeps the float32 master as its parameters
-  (`zero_jax.step.state.master_in_params`), each master block is cast to the policy's
-  dtype here, before any gather: the wire stays half precision, the cast costs 1/N of the
-  model, and it equals the half copy the update used to write (the same rounding of the same
-  float32 value)."""
-  if not meta.master_in_params:
-    return list(leaves)
-  return [x.astype(meta.param_dtypes[i]) if meta.master[i] else x
-          for i, x in enumerate(leaves)]
 
 
 def loss_call(spec: StepSpec, meta, loss_fn, params, mb, ms, key):
@@ -342,12 +348,13 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
   (scaled, summed over micro-batches) for `reduce_model_split`.
   """
   meta, k, axes = state.meta, spec.grad_accum_steps, spec.batch_axes
-  leaves = half_view(meta, jax.tree.leaves(state.params))
+  leaves = jax.tree.leaves(state.params)  # stage 3: cast as gathered (`_gather`, `gather`)
   if spec.gather_once:  # gather once; the rest is stage 2's path (`StepSpec.param_stage`)
     leaves = _gather_all(spec, meta, leaves)
   idx = meta.train_idx
   layouts = [meta.param_layouts[i] for i in idx]
   stacks = [meta.stacked[i] for i in idx]
+  wire = [meta.gather_dtype(i) for i in idx] if spec.param_stage == 3 else None
   frozen = {i: leaves[i] for i, t in enumerate(meta.trainable) if not t}
   sharded_acc = spec.accumulate == "sharded" or spec.param_stage == 3  # gather_once: either
   grad_fn = jax.value_and_grad(_objective(spec, meta, loss_fn, state.params, frozen, leaves,
@@ -360,7 +367,7 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
     key, ms_in = micro_inputs(state, ms, j, axes)
     (_, (out, w)), g = grad_fn(diff, mb, ms_in, key)
     reduce_now = sharded_acc or k == 1
-    g = reduce_some(spec, layouts, g, [reduce_now and r for r in reduce_here], stacks)
+    g = reduce_some(spec, layouts, g, [reduce_now and r for r in reduce_here], stacks, wire)
     # Undo this micro-batch's normaliser (1/W comes at the end), after the reduction and in
     # float32: an fp16 gradient of the sum overflows where that of the mean does not.
     if w is not None and k > 1:
@@ -373,7 +380,7 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
     if weight is not None:  # the global weight W of the whole step
       grads = [x / _nonzero(weight).astype(x.dtype) for x in grads]
     if not sharded_acc:
-      grads = reduce_some(spec, layouts, grads, reduce_here, stacks)
+      grads = reduce_some(spec, layouts, grads, reduce_here, stacks, wire)
   if ws is not None:
     ws = (weight, jax.lax.psum(ws[1], axes) < 0)
   return agreed(grads, total, ws, aux_lib.finish(aux, k, axes), ms, model_state, k, axes)
@@ -462,9 +469,10 @@ def forward_params(spec: StepSpec, meta, params):
   sees, as the step's loss sees it. Stage 3: plain leaves gathered (bucketed, quantized as
   the step's forward gathers them; over the hpZ axes only with ``hpz_axis``), stacked leaves
   `ShardedParam`s that `zero_jax.gather` / `zero_jax.scan` gather a layer at a time; with
-  ``gather_once`` or at stages 1-2 the whole leaves. Every gathered value is device-invariant,
-  as a replicated parameter is (`Comm.forward_only`)."""
-  treedef, leaves = jax.tree.structure(params), half_view(meta, jax.tree.leaves(params))
+  ``gather_once`` or at stages 1-2 the whole leaves; a float32 master block cast to the compute
+  dtype as it is gathered (a stacked leaf's a layer at a time). Every gathered value is
+  device-invariant, as a replicated parameter is (`Comm.forward_only`)."""
+  treedef, leaves = jax.tree.structure(params), jax.tree.leaves(params)
   if spec.gather_once:
     leaves = _gather_all(spec, meta, leaves)
   if spec.param_stage != 3:
