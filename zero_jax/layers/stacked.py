@@ -269,8 +269,10 @@ def scatter_many(xs: list, cts: list) -> list:
   """`gather_many`'s transpose: the gradients of the values it returned for ``xs`` ->
   gradients of what the step differentiates (`ShardedParam.differentiated`): stage 2's
   and the sinks' reduced as ``comm`` says, plain stage 3's reduce-scattered over the
-  gather axes. A replicated leaf's comes back local, as it is. It is `scatter_outer` of
-  `scatter_inner`."""
+  gather axes. A replicated leaf's comes back local, as it is. A plain stage-3 leaf's (and
+  a replicated one's) stays in the dtype it was gathered in (`ShardedParam.gather_dtype`),
+  for the caller to widen to the block's: a loop over layers keeps its stacked gradient in
+  half precision, widened once after it. It is `scatter_outer` of `scatter_inner`."""
   return scatter_outer(xs, scatter_inner(xs, cts))
 
 
@@ -282,21 +284,18 @@ def has_outer_hop(xs: list) -> bool:
 
 def scatter_inner(xs: list, cts: list) -> list:
   """The first hop of `scatter_many`: every gradient reduced over its gather axes (a sink's
-  stays split over them only, for `scatter_outer`). A replicated leaf's, local, comes back in
-  its block's dtype (the transpose of `gather_many`'s cast)."""
-  out = [c if x.full is not None else c.astype(x.block.dtype) for x, c in zip(xs, cts)]
+  stays split over them only, for `scatter_outer`)."""
+  out = list(cts)
   for kind, idx, layouts, groups in _plan(xs):
     first, sub = xs[idx[0]], [cts[i] for i in idx]
     if kind == _STAGE2:
       got = [g.astype(xs[i].block.dtype) for i, g in
              zip(idx, reduce_scatter_many(sub, layouts, groups, first.comm))]
-    else:  # in the gather's dtype; a plain block's widened to its own (a sink's: later)
+    else:  # in the dtype gathered in (`ShardedParam.gather_dtype`)
       blocks = [xs[i].block for i in idx]
       got = scatter_in_loss(sub, _local(blocks, first.comm) if kind == _SINK else blocks,
                             layouts, groups, first.comm,
                             dtypes=[xs[i].gather_dtype for i in idx])
-      if kind == _STAGE3:
-        got = [g.astype(xs[i].block.dtype) for i, g in zip(idx, got)]
     for i, g in zip(idx, got):
       out[i] = g
   return out
