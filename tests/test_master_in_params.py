@@ -301,6 +301,31 @@ def test_each_layer_is_cast_as_it_is_gathered_never_the_whole_stack(mesh, precis
     assert set(summed) == ({half} if name == "train" else set()), (name, summed)
 
 
+def chain_loss(p, b):
+  h = b["x"].astype(jnp.bfloat16)
+  for k in sorted(p):
+    h = jnp.tanh(h @ p[k])
+  return jnp.mean(jnp.square(h.astype(jnp.float32)))
+
+
+def test_a_plain_leafs_cast_is_recomputed_for_the_backward_pass_not_saved(mesh):
+  """Without stacked leaves the stage-3 loss runs under `regather_policy`, which gathers each
+  leaf again for the backward pass: the cast of its float32 block, made inside the loss as it
+  is gathered, is recomputed with the gather (`zero_jax.step.grads._cast_shapes`), not kept as
+  a bf16 copy of the block until the backward pass. Leaves of 8 MiB in bf16, each gathered
+  alone (not bucketed), block [256,2048] on 8 devices."""
+  r = np.random.default_rng(0)
+  params = {k: (r.normal(size=(2048, 2048)) / 45).astype(np.float32) for k in "abcd"}
+  b = {"x": r.normal(size=(64, 2048)).astype(np.float32)}
+  step = zj.make_sharded_train_step(chain_loss, optax.sgd(0.1), mesh=mesh, stage=3,
+                                    precision="bf16")
+  state = step.init(params)
+  assert {lay.local_storage_shape(l, 8) for l in state.meta.param_layouts} == {(256, 2048)}
+  text = step.lower(state, b).compile().as_text()
+  assert "f32[256,2048]" in held_shapes(text)
+  assert not held_converts(text, "bf16[256,2048]")
+
+
 # ------------------------------------------------------------------ misuse
 def test_a_state_of_the_other_layout_is_refused_naming_it(mesh, monkeypatch):
   step = M.make_step(mesh, stage=3, precision="bf16")
