@@ -2,13 +2,13 @@
 
 The state keeps each master leaf once, in float32, split, as its parameter; the step casts each
 device's block to the compute dtype as it gathers it (a stacked leaf's a layer at a time:
-`zero_jax.comm.collectives.in_gather_dtype`) and the update writes the float32 block only. The
-half copy the previous layout kept was written by the update as exactly that cast of the
-float32 value, so every number must be the same, bit for bit: each test runs the same step in both layouts (the previous one is what
-`zero_jax.step.state.master_in_params` returning False gives: the state ``main``'s code made,
-which ``hpz_axis=`` and ``offload=`` still make) and compares everything a user can read. The
-comparison against single-device optax (SGD and Adam, bf16 and fp16, with bounds derived for
-any rounding order) is tests/test_precision.py's, which runs stage 3 in this layout.
+`zero_jax.comm.collectives.in_gather_dtype`) and the update writes the float32 block only. The half
+copy the previous layout kept was written by the update as exactly that cast of the float32 value,
+so every number must be the same, bit for bit: each test runs the same step in both layouts (the
+previous one is what `zero_jax.step.state.master_in_params` returning False gives: the state
+``main``'s code made, which ``hpz_axis=`` and ``offload=`` still make) and compares everything a
+user can read. The comparison against single-device optax (SGD and Adam, bf16 and fp16, with bounds
+derived for any rounding order) is tests/test_precision.py's, which runs stage 3 in this layout.
 """
 
 import contextlib
@@ -282,8 +282,9 @@ def test_each_layer_is_cast_as_it_is_gathered_never_the_whole_stack(mesh, precis
   layer's all-gather: the compiled programs (training, ``evaluate``, ``apply``) hold no
   conversion of the whole stacked block to half precision (tests/_held.py; training keeps the
   stacked gradient in half precision, filled a layer at a time, as before), and every all-gather
-  carries the half dtype, as does every reduce-scatter of the gradients (checked before XLA's own passes: XLA:CPU widens half-precision collectives to
-  float32 for its runtime, which a GPU does not)."""
+  carries the half dtype, as does every reduce-scatter of the gradients (checked before XLA's own
+  passes: XLA:CPU widens half-precision collectives to float32 for its runtime, which a GPU does
+  not)."""
   step = M.make_step(mesh, stage=3, opt="adam", precision=precision, prefetch=prefetch)
   state = step.init(M.init_params())
   b = M.batch(0)

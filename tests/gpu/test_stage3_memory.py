@@ -82,8 +82,8 @@ def test_each_layer_is_cast_at_its_gather_and_the_wire_stays_bf16(programs):
   """The float32 master block is cast one layer at a time, just before that layer's all-gather:
   XLA:GPU's train and evaluate programs hold no conversion of a whole stacked block to bf16
   (16 layers of w: [16,128,1024]; tests/_held.py: values inside a fusion, such as a convert XLA
-  puts before the slice of one layer, are never stored), and every all-gather moves bf16 (XLA:GPU keeps half-precision
-  collectives as they are, where XLA:CPU widens them)."""
+  puts before the slice of one layer, are never stored), and every all-gather moves bf16
+  (XLA:GPU keeps half-precision collectives as they are, where XLA:CPU widens them)."""
   step, state, batch = _step(zj.compile_only_mesh((N,), ("data",), gpu="h100"))
   texts = {"train": programs["new"].as_text(),
            "evaluate": step.jit(step.evaluate).lower(state, batch).compile().as_text()}
