@@ -3,7 +3,7 @@
 Writes the ``llama-memory`` section of BENCHMARKS.md. The model is ``examples/llama``'s, of
 Meta-Llama-3-8B's ``config.json`` (tests/data/hf_configs/llama3_8b: 32 layers, hidden 4096,
 8.03e9 parameters); the step is ``examples/finetune_llama.py``'s: ZeRO-3, ``precision="bf16"``
-(the split float32 master is the parameter at stage 3, cast to bf16 before each gather), AdamW,
+(the split float32 master is the parameter at stage 3, cast to bf16 as it is gathered), AdamW,
 next-token cross-entropy. Each program is compiled by XLA:GPU for 8 compile-only H100s
 (`zj.compile_only_mesh`; JAX's CUDA plugin, no GPU) and its ``memory_analysis()`` gives the peak per GPU: arguments + outputs - aliased + temporaries.
 
@@ -113,7 +113,8 @@ def render(cfg: LlamaConfig, out: dict) -> str:
       f"`python benchmarks/bench_llama_memory.py`: examples/finetune_llama.py's model and step "
       f"for Meta-Llama-3-8B's config.json ({n / 1e9:.2f}e9 parameters, 32 layers of "
       f"{layer / 1e6:.0f}e6), ZeRO-3, `precision=\"bf16\"` (bf16 compute; at stage 3 the split "
-      f"float32 master is the parameter, cast to bf16 before each gather), AdamW, "
+      f"float32 master is the parameter, cast to bf16 as it is gathered: a stacked leaf one "
+      f"layer at a time, inside the loop), AdamW, "
       f"{PER_GPU} x {SEQ} tokens per GPU, compiled by XLA:GPU for 8 compile-only H100s "
       f"(80 GiB each). The model's bytes: {gib(2 * n)} GiB in bf16, {gib(4 * n)} GiB in float32; "
       f"its state (the float32 master and AdamW's two moments: 12 bytes a parameter) "
@@ -165,7 +166,10 @@ def render(cfg: LlamaConfig, out: dict) -> str:
         f"gather and its gradient's reduce-scatter were 877 MiB each way per GPU). It saves "
         f"communication, not peak: with the split bf16 copy the state kept until this release "
         f"the peak was 27.05 GiB with and without `lookup=` (the gathered table was not live at "
-        f"the program's peak)."]
+        f"the program's peak). Without that copy, and with the device's float32 block of each "
+        f"stacked leaf cast to bf16 whole before the loop, it was 17.96 GiB; casting each "
+        f"layer's slice at its gather, with the stacked gradient kept in bf16 through the "
+        f"backward loop and widened once after it, gives the figure above."]
   if pair("stacked evaluate", "unstacked evaluate"):
     a, b = peaks["stacked evaluate"], peaks["unstacked evaluate"]
     lines += [
@@ -177,13 +181,21 @@ def render(cfg: LlamaConfig, out: dict) -> str:
         f"of the stacked evaluate: the gathered bf16[{cfg.hidden_size},{cfg.vocab_size}] head, "
         f"its largest buffer ({gib(2 * cfg.vocab_size * cfg.hidden_size)} GiB), live across the "
         f"layer loop (the step gathers the parameters that are neither stacked nor lookup tables "
-        f"before the loss), and the bf16 cast of the device's float32 block of each stacked "
-        f"leaf, made whole before the loop (the MLP's bf16[32,4096,1792] and bf16[32,1792,4096], "
-        f"448 MiB each, and the attention's), where the unstacked program casts each leaf next "
-        f"to its gather. Casting each layer's slice inside `zj.scan` would remove the latter "
-        f"(not built). With the split bf16 copy the state kept until this release these "
-        f"programs read 2 bytes a parameter, not 4, and the stacked evaluate held 4.32 GiB "
-        f"(4.76 before `lookup=`). The embedding is gathered in neither. Evaluating and "
+        f"before the loss). The float32 master is cast to bf16 as it is gathered, a layer at a "
+        f"time inside `zj.scan`, so no bf16 copy of a device's whole block exists (none in the "
+        f"report; cast whole "
+        f"before the loop, the stacked evaluate held 7.81 GiB: the MLP's bf16[32,4096,1792] and "
+        f"bf16[32,1792,4096], 448 MiB each, and the attention's). With the split bf16 copy the "
+        f"state kept until this release the stacked evaluate held 4.32 GiB (1.87 of arguments, "
+        f"2.45 of temporaries; 4.76 before `lookup=`): its temporaries now are "
+        f"{gib(out['stacked evaluate']['temp'])} GiB, and the difference is the arguments, "
+        f"the float32 master (4 bytes a parameter) where that copy was 2. Counting the state "
+        f"that stays on the GPU, evaluating now uses "
+        f"{gib(max(out['stacked evaluate']['arg'], state or 0) + out['stacked evaluate']['temp'])}"
+        f" GiB per GPU (*state + temporaries*), where the state with that copy (14 bytes a "
+        f"parameter, {gib(14 * n / GPUS)} GiB) and the same temporaries made "
+        f"{gib(14 * n / GPUS + 2.45 * GiB)}. The embedding is gathered in neither. Evaluating "
+        f"and "
         f"sampling an 8B model thus fit in either layout; "
         f"training is where stacking counts. (Llama-3-70B's state is 12 bytes x "
         f"{EX.n_params(big) / 1e9:.1f}e9 parameters = {gib(12 * EX.n_params(big) / GPUS)} GiB "

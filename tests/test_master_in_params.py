@@ -1,17 +1,19 @@
 """Stage 3 with ``precision="bf16"``/``"fp16"`` keeps no half-precision copy beside the master.
 
 The state keeps each master leaf once, in float32, split, as its parameter; the step casts each
-device's block to the compute dtype before the gather (`zero_jax.step.grads.half_view`) and
-the update writes the float32 block only. The half copy the previous layout kept was written by
-the update as exactly that cast of the float32 value, so every number must be the same, bit
-for bit: each test runs the same step in both layouts (the previous one is what
-`zero_jax.step.state.master_in_params` returning False gives: the state ``main``'s code made,
-which ``hpz_axis=`` and ``offload=`` still make) and compares everything a user can read. The
-comparison against single-device optax (SGD and Adam, bf16 and fp16, with bounds derived for
-any rounding order) is tests/test_precision.py's, which runs stage 3 in this layout.
+device's block to the compute dtype as it gathers it (a stacked leaf's a layer at a time:
+`zero_jax.comm.collectives.in_gather_dtype`) and the update writes the float32 block only. The half
+copy the previous layout kept was written by the update as exactly that cast of the float32 value,
+so every number must be the same, bit for bit: each test runs the same step in both layouts (the
+previous one is what `zero_jax.step.state.master_in_params` returning False gives: the state
+``main``'s code made, which ``hpz_axis=`` and ``offload=`` still make) and compares everything a
+user can read. The comparison against single-device optax (SGD and Adam, bf16 and fp16, with bounds
+derived for any rounding order) is tests/test_precision.py's, which runs stage 3 in this layout.
 """
 
 import contextlib
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +26,10 @@ from jax.sharding import PartitionSpec as P
 import zero_jax as zj
 import _forward_model as M
 import _whole_leaf_model as W
+from _held import held_converts, held_shapes
 import test_lookup as L
 from zero_jax.checkpoint import master_form
+from zero_jax.comm import layout as lay
 from zero_jax.step import state as state_lib
 from zero_jax.step import update as update_lib
 
@@ -101,8 +105,8 @@ def logits(p, b):
 def test_the_state_keeps_the_split_float32_master_as_its_parameters(mesh, precision):
   seen = set()
 
-  def recording(p, b):
-    seen.update(str(x.dtype) for x in jax.tree.leaves(p))
+  def recording(p, b):  # what the loss computes with: the values gathered
+    seen.update(str(x.dtype) for x in jax.tree.leaves(zj.gather(p)))
     return M.loss_fn(p, b)
   step = zj.make_sharded_train_step(recording, optax.adam(1e-2), mesh=mesh, stage=3,
                                     precision=precision, stacked=M.STACKED)
@@ -163,6 +167,28 @@ def test_stacked_layers_with_prefetch_give_the_previous_layouts_bits(mesh, monke
 def test_step_options_give_the_previous_layouts_bits(mesh, monkeypatch, kw):
   make = lambda: M.make_step(mesh, stage=3, opt="adam", precision="bf16", **kw)
   the_same(make, M.init_params(), batches(), monkeypatch, forward=logits)
+
+
+def gained_loss(p, b, prefetch=1):
+  """`M.loss_fn` with a per-layer gain ``layers["g"]`` of shape (L,): a stacked leaf with no
+  dimension to split, which the step keeps whole on every device (`Layout.dim` None)."""
+  layer = lambda h, lp: (jnp.tanh(h @ lp["w"] + lp["b"]) * lp["g"], None)
+  h, _ = zj.scan(layer, b["x"].astype(p["w_in"].dtype) @ p["w_in"], p["layers"],
+                 prefetch=prefetch)
+  return jnp.mean(jnp.square((h @ p["w_out"]).astype(jnp.float32) - b["y"]))
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_stacked_leaf_kept_whole_gives_the_previous_layouts_bits(mesh, monkeypatch, prefetch):
+  params = M.init_params()
+  params["layers"]["g"] = np.linspace(0.8, 1.1, 4).astype(np.float32)
+  make = lambda: zj.make_sharded_train_step(
+      functools.partial(gained_loss, prefetch=prefetch), optax.sgd(0.1), mesh=mesh, stage=3,
+      precision="bf16", stacked={"w_in": False, "layers": True, "w_out": False})
+  step, state, _ = the_same(make, params, batches(), monkeypatch)
+  layouts = jax.tree.unflatten(jax.tree.structure(params), state.meta.param_layouts)
+  assert layouts["layers"]["g"].dim is None  # whole on every device
+  assert not np.array_equal(step.get_params(state)["layers"]["g"], params["layers"]["g"])
 
 
 @pytest.mark.parametrize("kind", ["replica", "model_axis"])
@@ -231,6 +257,74 @@ def test_nnx_modules_give_the_previous_layouts_bits(mesh, monkeypatch):
                             forward=lambda model, b: model(b["x"]))
   model = step.get_model(state)  # the float32 master, as before
   assert model.a.kernel[...].dtype == F32
+
+
+# ------------------------------------------------------- where the cast happens
+HALF_HLO = {"bf16": "bf16", "fp16": "f16"}  # the dtype's name in HLO text
+
+
+def _stacked_blocks(state) -> list[str]:
+  """Each stacked leaf's device block as HLO writes its shape, e.g. ``[4,1,7]``."""
+  return ["[" + ",".join(map(str, lay.local_storage_shape(l, 8))) + "]"
+          for l, s in zip(state.meta.param_layouts, state.meta.stacked) if s]
+
+
+def _programs(step, state, b):
+  """(name, lowered) of the train step, ``evaluate`` and ``apply`` for ``state``."""
+  return [("train", step.lower(state, b)), ("evaluate", jax.jit(step.evaluate).lower(state, b)),
+          ("apply", jax.jit(lambda s, b: step.apply(s, logits, b)).lower(state, b))]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_each_layer_is_cast_as_it_is_gathered_never_the_whole_stack(mesh, precision, prefetch):
+  """The float32 master block of a stacked leaf is cast a layer at a time, just before that
+  layer's all-gather: the compiled programs (training, ``evaluate``, ``apply``) hold no
+  conversion of the whole stacked block to half precision (tests/_held.py; training keeps the
+  stacked gradient in half precision, filled a layer at a time, as before), and every all-gather
+  carries the half dtype, as does every reduce-scatter of the gradients (checked before XLA's own
+  passes: XLA:CPU widens half-precision collectives to float32 for its runtime, which a GPU does
+  not)."""
+  step = M.make_step(mesh, stage=3, opt="adam", precision=precision, prefetch=prefetch)
+  state = step.init(M.init_params())
+  b = M.batch(0)
+  half, blocks = HALF_HLO[precision], _stacked_blocks(state)
+  assert blocks == ["[4,1]", "[4,1,7]"]  # layers b (4, 7) and w (4, 7, 7), split over 8
+  for name, lowered in _programs(step, state, b):
+    text = lowered.compile().as_text()
+    assert "f32[4,1,7]" in held_shapes(text), name  # the float32 master block it reads
+    whole = [c for s in blocks for c in held_converts(text, f"{half}{s}")]
+    assert not whole, (name, whole)
+    pre = lowered.as_text()  # StableHLO: tensor<...xbf16>
+    wire = re.findall(r"stablehlo\.all_gather.*?-> tensor<[0-9x]*x(\w+)>", pre)
+    assert wire and set(wire) == {half}, (name, wire)
+    summed = re.findall(r"stablehlo\.reduce_scatter.*\n\s*\^bb0\(%\w+: tensor<(\w+)>", pre)
+    assert set(summed) == ({half} if name == "train" else set()), (name, summed)
+
+
+def chain_loss(p, b):
+  h = b["x"].astype(jnp.bfloat16)
+  for k in sorted(p):
+    h = jnp.tanh(h @ p[k])
+  return jnp.mean(jnp.square(h.astype(jnp.float32)))
+
+
+def test_a_plain_leafs_cast_is_recomputed_for_the_backward_pass_not_saved(mesh):
+  """Without stacked leaves the stage-3 loss runs under `regather_policy`, which gathers each
+  leaf again for the backward pass: the cast of its float32 block, made inside the loss as it
+  is gathered, is recomputed with the gather (`zero_jax.step.grads._cast_shapes`), not kept as
+  a bf16 copy of the block until the backward pass. Leaves of 8 MiB in bf16, each gathered
+  alone (not bucketed), block [256,2048] on 8 devices."""
+  r = np.random.default_rng(0)
+  params = {k: (r.normal(size=(2048, 2048)) / 45).astype(np.float32) for k in "abcd"}
+  b = {"x": r.normal(size=(64, 2048)).astype(np.float32)}
+  step = zj.make_sharded_train_step(chain_loss, optax.sgd(0.1), mesh=mesh, stage=3,
+                                    precision="bf16")
+  state = step.init(params)
+  assert {lay.local_storage_shape(l, 8) for l in state.meta.param_layouts} == {(256, 2048)}
+  text = step.lower(state, b).compile().as_text()
+  assert "f32[256,2048]" in held_shapes(text)
+  assert not held_converts(text, "bf16[256,2048]")
 
 
 # ------------------------------------------------------------------ misuse

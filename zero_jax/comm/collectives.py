@@ -280,14 +280,28 @@ def _from_rows(rows, block_shape, layout: Layout, whole: bool):
   return unpad(full, layout) if whole else full
 
 
+def in_gather_dtype(blocks, dtypes=None) -> list:
+  """``blocks`` in the dtype they are gathered in: each cast to its entry of ``dtypes`` (None
+  there, or no ``dtypes``: as it is). A float32 master block gathered in bfloat16 is cast
+  here, just before its collective, as FSDP2 casts the shard: the wire carries the half
+  dtype, and the cast is only ever of what this gather moves (a layer's slice inside a
+  loop), never of a whole stacked leaf. Differentiated, the cast's transpose widens the
+  reduced half-precision gradient back to the block's dtype, exactly."""
+  if dtypes is None:
+    return list(blocks)
+  return [b if d is None else b.astype(d) for b, d in zip(blocks, dtypes)]
+
+
 def all_gather_many(blocks, layouts, groups, comm: Comm, *, axes=None, to: str = "invarying",
-                    whole: bool = True) -> list:
+                    whole: bool = True, dtypes=None) -> list:
   """`all_gather` of every block of ``blocks``, one collective per group of ``groups``.
 
   With quantized weights (`Comm.wire`) the blocks travel as int8
   (`zero_jax.comm.quantize`), every device's own block included, so that all
-  devices see the same values.
+  devices see the same values. ``dtypes``: per block, the dtype to gather it in
+  (`in_gather_dtype`), or None.
   """
+  blocks = in_gather_dtype(blocks, dtypes)
   axes = comm.gather_axes if axes is None else _axes(axes)
   wire = comm.wire("weights", bool(set(axes) - set(comm.gather_axes)))
   out = [None] * len(blocks)
@@ -308,10 +322,12 @@ def _exact_in_loss(comm: Comm) -> bool:
   return comm.wire("weights", False) is None and comm.wire("grads", False) is None
 
 
-def gather_in_loss(blocks, layouts, groups, comm: Comm) -> list:
+def gather_in_loss(blocks, layouts, groups, comm: Comm, *, dtypes=None) -> list:
   """Stage 3's differentiated gather over the gather axes: its transpose reduce-scatters
   the local gradients over them (quantized as ``comm`` says, in a ``custom_vjp``); with
-  ``comm.forward_only`` a gather to device-invariant values, with no transpose."""
+  ``comm.forward_only`` a gather to device-invariant values, with no transpose. ``dtypes``:
+  per block, the dtype to gather it in (`in_gather_dtype`), or None."""
+  blocks = in_gather_dtype(blocks, dtypes)
   if comm.forward_only:
     return all_gather_many(blocks, layouts, groups, comm, to="invarying")
   if _exact_in_loss(comm):
@@ -319,10 +335,13 @@ def gather_in_loss(blocks, layouts, groups, comm: Comm) -> list:
   return _quantized_gather(tuple(blocks), tuple(layouts), tuple(groups), comm)
 
 
-def scatter_in_loss(cts, blocks, layouts, groups, comm: Comm) -> list:
+def scatter_in_loss(cts, blocks, layouts, groups, comm: Comm, *, dtypes=None) -> list:
   """The transpose of `gather_in_loss`: gradients of the gathered leaves -> gradients of
   ``blocks``, reduce-scattered over the gather axes (quantized as ``comm`` says), for a
-  caller that runs the backward pass itself (`zero_jax.scan`)."""
+  caller that runs the backward pass itself (`zero_jax.scan`). They stay in the dtype the
+  blocks were gathered in (``dtypes``, as for `gather_in_loss`): the caller widens them
+  where the reduction ends."""
+  blocks = in_gather_dtype(blocks, dtypes)
   if _exact_in_loss(comm):
     gather = lambda bs: all_gather_many(bs, layouts, groups, comm, to="varying")
     return list(jax.linear_transpose(gather, list(blocks))(list(cts))[0])

@@ -24,12 +24,13 @@ every stage; outside the step `take` on an array is ``table[ids]``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import jax
 import jax.numpy as jnp
 
-from zero_jax.comm.axes import axes_size
+from zero_jax.comm.axes import axes_size, make_varying, varying_axes
 from zero_jax.comm.layout import unpad
 from zero_jax.layers.stacked import ShardedParam
 
@@ -155,14 +156,43 @@ def take(table, ids):
   return jnp.take(table, _in_range(ids, table.shape[0]), axis=0)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rows(block, ids, dtype):
+  """``jnp.take(block.astype(dtype), ids, axis=0)`` with only the taken rows cast (the
+  table's `ShardedParam.gather_dtype`, as a gather casts what it moves): its gradient is
+  that of the cast block, summed in ``dtype`` (where ids repeat) and widened at the end."""
+  return jnp.take(block, ids, axis=0).astype(dtype)
+
+
+def _rows_fwd(block, ids, dtype):
+  return _rows(block, ids, dtype), (block, ids)
+
+
+def _rows_bwd(dtype, res, ct):
+  block, ids = res
+  half = make_varying(jnp.zeros(block.shape, dtype), varying_axes(block))
+  g, = jax.vjp(lambda b: jnp.take(b, ids, axis=0), half)[1](ct)
+  return g.astype(block.dtype), None
+
+
+_rows.defvjp(_rows_fwd, _rows_bwd)
+
+
+def _take_rows(table: LookupTable, ids):
+  """This block's rows ``ids``, in the table's gather dtype."""
+  if table.gather_dtype is None:
+    return jnp.take(table.block, ids, axis=0)
+  return _rows(table.block, ids, jnp.dtype(table.gather_dtype))
+
+
 def _split_take(table: LookupTable, ids):
   """`take` on a stage-3 block: every device's ids, this block's slice of their rows, and
   each device's own rows back (the all-to-all)."""
-  block, layout, axes = table.block, table.layout, table.comm.gather_axes
+  layout, axes = table.layout, table.comm.gather_axes
   if layout.dim is None or axes_size(axes) == 1:  # the whole leaf is here
-    return unpad(jnp.take(block, ids, axis=0), _shifted(layout, ids.ndim))
+    return unpad(_take_rows(table, ids), _shifted(layout, ids.ndim))
   every = jax.lax.all_gather(ids, axes, axis=0, tiled=False)  # [n, *ids.shape]
-  rows = jnp.take(block, every, axis=0)  # [n, *ids.shape, *block.shape[1:]]
+  rows = _take_rows(table, every)  # [n, *ids.shape, *block.shape[1:]]
   dim = ids.ndim + layout.dim  # the split dimension in ``rows``
   mine = jax.lax.all_to_all(rows, axes, 0, dim, tiled=True)  # [1, *ids.shape, ...whole]
   return unpad(mine[0], _shifted(layout, ids.ndim))

@@ -206,8 +206,8 @@ def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
   else:
     dc, dk, dxb, dbl = loops.now(list(cts[0]))
   d_sp: list = [None] * len(sp)
-  for j, b in zip(red, dbl):
-    d_sp[pos[j]] = match_vma(b, sp[pos[j]])
+  for j, b in zip(red, dbl):  # each stack's gradient, widened to its block's dtype once
+    d_sp[pos[j]] = match_vma(b.astype(sp[pos[j]].dtype), sp[pos[j]])
   return [[match_vma(d, s) for d, s in zip(dc, c_s)], d_sp,
           [match_vma(d, x) for d, x in zip(dxb, xs)], [match_vma(d, k) for d, k in zip(dk, ks)]]
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from zero_jax.comm.axes import make_varying
 from zero_jax.comm.collectives import (Comm, all_gather_many, axes_size, gather_in_loss,
-                                       plan_buckets, reduce_outer_many, reduce_scatter_many,
-                                       scatter_in_loss)
+                                       in_gather_dtype, plan_buckets, reduce_outer_many,
+                                       reduce_scatter_many, scatter_in_loss)
 from zero_jax.layers import nnx as nnx_lib
 from zero_jax.comm.layout import Layout, local_storage_shape, unpad
 
@@ -51,10 +51,14 @@ class ShardedParam:
     sink: stage 3 with hpZ or replica axes: the device's block of the weights
       split over every data axis, whose gradient is the slice's gradient reduced over every
       axis (the block's is not taken); None otherwise.
+    gather_dtype: the dtype `gather` casts the block (the slice it gathers) to just before
+      its all-gather (static): the compute dtype where the block is the step's float32
+      master (stage 3 under ``"bf16"``/``"fp16"``); None: the block's own. The gradient
+      comes back in the block's dtype, reduced in this one.
   """
 
   def __init__(self, block, layout: Layout, comm: Comm, path: str, full=None,
-               batch_axes: tuple = (), sink=None):
+               batch_axes: tuple = (), sink=None, gather_dtype=None):
     self.block = block
     self.layout = layout
     self.comm = comm
@@ -62,6 +66,7 @@ class ShardedParam:
     self.full = full
     self.batch_axes = batch_axes
     self.sink = sink
+    self.gather_dtype = gather_dtype
 
   @property
   def axis_name(self) -> tuple:
@@ -70,22 +75,31 @@ class ShardedParam:
 
   def tree_flatten(self):
     return (self.block, self.full, self.sink), (self.layout, self.comm, self.path,
-                                                self.batch_axes)
+                                                self.batch_axes, self.gather_dtype)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(children[0], aux[0], aux[1], aux[2], children[1], aux[3], children[2])
+    return cls(children[0], aux[0], aux[1], aux[2], children[1], aux[3], children[2], aux[4])
+
+  def _replace(self, **changes) -> "ShardedParam":
+    kw = dict(block=self.block, layout=self.layout, comm=self.comm, path=self.path,
+              full=self.full, batch_axes=self.batch_axes, sink=self.sink,
+              gather_dtype=self.gather_dtype)
+    return type(self)(**{**kw, **changes})
 
   def with_block(self, block) -> "ShardedParam":
     """The same leaf with another block (same shape and dtype)."""
-    return ShardedParam(block, self.layout, self.comm, self.path, self.full, self.batch_axes,
-                        self.sink)
+    return self._replace(block=block)
 
   def in_one_bucket(self) -> "ShardedParam":
     """The same leaf, moved in one collective with every other such leaf of its dtype and
     kind (no bucket size): `zero_jax.scan` moves a layer so, one collective per direction."""
-    return ShardedParam(self.block, self.layout, dataclasses.replace(self.comm, bucket_bytes=ONE),
-                        self.path, self.full, self.batch_axes, self.sink)
+    return self._replace(comm=dataclasses.replace(self.comm, bucket_bytes=ONE))
+
+  @property
+  def wire_dtype(self):
+    """The dtype its gather moves and returns (`gather_dtype`, else the block's)."""
+    return jnp.dtype(self.gather_dtype or self.block.dtype)
 
   @property
   def differentiated(self) -> int:
@@ -110,8 +124,7 @@ class ShardedParam:
   def __getitem__(self, index):
     full = None if self.full is None else self.full[index]
     sink = None if self.sink is None else self.sink[index]
-    return ShardedParam(self.block[index], self.layout, self.comm, self.path, full,
-                        self.batch_axes, sink)
+    return self._replace(block=self.block[index], full=full, sink=sink)
 
   def __repr__(self):
     return f"ShardedParam(params{self.path}, shape={self.shape}, layout={self.layout})"
@@ -141,14 +154,15 @@ def _scatter_bwd(layouts, comm, batch_axes, groups, zeros, cts):
 _scatter_on_backward.defvjp(_scatter_fwd, _scatter_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _gather_into_sinks(sinks, blocks, layouts, comm: Comm, groups):
-  """Stage 3 with hpZ or replica axes: ``blocks`` gathered over the gather axes; the
-  transpose sends their gradients to ``sinks`` reduced over every axis: over the gather
-  axes (the gather's transpose), then across hosts and replicas (`reduce_outer_many`),
-  so that the whole reduction runs where the layer's backward does."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _gather_into_sinks(sinks, blocks, layouts, comm: Comm, groups, dtypes):
+  """Stage 3 with hpZ or replica axes: ``blocks`` gathered over the gather axes (in
+  ``dtypes``); the transpose sends their gradients to ``sinks`` reduced over every axis:
+  over the gather axes (the gather's transpose), then across hosts and replicas
+  (`reduce_outer_many`), so that the whole reduction runs where the layer's backward does."""
   del sinks
-  return all_gather_many(_local(blocks, comm), list(layouts), groups, comm, to="varying")
+  return all_gather_many(_local(blocks, comm), list(layouts), groups, comm, to="varying",
+                         dtypes=dtypes)
 
 
 def _local(blocks, comm: Comm) -> list:
@@ -157,14 +171,14 @@ def _local(blocks, comm: Comm) -> list:
   return [make_varying(b, comm.outer_axes + comm.replica_axes) for b in blocks]
 
 
-def _sinks_fwd(sinks, blocks, layouts, comm, groups):
-  out = _gather_into_sinks(sinks, blocks, layouts, comm, groups)
+def _sinks_fwd(sinks, blocks, layouts, comm, groups, dtypes):
+  out = _gather_into_sinks(sinks, blocks, layouts, comm, groups, dtypes)
   return out, ([jnp.zeros((), s.dtype) for s in sinks], blocks)
 
 
-def _sinks_bwd(layouts, comm, groups, res, cts):
+def _sinks_bwd(layouts, comm, groups, dtypes, res, cts):
   zeros, blocks = res
-  gs = scatter_in_loss(list(cts), _local(blocks, comm), layouts, groups, comm)
+  gs = scatter_in_loss(list(cts), _local(blocks, comm), layouts, groups, comm, dtypes=dtypes)
   gs = reduce_outer_many(gs, layouts, groups, comm)
   return [g.astype(z.dtype) for g, z in zip(gs, zeros)], [jnp.zeros_like(b) for b in blocks]
 
@@ -213,7 +227,7 @@ def _plan(xs: list) -> list[tuple[str, list[int], tuple, tuple]]:
     idx = [i for i, x in enumerate(xs) if _kind(x) == kind and sliced[i].dim is not None]
     if idx:
       layouts = tuple(sliced[i] for i in idx)
-      groups = plan_buckets(layouts, [xs[i].block.dtype for i in idx],
+      groups = plan_buckets(layouts, [xs[i].wire_dtype for i in idx],
                             bucket_bytes=xs[idx[0]].comm.bucket_bytes)
       plans.append((kind, idx, layouts, groups))
   return plans
@@ -225,23 +239,27 @@ def gather_many(xs: list) -> list:
 
   The one mechanism of `gather` and `zero_jax.scan`: at stage 2 the value is
   here and the transpose reduce-scatters its gradient (into the zero block);
-  at stage 3 the block is all-gathered over the gather axes and the transpose
-  reduce-scatters over them (with hpZ or replica axes, on into the sink over
-  every axis). `scatter_many` is that transpose, for a caller that runs the
-  backward pass itself.
+  at stage 3 the block is cast to its `ShardedParam.gather_dtype` and
+  all-gathered over the gather axes, and the transpose reduce-scatters over
+  them (with hpZ or replica axes, on into the sink over every axis). Only what
+  is gathered is cast: inside a loop, one layer's slice. `scatter_many` is that
+  transpose, for a caller that runs the backward pass itself.
   """
-  out = [x.full if x.full is not None else x.block for x in xs]  # replicated: as they are
+  # replicated (not split): as they are, in the gather's dtype
+  out = [x.full if x.full is not None else in_gather_dtype([x.block], [x.gather_dtype])[0]
+         for x in xs]
   for kind, idx, layouts, groups in _plan(xs):
     first, blocks = xs[idx[0]], [xs[i].block for i in idx]
+    dtypes = tuple(xs[i].gather_dtype for i in idx)
     if kind == _STAGE2:  # the value is here; reduce the gradient on the way back
       got = _scatter_on_backward(blocks, [jax.lax.stop_gradient(xs[i].full) for i in idx],
                                  layouts, first.comm, first.batch_axes, groups)
     elif kind == _SINK:
       got = _gather_into_sinks([xs[i].sink for i in idx],
                                [jax.lax.stop_gradient(b) for b in blocks], layouts,
-                               first.comm, groups)
+                               first.comm, groups, dtypes)
     else:
-      got = gather_in_loss(blocks, list(layouts), groups, first.comm)
+      got = gather_in_loss(blocks, list(layouts), groups, first.comm, dtypes=dtypes)
     for i, g in zip(idx, got):
       out[i] = g
   return out
@@ -251,8 +269,10 @@ def scatter_many(xs: list, cts: list) -> list:
   """`gather_many`'s transpose: the gradients of the values it returned for ``xs`` ->
   gradients of what the step differentiates (`ShardedParam.differentiated`): stage 2's
   and the sinks' reduced as ``comm`` says, plain stage 3's reduce-scattered over the
-  gather axes. A replicated leaf's comes back local, as it is. It is `scatter_outer` of
-  `scatter_inner`."""
+  gather axes. A replicated leaf's comes back local, as it is. A plain stage-3 leaf's (and
+  a replicated one's) stays in the dtype it was gathered in (`ShardedParam.gather_dtype`),
+  for the caller to widen to the block's: a loop over layers keeps its stacked gradient in
+  half precision, widened once after it. It is `scatter_outer` of `scatter_inner`."""
   return scatter_outer(xs, scatter_inner(xs, cts))
 
 
@@ -271,10 +291,11 @@ def scatter_inner(xs: list, cts: list) -> list:
     if kind == _STAGE2:
       got = [g.astype(xs[i].block.dtype) for i, g in
              zip(idx, reduce_scatter_many(sub, layouts, groups, first.comm))]
-    else:
+    else:  # in the dtype gathered in (`ShardedParam.gather_dtype`)
       blocks = [xs[i].block for i in idx]
       got = scatter_in_loss(sub, _local(blocks, first.comm) if kind == _SINK else blocks,
-                            layouts, groups, first.comm)
+                            layouts, groups, first.comm,
+                            dtypes=[xs[i].gather_dtype for i in idx])
     for i, g in zip(idx, got):
       out[i] = g
   return out

@@ -1,12 +1,14 @@
 """The step's forward pass on the split state, without a gradient or an update.
 
 `evaluate` is ``step.evaluate(state, batch)``: the step's loss (and aux) for a batch, computed
-by the same pieces as the training step (`zero_jax.step.grads`): the batch split over the batch
-axes and into ``grad_accum_steps`` micro-batches in a ``lax.scan``, each micro-batch's parameters
+by the same pieces as the training step (`zero_jax.step.grads`, `zero_jax.step.loss_call`): the
+batch split over the batch axes and into ``grad_accum_steps`` micro-batches in a ``lax.scan``,
+each micro-batch's parameters
 gathered as the step's loss gathers them (stage 3: stacked leaves left split for `zero_jax.scan`
 / `zero_jax.gather`; hpZ and quantized gathers as configured; under bf16/fp16 the compute-dtype
-values, at stage 3 each block of the float32 master cast before its gather), the loss reduced as the step reduces it (`WeightedLoss` over the global batch, aux by
-its rules). `apply` is ``step.apply(state, fn, *args)``: any other forward use (logits,
+values, at stage 3 the float32 master cast as it is gathered: a stacked leaf a layer at a time),
+the loss reduced as the step reduces it (`WeightedLoss` over the global batch, aux by its
+rules). `apply` is ``step.apply(state, fn, *args)``: any other forward use (logits,
 sampling) on the parameters as the loss sees them. Both leave the state as it was: NNX modules
 run as ``model.eval()`` sets them and whatever they or a loss change is dropped.
 """
@@ -26,6 +28,7 @@ from zero_jax.step import aux as aux_lib
 from zero_jax.step import batch as batching
 from zero_jax.step import context
 from zero_jax.step import grads as grads_lib
+from zero_jax.step import loss_call as lc
 from zero_jax.step.loss import check_keywords
 from zero_jax.step.spec import StepSpec
 
@@ -38,9 +41,9 @@ def _local_metrics(spec: StepSpec, loss_fn, state, batch) -> grads_lib.Local:
   meta, k, axes = state.meta, spec.grad_accum_steps, spec.batch_axes
 
   def micro(mb, _, j):
-    params = grads_lib.forward_params(spec, meta, state.params)  # per micro-batch, as the step
+    params = lc.forward_params(spec, meta, state.params)  # per micro-batch, as the step
     key, ms = grads_lib.micro_inputs(state, state.model_state, j, axes)
-    out, w = grads_lib.loss_call(spec, meta, loss_fn, params, mb, ms, key)
+    out, w = lc.loss_call(spec, meta, loss_fn, params, mb, ms, key)
     return ((),) + grads_lib.micro_results(spec, out, w, mb) + (None,)
 
   _, total, ws, aux, _ = grads_lib.micro_batches(micro, batch, None, k)
@@ -173,7 +176,7 @@ def apply(spec: StepSpec, fn: Callable, state, args: tuple, *, split_args: bool)
   out_spec = P(axes) if split_args else P()
 
   def local(inputs, args):
-    params = grads_lib.forward_params(spec, meta, inputs.params)
+    params = lc.forward_params(spec, meta, inputs.params)
     out = _call(fn, params, inputs.model_state, meta.module, args)
     _check_outputs(out, split_args)
     return jax.tree.map(lambda y: make_varying(y, axes) if split_args else _replicated(y, axes),

@@ -4,18 +4,17 @@ Manual over the batch axes only: micro-batches in a ``lax.scan``, ``loss_fn`` di
 with respect to a device-varying copy of the parameters (so the gradient is the device's own),
 then an all-reduce (stage 1), a reduce-scatter (stage 2) or the transpose of the parameter
 gather (stage 3), and the per-device ``fold_in`` keys. Details: the docs' "How it works".
-The forward half (`loss_inputs`, `forward_params`, `loss_call`, `micro_batches`, `agreed`) is
-also `zero_jax.step.forward`'s, which runs it without a gradient (``step.evaluate``/``apply``)."""
+The parameter tree the loss sees and the call of the loss are `zero_jax.step.loss_call`'s; the
+pieces around them (`loss_inputs`, `micro_batches`, `agreed`) are also
+`zero_jax.step.forward`'s, which runs the loss without a gradient (``step.evaluate``/``apply``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from zero_jax.step import aux as aux_lib
@@ -23,13 +22,9 @@ from zero_jax.comm import collectives
 from zero_jax.comm.axes import make_varying
 from zero_jax.comm import layout as lay
 from zero_jax.numerics import loss_scale as ls
-from zero_jax.step.loss import call_loss
+from zero_jax.step import loss_call as lc
 from zero_jax.step.home_update import device_index
 from zero_jax.step.spec import StepSpec
-from zero_jax.layers import lookup
-from zero_jax.layers.stacked import ShardedParam
-
-_GATHERED = "zero_jax_gathered_param"
 
 
 def _bucket_shapes(spec: StepSpec, meta) -> set:
@@ -38,7 +33,7 @@ def _bucket_shapes(spec: StepSpec, meta) -> set:
   for frozen in (False, True):
     idx = [i for i, t in enumerate(meta.trainable)
            if t != frozen and not meta.stacked[i] and not meta.is_lookup(i)]
-    for g in _gather_groups(spec, meta, idx):
+    for g in lc.gather_groups(spec, meta, idx):
       if len(g) < 2:
         continue
       sizes = [math.prod(lay.local_storage_shape(meta.param_layouts[i], n)) for i in g]
@@ -47,6 +42,15 @@ def _bucket_shapes(spec: StepSpec, meta) -> set:
         l = meta.param_layouts[i]
         shapes |= {(n, s), (l.padded,) + tuple(d for j, d in enumerate(l.shape) if j != l.dim)}
   return shapes
+
+
+def _cast_shapes(spec: StepSpec, meta) -> set:
+  """Shapes of the device blocks that stage 3's gathers cast (`StateMeta.gather_dtype`) inside
+  the loss: recomputed from the float32 block in the backward pass, never saved (a saved cast
+  would be the half-precision copy the layout does without)."""
+  n = math.prod(spec.mesh.shape[a] for a in spec.gather_axes)
+  return {lay.local_storage_shape(l, n) for i, l in enumerate(meta.param_layouts)
+          if meta.gather_dtype(i) is not None and l.dim is not None}
 
 
 def regather_policy(layouts, extra_shapes=frozenset()):
@@ -125,84 +129,6 @@ class Local(NamedTuple):
   aux_specs: Any = None
 
 
-def _gather_groups(spec: StepSpec, meta, idx) -> tuple:
-  """Buckets for the stage-3 gathers of leaves ``idx`` (stacked leaves are not gathered here)."""
-  layouts = [meta.param_layouts[i] for i in idx]
-  dtypes = [meta.param_dtypes[i] for i in idx]
-  return collectives.plan_buckets(layouts, dtypes, bucket_bytes=spec.comm.bucket_bytes,
-                                  alone=[meta.stacked[i] for i in idx])
-
-
-def _gather(spec: StepSpec, meta, leaves: dict, to: str) -> dict:
-  """Stage 3: ``{i: block}`` -> ``{i: gathered leaf}``, bucketed, named for the remat policy."""
-  idx = sorted(leaves)
-  groups = _gather_groups(spec, meta, idx)
-  blocks, layouts = [leaves[i] for i in idx], [meta.param_layouts[i] for i in idx]
-  if to == "varying":
-    full = collectives.gather_in_loss(blocks, layouts, groups, spec.comm)
-  else:
-    full = collectives.all_gather_many(blocks, layouts, groups, spec.comm, to=to)
-  return {i: checkpoint_name(x, _GATHERED) for i, x in zip(idx, full)}
-
-
-def reduced_in_loop(spec: StepSpec, meta) -> list[bool]:
-  """Per parameter leaf: a stacked leaf whose gradient `zero_jax.gather` (or
-  `zero_jax.scan`) reduces whole inside the loss's loop, into a differentiated stand-in
-  (`_stand_in`, see `zero_jax.layers.stacked`): at stage 2, and at stage 3 where the
-  gradient goes on across hosts or replicas after the gather's transpose (`outer_reduced`)."""
-  sinks = spec.param_stage == 3 and outer_reduced(spec)
-  return [t and s and l.dim is not None and (sinks or spec.param_stage == 2 and not l.has_model)
-          for t, s, l in zip(meta.trainable, meta.stacked, meta.param_layouts)]
-
-
-def _gather_all(spec: StepSpec, meta, blocks) -> list:
-  """Stage 3 with ``gather_once``: every block gathered (bucketed), identical on all devices."""
-  full = collectives.all_gather_many(
-      blocks, meta.param_layouts, _gather_groups(spec, meta, range(len(blocks))),
-      spec.comm, to="invarying")
-  return [checkpoint_name(x, _GATHERED) for x in full]
-
-
-def _loss_params(spec: StepSpec, meta, treedef, paths, frozen, train, leaves):
-  """The parameter tree ``loss_fn`` sees: stage 3 gathers (or wraps stacked leaves, and
-  ``lookup=`` tables as `zero_jax.layers.lookup.LookupTable`s); stage 2 wraps the stacked
-  leaves whose gradient is reduced in the loop."""
-  in_loop = reduced_in_loop(spec, meta)
-  if spec.param_stage != 3:
-    full = {**frozen, **train}
-    for i, yes in enumerate(in_loop):
-      if yes:
-        full[i] = ShardedParam(train[i], meta.param_layouts[i], spec.comm, paths[i],
-                               full=leaves[i], batch_axes=spec.batch_axes)
-    return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
-  full = {}
-  for part, to in ((frozen, "invarying"), (train, "varying")):
-    plain = {i: x for i, x in part.items() if not meta.stacked[i] and not meta.is_lookup(i)}
-    full.update(_gather(spec, meta, plain, to))
-    # A table's gradient is reduced over the gather axes by `take`'s transpose (and over
-    # the other axes by `reduce_some`, as a gathered leaf's): no sink, as for a plain leaf.
-    full.update({i: lookup.LookupTable(x, meta.param_layouts[i], spec.comm, paths[i])
-                 for i, x in part.items() if meta.is_lookup(i)})
-    full.update({i: ShardedParam(leaves[i], meta.param_layouts[i], spec.comm, paths[i],
-                                 sink=x) if in_loop[i] else
-                 ShardedParam(x, meta.param_layouts[i], spec.comm, paths[i])
-                 for i, x in part.items() if meta.stacked[i]})
-  return jax.tree.unflatten(treedef, [full[i] for i in range(len(paths))])
-
-
-def outer_reduced(spec: StepSpec) -> bool:
-  """Stage 3 reduces gradients over the outer (hpZ) and replica axes itself, after the
-  gather's transpose has reduce-scattered them over the gather axes. (Left to the
-  transpose of a replicated input, the replica sum would be taken of the whole
-  gradient, before the reduce-scatter: N times the bytes across hosts.)"""
-  comm = spec.comm
-  return spec.param_stage == 3 and bool(comm.outer_axes or comm.replica_axes)
-
-
-def _is_sharded(x) -> bool:
-  return isinstance(x, ShardedParam)
-
-
 def _differentiated(spec: StepSpec, meta, leaves) -> tuple[list, list]:
   """What the gradient is taken with respect to, per trainable leaf, and which leaves'
   gradients `zero_jax.gather` reduces inside the loss's loop (`reduced_in_loop`).
@@ -212,9 +138,9 @@ def _differentiated(spec: StepSpec, meta, leaves) -> tuple[list, list]:
   so the gradient is the device's own and not already summed over devices. A leaf reduced
   in the loop: its stand-in (`_stand_in`), which receives its reduced block.
   """
-  in_loop = reduced_in_loop(spec, meta)
+  in_loop = lc.reduced_in_loop(spec, meta)
   local = spec.batch_axes if spec.param_stage != 3 else \
-      spec.comm.outer_axes + spec.replica_axes if outer_reduced(spec) else ()
+      spec.comm.outer_axes + spec.replica_axes if lc.outer_reduced(spec) else ()
   diff = [_stand_in(spec, meta.param_layouts[i], leaves[i]) if in_loop[i] else
           jax.lax.pcast(leaves[i], local, to="varying") if local else leaves[i]
           for i in meta.train_idx]
@@ -243,14 +169,17 @@ def _upcast(g):
   return g.astype(jnp.promote_types(g.dtype, jnp.float32))
 
 
-def reduce_some(spec: StepSpec, layouts, grads, which, stacked) -> list:
+def reduce_some(spec: StepSpec, layouts, grads, which, stacked, wire=None) -> list:
   """Local gradients -> reduced blocks for the leaves marked in ``which`` (bucketed);
   the others are only upcast. Stage 3's arrive reduced over the gather axes (the
-  gather's transpose); `outer_reduced` ones are reduced over the other axes here."""
+  gather's transpose); `outer_reduced` ones are reduced over the other axes here, in
+  ``wire`` (per leaf: the dtype it was gathered in, whose gradient the gather's transpose
+  widened to the float32 master's; None: as it is)."""
   idx = [j for j, w in enumerate(which) if w]
   out = [_upcast(g) for g in grads]
-  if not idx or (spec.param_stage == 3 and not outer_reduced(spec)):
+  if not idx or (spec.param_stage == 3 and not lc.outer_reduced(spec)):
     return out
+  grads = collectives.in_gather_dtype(grads, wire)
   if spec.stage == 1:
     for j in idx:  # XLA combines these all-reduces itself; one device needs none
       if spec.n_batch > 1 or layouts[j].dim is None:
@@ -275,44 +204,16 @@ def _objective(spec: StepSpec, meta, loss_fn, params, frozen, leaves, scale):
   k, axes = spec.grad_accum_steps, spec.batch_axes
 
   def objective(train_leaves, mb, ms, key):
-    p = _loss_params(spec, meta, treedef, paths, frozen, dict(zip(meta.train_idx, train_leaves)),
+    p = lc.loss_params(spec, meta, treedef, paths, frozen, dict(zip(meta.train_idx, train_leaves)),
                      leaves)
-    out, w = loss_call(spec, meta, loss_fn, p, mb, ms, key)
+    out, w = lc.loss_call(spec, meta, loss_fn, p, mb, ms, key)
     denom = spec.n_batch * k if w is None else k * _nonzero(w)
     return ls.scale_loss(scale, out.value) / denom, (out, w)
 
   if spec.param_stage == 3 and not any(meta.stacked):  # re-gather for the backward pass
     objective = jax.checkpoint(objective, policy=regather_policy(
-        meta.param_layouts, _bucket_shapes(spec, meta)))
+        meta.param_layouts, _bucket_shapes(spec, meta) | _cast_shapes(spec, meta)))
   return objective
-
-
-def half_view(meta, leaves) -> list:
-  """Inside the loss's ``shard_map``: the device's parameter blocks in the dtype the loss
-  sees them in. Where the state keeps the float32 master as its parameters
-  (`zero_jax.step.state.master_in_params`), each master block is cast to the policy's
-  dtype here, before any gather: the wire stays half precision, the cast costs 1/N of the
-  model, and it equals the half copy the update used to write (the same rounding of the same
-  float32 value)."""
-  if not meta.master_in_params:
-    return list(leaves)
-  return [x.astype(meta.param_dtypes[i]) if meta.master[i] else x
-          for i, x in enumerate(leaves)]
-
-
-def loss_call(spec: StepSpec, meta, loss_fn, params, mb, ms, key):
-  """``loss_fn`` on one device's micro-batch (`zero_jax.step.loss.call_loss`, checked) ->
-  ``(LossOutput, w)``: ``w`` the micro-batch's global `WeightedLoss` weight (summed over the
-  batch axes), None for a mean loss. The step's objective and `zero_jax.step.forward` share it."""
-  axes = spec.batch_axes
-  whole = {} if spec.param_stage != 3 else {  # `zero_jax.take` on one of them raises
-      id(x): jax.tree_util.keystr(path) for path, x in
-      jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_sharded)[0] if not _is_sharded(x)}
-  with lookup.in_stage3_loss(whole):
-    out = call_loss(loss_fn, params, mb, model_state=ms, rng=key, has_aux=spec.has_aux,
-                    batch_axes=axes, mesh_axes=tuple(spec.mesh.axis_names),
-                    gathered_whole=spec.param_stage == 3 and not any(meta.stacked))
-  return out, None if out.weight is None else jax.lax.psum(out.weight, axes)
 
 
 def micro_inputs(state, ms, j, axes):
@@ -342,12 +243,13 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
   (scaled, summed over micro-batches) for `reduce_model_split`.
   """
   meta, k, axes = state.meta, spec.grad_accum_steps, spec.batch_axes
-  leaves = half_view(meta, jax.tree.leaves(state.params))
+  leaves = jax.tree.leaves(state.params)  # stage 3: cast as gathered (`_gather`, `gather`)
   if spec.gather_once:  # gather once; the rest is stage 2's path (`StepSpec.param_stage`)
-    leaves = _gather_all(spec, meta, leaves)
+    leaves = lc.gather_all(spec, meta, leaves)
   idx = meta.train_idx
   layouts = [meta.param_layouts[i] for i in idx]
   stacks = [meta.stacked[i] for i in idx]
+  wire = [meta.gather_dtype(i) for i in idx] if spec.param_stage == 3 else None
   frozen = {i: leaves[i] for i, t in enumerate(meta.trainable) if not t}
   sharded_acc = spec.accumulate == "sharded" or spec.param_stage == 3  # gather_once: either
   grad_fn = jax.value_and_grad(_objective(spec, meta, loss_fn, state.params, frozen, leaves,
@@ -360,7 +262,7 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
     key, ms_in = micro_inputs(state, ms, j, axes)
     (_, (out, w)), g = grad_fn(diff, mb, ms_in, key)
     reduce_now = sharded_acc or k == 1
-    g = reduce_some(spec, layouts, g, [reduce_now and r for r in reduce_here], stacks)
+    g = reduce_some(spec, layouts, g, [reduce_now and r for r in reduce_here], stacks, wire)
     # Undo this micro-batch's normaliser (1/W comes at the end), after the reduction and in
     # float32: an fp16 gradient of the sum overflows where that of the mean does not.
     if w is not None and k > 1:
@@ -373,7 +275,7 @@ def local_grads(spec: StepSpec, loss_fn, reduce_here, state, batch) -> Local:
     if weight is not None:  # the global weight W of the whole step
       grads = [x / _nonzero(weight).astype(x.dtype) for x in grads]
     if not sharded_acc:
-      grads = reduce_some(spec, layouts, grads, reduce_here, stacks)
+      grads = reduce_some(spec, layouts, grads, reduce_here, stacks, wire)
   if ws is not None:
     ws = (weight, jax.lax.psum(ws[1], axes) < 0)
   return agreed(grads, total, ws, aux_lib.finish(aux, k, axes), ms, model_state, k, axes)
@@ -455,23 +357,6 @@ def loss_inputs(spec: StepSpec, state):
   inputs = state.replace(master=None, opt_state=None)
   return inputs, inputs.replace(step=P(), params=param_specs, loss_scale=P(), model_state=P(),
                                 rng=P())
-
-
-def forward_params(spec: StepSpec, meta, params):
-  """Inside the loss's ``shard_map``: the parameter tree a forward pass without a gradient
-  sees, as the step's loss sees it. Stage 3: plain leaves gathered (bucketed, quantized as
-  the step's forward gathers them; over the hpZ axes only with ``hpz_axis``), stacked leaves
-  `ShardedParam`s that `zero_jax.gather` / `zero_jax.scan` gather a layer at a time; with
-  ``gather_once`` or at stages 1-2 the whole leaves. Every gathered value is device-invariant,
-  as a replicated parameter is (`Comm.forward_only`)."""
-  treedef, leaves = jax.tree.structure(params), half_view(meta, jax.tree.leaves(params))
-  if spec.gather_once:
-    leaves = _gather_all(spec, meta, leaves)
-  if spec.param_stage != 3:
-    return jax.tree.unflatten(treedef, leaves)
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  spec = dataclasses.replace(spec, comm=dataclasses.replace(spec.comm, forward_only=True))
-  return _loss_params(spec, meta, treedef, paths, dict(enumerate(leaves)), {}, leaves)
 
 
 def with_aux_reduced(spec: StepSpec, out: Local) -> Local:

@@ -54,7 +54,10 @@ class StageMemory(NamedTuple):
     params: the parameters as kept apart from the master copy (in the dtype the loss
       sees them in). At stage 3 with ``"bf16"``/``"fp16"`` (without ``hpz_axis`` or
       ``offload``) the float32 master copy is the parameter, counted once under
-      ``master``: a leaf with a master copy adds nothing here.
+      ``master``: a leaf with a master copy adds nothing here. Its cast to the
+      compute dtype is made where it is gathered, of what is gathered (a stacked
+      leaf's one layer in the loop, inside `prefetch`'s gathered layer), so no
+      half-precision copy of the device's block is counted or held.
     gradients: the reduced gradient the update reads.
     optimizer_state: the optax state.
     master: the float32 master copy (0 when the policy keeps none).

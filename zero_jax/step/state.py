@@ -106,6 +106,13 @@ class StateMeta:
     return jnp.dtype(jnp.float32) if self.master_in_params and self.master[i] else \
         self.param_dtypes[i]
 
+  def gather_dtype(self, i: int):
+    """The dtype the loss's gather casts leaf ``i``'s stored block to just before moving it
+    (`zero_jax.comm.collectives.in_gather_dtype`): the compute dtype where ``params`` holds
+    the float32 master (``master_in_params``); None where the stored dtype is the one the
+    loss sees."""
+    return self.param_dtypes[i] if self.master_in_params and self.master[i] else None
+
   @property
   def master_list(self) -> bool:
     """Whether ``TrainState.master`` is a list (some leaf keeps a separate master copy)."""
