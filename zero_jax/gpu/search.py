@@ -151,9 +151,18 @@ def _with_exact(ready: list, k: int) -> list:
   return top[:k - 1] + [exact] if exact is not None else top
 
 
+def _tied(ready: list, chosen: list) -> list:
+  """The entries of ``ready`` (sorted ``(time, options, ...)``) not in ``chosen`` whose
+  estimate ties the fastest (`zero_jax.gpu.candidates.near_ties`): compiled beyond the
+  budget."""
+  ties = cands.near_ties([(r[0], r[1]) for r in ready])
+  return [r for r in ready if any(r[1] is o for o in ties) and all(r is not c for c in chosen)]
+
+
 def _drop_programs(ready: list, k: int) -> None:
-  """Frees the lowered programs of ``ready`` that `_with_exact` will not compile."""
-  keep = {id(r) for r in _with_exact(ready, k)}
+  """Frees the lowered programs of ``ready`` that `_with_exact` and `_tied` will not compile."""
+  chosen = _with_exact(ready, k)
+  keep = {id(r) for r in chosen + _tied(ready, chosen)}
   ready[:] = [r if id(r) in keep else (r[0], r[1], None, r[3]) for r in ready]
 
 
@@ -182,8 +191,19 @@ def rank(s: Search, space: list, max_compiles: int, workers: int) -> tuple[list,
       ready.sort(key=lambda r: r[0])
       _drop_programs(ready, k)  # host memory: only those to compile keep theirs
   chosen = _with_exact(ready, k)
-  pairs = s.compile(_policy_jobs(s, chosen, max_compiles), workers)
-  ranked_out = [(o, t) for t, o, _, _ in ready if all(o is not c[1] for c in chosen)]
+  ties = _tied(ready, chosen)
+  for _, o, _, _ in ties:
+    s.skipped += [(v, f"not compiled: a near tie by the estimate (within "
+                      f"{cands.NEAR_TIE:.0%} of the fastest), compiled under its first remat "
+                      f"policy only (the others follow where it beats the fastest-ranked "
+                      f"layout under it)") for v in cands.policy_variants(o)[1:]]
+  if ties:
+    log.info("zj.plan: %d more candidates estimated within %.0f%% of the fastest, compiled "
+             "beyond max_compiles", len(ties), 100 * cands.NEAR_TIE)
+  jobs = _policy_jobs(s, chosen, max_compiles) + [(o, low, host) for _, o, low, host in ties]
+  pairs = s.compile(jobs, workers)
+  taken = chosen + ties
+  ranked_out = [(o, t) for t, o, _, _ in ready if all(o is not c[1] for c in taken)]
   return [c for _, c in pairs], [o for o, _ in pairs], ranked_out
 
 
