@@ -224,6 +224,7 @@ class FakeRank(FakeCompiles):
   def __init__(self, times):
     super().__init__(times)
     self.fixed, self.pruned, self.device, self.target = {}, [], None, None
+    self.estimated = []
 
   def prepare(self, opts, prune=True):
     return ("step", opts), 0

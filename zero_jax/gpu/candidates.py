@@ -59,11 +59,11 @@ POLICY_NAMES = ("no remat", "remat saving dots", "full remat")
 KEYWORDS = ("prefetch", "policy")  # the loss's keywords the planner binds
 # Candidates whose lowered estimates lie within this fraction of the fastest exact one's are
 # near ties: the estimate cannot order them, so each is compiled (`near_ties`). What it leaves
-# out is what only the compiled program shows: the memory-bound work (60% of a GPT-2 small
-# step without remat) and what XLA's passes do to the collectives. Between the layouts of one
-# model that work differed by up to 1.1% of the compiled step (GPT-2 small on 4 x 8 H100s:
-# hybrid's +0.31 of 27.4 ms), which is 2.8% of that step's estimate (11 ms, the compute
-# without the memory-bound work): 5% leaves room for models whose memory-bound share is larger.
+# out is what only the compiled program shows, the memory-bound work (60% of a GPT-2 small
+# step without remat), and that differs between layouts: on GPT-2 small at 4 x 8 H100s hybrid
+# sharding does 0.31 ms more of it than flat ZeRO-3, 2.9% of its 10.8 ms estimate, which put
+# flat 0.7% behind by estimate and 1.0% ahead compiled (BENCHMARKS.md "scale" tabulates the
+# two orders per row). 5% leaves room for models whose memory-bound share is larger.
 NEAR_TIE = 0.05
 
 

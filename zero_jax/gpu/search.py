@@ -67,6 +67,7 @@ class Search:
     self.state_from = init if source.module is not None else source.params
     self.batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
     self.refused, self.pruned, self.skipped, self.bounds = [], [], [], []
+    self.estimated = []  # (options, estimated seconds) of each lowered candidate ranked
     self.lower_s = self.compile_s = 0.0
     self.stopped = None
 
@@ -188,6 +189,7 @@ def rank(s: Search, space: list, max_compiles: int, workers: int) -> tuple[list,
       if opts.get("offload"):
         t += measure.offload_s(got[1], s.target)
       ready.append((t, opts, low, got[1]))
+      s.estimated.append((opts, t))
       ready.sort(key=lambda r: r[0])
       _drop_programs(ready, k)  # host memory: only those to compile keep theirs
   chosen = _with_exact(ready, k)
