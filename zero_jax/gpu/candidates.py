@@ -203,9 +203,10 @@ def near_ties(ranked: list[tuple[float, dict]], *, within: float = NEAR_TIE) -> 
 
   The estimate of a lowered program leaves out the memory-bound work only the compiled
   program shows (see `NEAR_TIE`), so it cannot order candidates closer than that: the plan
-  compiles each of them (its first policy; `reversed_layouts` then adds the others where it
-  beats the layout compiled with every policy), so that its best is never slower, by its own
-  prediction, than a candidate the estimate could not tell apart from it. Lossy candidates
+  compiles each of them, under the remat policy of the fastest fitting candidate compiled by
+  then (`zero_jax.gpu.search`; `reversed_layouts` then adds its other policies where it beats
+  that layout), so that its best is never slower, by its own prediction, than a candidate the
+  estimate could not tell apart from it under that policy. Lossy candidates
   are never near ties: their estimate leaves out quantization's work too, and the plan
   compiles them only when the budget reaches them.
 

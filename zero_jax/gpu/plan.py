@@ -323,8 +323,12 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   layout with each policy first (`zero_jax.gpu.candidates.compile_order`): 3 compiles compare
   every policy of it, the default 4 adds the next layout without remat; a layout that then
   compiles faster than the first under the same policy gets its other policies compiled too,
-  beyond ``max_compiles`` (the estimate ranked it too slow). The best is never slower, by the
-  plan's prediction, than a fitting candidate it compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
+  beyond ``max_compiles`` (the estimate ranked it too slow). Also beyond ``max_compiles``,
+  every exact candidate estimated within 5% of the fastest
+  (`zero_jax.gpu.candidates.near_ties`: the estimate leaves out the memory-bound work, so it
+  cannot order those) is compiled under the remat policy of the fastest fitting candidate
+  compiled by then. The best is never slower, by the plan's prediction, than a fitting
+  candidate it compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
   leaner remat policy, micro-batches, offload, and their combinations) are compiled in that
   order until one fits, its leanest variant first: whether anything fits does not depend on
   ``max_compiles``. Times are predictions; bytes are the compiled programs'. The host memory
