@@ -110,13 +110,19 @@ def plan_one(key: str, hosts: int) -> dict:
   plan = zj.plan(loss_fn, optax.adamw(3e-4), init, batch, gpu="h100", hosts=hosts,
                  per_host=PER_HOST, precision="bf16", stacked=_lm.in_blocks, **extra)
   wall = time.perf_counter() - t0
+  commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False).stdout.strip()
   out = {"model": cfg.name, "params": cfg.n_params(), "hosts": hosts, "wall": wall,
+         "commit": commit + ("+" if subprocess.run(
+             ["git", "-C", ROOT, "diff", "--quiet", "HEAD", "--", "zero_jax"],
+             check=False).returncode else ""),
          "load": [load0, os.getloadavg()[0]], "jax": jax.__version__,
          "attention": attention, "attention_why": why,
          "best": reading(plan.best) if plan.best else None,
          "closest": reading(plan.closest) if plan.closest else None,
          "candidates": [reading(c) for c in plan.candidates],
-         "compiled": len(plan.candidates), "table": str(plan)}
+         "compiled": len(plan.candidates), "table": str(plan),
+         "estimated": [{"name": cands.describe(o), "est": t} for o, t in plan.estimated]}
   same = {k: v for k, v in (plan.best or plan.closest).loss_keywords.items() if k == "policy"}
   out["siblings"] = siblings(plan, same, init, batch)
   if hosts > 1:  # at the best candidate's remat policy, so that the rows compare
@@ -204,6 +210,26 @@ def why_not_fastest(r: dict) -> str:
           + (f"{plain[b] * 1e3:.1f} ms" if b in plain else "not compiled") + ".")
 
 
+def ordering(r: dict) -> str:
+  """A table row: the layouts the plan compiled without remat, in the order the estimate of
+  their lowered programs gives them and in the order of their compiled predictions."""
+  est = {layout(e["name"]): e["est"] for e in r.get("estimated", [])}
+  plain = sorted(((layout(c["name"]), c["step"]) for c in r["candidates"]
+                  if c["name"].endswith(POLICY_WORDS[0]) and layout(c["name"]) in est),
+                 key=lambda x: est[x[0]])
+  if not plain:
+    return f"| {r['model']} | {r['hosts']} x {PER_HOST} | - | - | - | - |"
+  short = lambda name: name.replace(" prefetch 1", "")
+  by_est = ", ".join(f"{short(n)} {est[n] * 1e3:.2f}" for n, _ in plain)
+  by_comp = ", ".join(f"{short(n)} {t * 1e3:.1f}" for n, t in sorted(plain, key=lambda x: x[1]))
+  lead = plain[0]
+  flips = [(n, t) for n, t in plain[1:] if t < lead[1]]
+  worst = max((est[n] / est[lead[0]] - 1 for n, _ in flips), default=None)
+  return (f"| {r['model']} | {r['hosts']} x {PER_HOST} | {by_est} | {by_comp} | "
+          + ("yes" if not flips else f"no: {len(flips)} compiled faster than the estimate's "
+             f"first") + " | " + ("-" if worst is None else f"{worst:+.1%}") + " |")
+
+
 def hpz_beside_best(runs: list[dict]) -> list[str]:
   """Per model, at the most hosts: ZeRO-3 with hpZ beside the best (memory, time)."""
   lines = []
@@ -220,8 +246,22 @@ def hpz_beside_best(runs: list[dict]) -> list[str]:
   return lines
 
 
+def commits(runs: list[dict]) -> str:
+  """Which commit each row was planned on (rows of a cache written before rows recorded it:
+  "an earlier commit"); a ``+`` marks changes to zero_jax not committed yet."""
+  by = {}
+  for r in runs:
+    by.setdefault(r.get("commit", "an earlier commit"), []).append(
+        f"{r['model']} {r['hosts']}")
+  if len(by) == 1:
+    return f"every row on commit {next(iter(by))}"
+  return "rows planned on " + "; ".join(f"{c}: {', '.join(rs)}" for c, rs in by.items())
+
+
 def report(runs: list[dict]) -> str:
+  import _lm  # pylint: disable=import-outside-toplevel,unused-import (this zero_jax first)
   import _report  # pylint: disable=import-outside-toplevel
+  from zero_jax.gpu import candidates as cands  # pylint: disable=import-outside-toplevel
   r0 = runs[0]
   hosts = sorted({r["hosts"] for r in runs})
   checks = [fastest_fitting(r) for r in runs]
@@ -229,7 +269,8 @@ def report(runs: list[dict]) -> str:
            f"GPU; times PREDICTED)",
            "",
            f"Measured by `python benchmarks/bench_scale.py --hosts {','.join(map(str, hosts))}` "
-           f"on {os.cpu_count()} CPU cores (shared with other jobs: see the load averages), jax "
+           f"on {os.cpu_count()} CPU cores (shared with other jobs: see the load averages), "
+           f"{commits(runs)}, jax "
            f"{r0['jax']}, each plan in a fresh process with zj.plan's defaults (exact "
            f"communication, max_compiles=4, 2 compiles at a time; the loss takes `zj.scan`'s "
            f"`prefetch` and `policy`, so the remat policy is searched), bf16 with AdamW, "
@@ -265,15 +306,28 @@ def report(runs: list[dict]) -> str:
                "layout by layout, in the order its estimate of the lowered programs gives them "
                "without remat (an estimate without the memory-bound work, which only the "
                "compiled program shows): the first layout with every remat policy, the next "
-               "without remat only; a layout that then compiles faster than the first under "
-               "the same policy gets its other policies compiled too "
-               "(`zero_jax.gpu.search.reversed_policies`). A layout the estimate ranked out "
-               "is never compiled by the plan:")]
+               "without remat only, and every layout estimated within "
+               f"{cands.NEAR_TIE:.0%} of the fastest without remat (a near tie); a layout "
+               "that then compiles faster than the first under the same policy gets its other "
+               "policies compiled too (`zero_jax.gpu.search.reversed_policies`). A layout the "
+               "estimate ranked out is never compiled by the plan:")]
   lines += [why_not_fastest(r) for r in bad]
   if bad:
     lines += ["", "Where a row's faster layout was not compiled by the plan at all, the "
               "estimate ranked it below the `max_compiles` budget: a larger `max_compiles` "
               "compiles it."]
+  lines += ["", "**The estimate against the compiled programs.** The plan ranks layouts by an "
+            "estimate of their lowered programs (`zero_jax.gpu.measure.estimate`: matmuls and "
+            "communication, the collectives combined as XLA's combiners combine them, no "
+            "memory-bound work), then compiles the first layouts and those within "
+            f"{cands.NEAR_TIE:.0%} of the fastest estimate (near ties, whatever `max_compiles` is). "
+            "Per row, the layouts the plan compiled without remat, by estimate (ms) and by "
+            "compiled prediction (ms), fastest first; the last column is the largest estimate "
+            "gap that a compiled program reversed (a layout estimated that much slower than "
+            "the first compiled faster):", "",
+            "| model | hosts x GPUs | by estimate | by compiled prediction | same first? | "
+            "largest reversed gap |", "|---|---:|---|---|---|---:|"]
+  lines += [ordering(r) for r in runs]
   lines += ["", "ZeRO++'s claim (hpZ keeps cross-host traffic per device flat as hosts grow), on "
             "these programs:", ""] + claim(runs) + hpz_beside_best(runs)
   lines += ["", "![bytes per device, bytes across hosts and predicted step time vs hosts]"

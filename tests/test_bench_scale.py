@@ -67,3 +67,19 @@ def test_the_hpz_claim_holds_for_a_flat_per_host_share_and_not_for_a_growing_one
   assert "The claim holds" in bench_scale.claim(runs(60.0))[0]
   assert "x1.000" in bench_scale.claim(runs(60.0))[0]
   assert "the claim does not hold" in bench_scale.claim(runs(66.0))[0]
+
+
+def test_the_estimates_order_beside_the_compiled_one_names_a_reversal():
+  # GPT-2 small on 4 x 8: hybrid first by estimate, flat compiled faster without remat.
+  est = [{"name": "ZeRO-3 hybrid prefetch 1 no remat", "est": 10.84e-3},
+         {"name": "ZeRO-3 flat prefetch 1 no remat", "est": 10.91e-3}]
+  cands = [reading("ZeRO-3 hybrid prefetch 1 no remat", 27.4),
+           reading("ZeRO-3 flat prefetch 1 no remat", 27.1),
+           reading("ZeRO-3 flat prefetch 1 remat saving dots", 20.5)]
+  row = bench_scale.ordering(run(4, cands[2], cands, estimated=est))
+  assert row == ("| m | 4 x 8 | ZeRO-3 hybrid 10.84, ZeRO-3 flat 10.91 | ZeRO-3 flat 27.1, "
+                 "ZeRO-3 hybrid 27.4 | no: 1 compiled faster than the estimate's first | "
+                 "+0.6% |")
+  cands[1]["step"] = 27.5e-3
+  assert "| yes | - |" in bench_scale.ordering(run(4, cands[2], cands, estimated=est))
+  assert bench_scale.ordering(run(4, cands[2], cands)).endswith("| - | - | - | - |")

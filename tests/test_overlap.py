@@ -440,3 +440,28 @@ def test_cudnn_fused_attention_counts_its_matmuls_not_one(bwd, mask, matmuls):
   assert flops == matmuls * 2.0 * (2 * 32 * 1024 * 1024) * 128
   out = 2 * 32 * 1024 * 128 * 2 + 2 * 32 * 1024 * 4
   assert nbytes == out + q[1] + 2 * kv[1]
+
+
+def test_the_estimate_combines_collectives_of_one_kind_as_xla_does():
+  from zero_jax.gpu.program import COMBINE_THRESHOLD, Loop, Transfer, combined
+  host0, hosts = ((0, 1, 2, 3),), ((0, 4), (1, 5), (2, 6), (3, 7))
+  mib = lambda x: x * 2**20
+  ag = lambda x, g=host0: Transfer("all-gather", mib(x), g)
+  rs = lambda x, g=host0: Transfer("reduce-scatter", mib(x), g)
+  inner = Loop("layer", 12, (), (ag(2), ag(2), rs(2)), ())
+  program = Loop("main", 1, (), (ag(74), ag(1.5), rs(0.4), ag(13.5), ag(13.5), ag(13.5),
+                                 rs(0.4, hosts), rs(2.3)), (inner,))
+  got = combined(program)
+  # Over the threshold alone; then in order while the sum stays within 30 MiB; other groups or
+  # ops never join (the gradient's cross-host reduce-scatter stays apart).
+  assert [(t.op, round(t.nbytes / 2**20, 6), t.groups) for t in got.transfers] == [
+      ("all-gather", 74, host0), ("all-gather", 28.5, host0), ("reduce-scatter", 2.7, host0),
+      ("all-gather", 13.5, host0), ("reduce-scatter", 0.4, hosts)]
+  assert [(t.op, t.nbytes / 2**20) for t in got.loops[0].transfers] == [
+      ("all-gather", 4), ("reduce-scatter", 2)]            # each loop's iteration on its own
+  assert got.loops[0].trips == 12 and COMBINE_THRESHOLD == 30 * 2**20 + 7  # XLA's default
+  # The bytes are kept, and fewer rings pay fewer latencies.
+  device = overlap.H100_SXM
+  total = lambda p: sum(t.nbytes for t in p.transfers)
+  assert total(got) == total(program)
+  assert overlap.predict(got, device).step(1) < overlap.predict(program, device).step(1)

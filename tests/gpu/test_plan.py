@@ -67,7 +67,10 @@ def test_the_best_candidates_bytes_are_its_independently_compiled_memory(roomy):
 
 
 def test_the_plan_ranks_fitting_candidates_by_predicted_time_and_prints_them(roomy):
-  assert len(roomy.candidates) == 2
+  # max_compiles=2 compiles the two fastest by estimate, and the near ties beyond them.
+  from zero_jax.gpu import candidates as cands
+  ties = cands.near_ties(sorted(((t, o) for o, t in roomy.estimated), key=lambda e: e[0]))
+  assert len(roomy.candidates) == max(2, len(ties)) and len(roomy.estimated) > 2
   assert roomy.best is roomy.candidates[0]
   times = [c.step_time_s for c in roomy.candidates]
   assert times == sorted(times) and all(t > 0 for t in times)
@@ -381,9 +384,10 @@ def test_the_lm_examples_plan_flag_prints_the_plan_of_its_model_and_why_others_w
   assert out.returncode == 0, out.stderr[-3000:]
   text = out.stdout
   assert "Plan for 2 x 1 NVIDIA H200 141GB HBM3e" in text and "**best**" in text
-  assert "1 compiled" in text and "PREDICTIONS" in text
   rows = [l for l in text.splitlines() if l.startswith("| ZeRO-")]
-  assert len(rows) == 1 and "| exact |" in rows[0], rows   # the fastest exact one, compiled
+  assert f"; {len(rows)} compiled" in text and "PREDICTIONS" in text
+  # The fastest exact one (max_compiles=1), and the exact near ties by the estimate beyond it.
+  assert rows and all("| exact |" in r for r in rows), rows
   assert "Refused by make_sharded_train_step:\n- Quantize(weights=True) at stage 2" in text
   assert "Skipped:\n- " in text and "hybrid sharding with 1 GPU per host" in text
   assert "zj.plan: compiled ZeRO-" in out.stderr   # progress as it goes
@@ -407,8 +411,9 @@ def test_the_llama_examples_plan_flag_plans_a_config_without_weights(tmp_path):
   assert out.stdout.startswith("plan: llama, 2 layers, hidden 64, 106,816 parameters; 1 x 2 "
                                "h100; global batch 4 x 16 tokens; ZeRO-3"), out.stdout
   assert "Plan for 1 x 2 NVIDIA H100 80GB HBM3" in out.stdout and "**best**" in out.stdout
-  assert [l for l in out.stdout.splitlines() if l.startswith("| ZeRO-3")]
-  assert out.stderr.count("zj.plan: compiled ZeRO-3") == 1   # progress, printed once
+  rows = [l for l in out.stdout.splitlines() if l.startswith("| ZeRO-3")]
+  assert rows   # progress, printed once per compile (max_compiles=1 and the near ties)
+  assert out.stderr.count("zj.plan: compiled ZeRO-3") == len(rows)
 
 
 def test_a_plan_on_a_thinner_network_predicts_its_candidates_on_that_network():

@@ -57,6 +57,14 @@ POLICIES = (None, jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
             jax.checkpoint_policies.nothing_saveable)
 POLICY_NAMES = ("no remat", "remat saving dots", "full remat")
 KEYWORDS = ("prefetch", "policy")  # the loss's keywords the planner binds
+# Candidates whose lowered estimates lie within this fraction of the fastest exact one's are
+# near ties: the estimate cannot order them, so each is compiled (`near_ties`). What it leaves
+# out is what only the compiled program shows, the memory-bound work (60% of a GPT-2 small
+# step without remat), and that differs between layouts: on GPT-2 small at 4 x 8 H100s hybrid
+# sharding does 0.31 ms more of it than flat ZeRO-3, 2.9% of its 10.8 ms estimate, which put
+# flat 0.7% behind by estimate and 1.0% ahead compiled (BENCHMARKS.md "scale" tabulates the
+# two orders per row). 5% leaves room for models whose memory-bound share is larger.
+NEAR_TIE = 0.05
 
 
 def takes_keyword(loss_fn, name: str) -> bool:
@@ -187,6 +195,38 @@ def compile_order(layouts: list[dict], max_compiles: int) -> tuple[list[dict], l
   """
   order = [v for o in layouts for v in policy_variants(o)]
   return order[:max_compiles], order[max_compiles:]
+
+
+def near_ties(ranked: list[tuple[float, dict]], *, within: float = NEAR_TIE) -> list[dict]:
+  """The exact candidates of ``ranked`` whose estimate the fastest exact one's does not beat
+  by more than ``within``: those the plan compiles whatever ``max_compiles`` is.
+
+  The estimate of a lowered program leaves out the memory-bound work only the compiled
+  program shows (see `NEAR_TIE`), so it cannot order candidates closer than that: the plan
+  compiles each of them, under the remat policy of the fastest fitting candidate compiled by
+  then (`zero_jax.gpu.search`; `reversed_layouts` then adds its other policies where it beats
+  that layout), so that its best is never slower, by its own prediction, than a candidate the
+  estimate could not tell apart from it under that policy. Lossy candidates
+  are never near ties: their estimate leaves out quantization's work too, and the plan
+  compiles them only when the budget reaches them.
+
+  Example:
+    >>> a, b, c = {"stage": 3}, {"stage": 2}, {"stage": 1}
+    >>> [o["stage"] for o in near_ties([(0.100, a), (0.104, b), (0.106, c)])]
+    [3, 2]
+
+  Args:
+    ranked: ``(estimated seconds, options)`` of each lowered candidate, fastest first.
+    within: the fraction of the fastest exact estimate within which candidates tie.
+
+  Returns:
+    The options of the tied exact candidates, the fastest first (the fastest included);
+    none when no candidate is exact.
+  """
+  exact = [(t, o) for t, o in ranked if not lossy(o)]
+  if not exact:
+    return []
+  return [o for t, o in exact if t <= exact[0][0] * (1 + within)]
 
 
 def _layout(opts: dict) -> tuple:

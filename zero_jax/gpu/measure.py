@@ -32,6 +32,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from zero_jax.gpu import links, predict
+from zero_jax.gpu.program import combined
 from zero_jax.gpu.targets import Target
 from zero_jax.step.memory import CompiledMemory
 from zero_jax.step.train_step import make_sharded_train_step
@@ -100,8 +101,11 @@ def offload_s(host_bytes: float, target: Target) -> float:
 
 def estimate(lowered, device: predict.Device, prefetch) -> float:
   """Predicted step time of a lowered (not compiled) program: to rank candidates. Its
-  elementwise work is left out (the program is not fused yet)."""
-  p = predict.predict(predict.analyze(lowered.as_text(dialect="hlo"), elementwise=False), device)
+  collectives are combined as XLA's combiners will combine them
+  (`zero_jax.gpu.program.combined`: one per leaf in the lowered program, a few in the compiled
+  one); its elementwise work is left out (the program is not fused yet)."""
+  text = lowered.as_text(dialect="hlo")
+  p = predict.predict(combined(predict.analyze(text, elementwise=False)), device)
   return p.step(prefetch or 0)
 
 

@@ -71,6 +71,10 @@ class Plan:
       cluster's shape makes them pointless (hpZ or hybrid with one GPU per host), or they
       hold at least what a compiled misfit holds.
     stopped: None, or why the plan stopped early (its ``time_limit`` passed) and what was left.
+    estimated: ``(options, predicted seconds)`` of every candidate ranked by the estimate of
+      its lowered program (compiled or not; `zero_jax.gpu.measure.estimate`), in the order
+      lowered: beside ``candidates`` it shows where the estimate and the compiled programs
+      order layouts differently.
     seconds: how long planning took: ``{"total", "lower", "compile"}`` (compiles overlap).
     loss_fn, optimizer, fixed: what `make_step` builds the step from.
   """
@@ -88,6 +92,7 @@ class Plan:
   fixed: dict = dataclasses.field(repr=False, default_factory=dict)
   skipped: tuple = ()
   stopped: str | None = None
+  estimated: tuple = ()
 
   @property
   def best(self) -> Candidate | None:
@@ -318,8 +323,12 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   layout with each policy first (`zero_jax.gpu.candidates.compile_order`): 3 compiles compare
   every policy of it, the default 4 adds the next layout without remat; a layout that then
   compiles faster than the first under the same policy gets its other policies compiled too,
-  beyond ``max_compiles`` (the estimate ranked it too slow). The best is never slower, by the
-  plan's prediction, than a fitting candidate it compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
+  beyond ``max_compiles`` (the estimate ranked it too slow). Also beyond ``max_compiles``,
+  every exact candidate estimated within 5% of the fastest
+  (`zero_jax.gpu.candidates.near_ties`: the estimate leaves out the memory-bound work, so it
+  cannot order those) is compiled under the remat policy of the fastest fitting candidate
+  compiled by then. The best is never slower, by the plan's prediction, than a fitting
+  candidate it compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
   leaner remat policy, micro-batches, offload, and their combinations) are compiled in that
   order until one fits, its leanest variant first: whether anything fits does not depend on
   ``max_compiles``. Times are predictions; bytes are the compiled programs'. The host memory
@@ -392,4 +401,5 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   seconds = {"total": time.perf_counter() - s.t0, "lower": s.lower_s, "compile": s.compile_s}
   return Plan(ranked(done), target, hosts, per_host,
               s.hbm, tuple(ranked_out), tuple(s.pruned), tuple(s.refused), seconds,
-              loss_fn, optimizer, dict(fixed), tuple(s.skipped), s.stopped)
+              loss_fn, optimizer, dict(fixed), tuple(s.skipped), s.stopped,
+              tuple(s.estimated))

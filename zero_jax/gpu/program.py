@@ -273,3 +273,40 @@ def analyze(hlo_text: str, *, n_devices: int | None = None,
   _walk(comps, entry.group(1), acc, n_devices, elementwise)
   return Loop(entry.group(1), 1, tuple(acc.dots), tuple(acc.transfers), tuple(acc.loops),
               acc.memory[0])
+
+
+# XLA's combiners merge collectives of one kind (same op, same device groups) into one up to
+# this many bytes: kDefaultAllGatherCombineThreshold, ...ReduceScatter..., ...AllReduce...
+# (openxla/xla xla/service/collective_utils.h, the GPU compiler's defaults).
+COMBINE_THRESHOLD = 30 * 2**20 + 7
+
+
+def combined(program: Loop, threshold: float = COMBINE_THRESHOLD) -> Loop:
+  """``program`` with each loop's collectives merged as XLA's combiners merge them.
+
+  A lowered program (``lowered.as_text(dialect="hlo")``) issues one collective per leaf
+  (every bias, every layer norm); XLA:GPU's compiled program combines those of one kind (same
+  op, same device groups) into one collective of their summed bytes, up to ``threshold``
+  bytes, so it pays one ring's latency where the lowered program pays many. Within each loop
+  (iteration), in program order, a collective joins the last combined one of its kind while
+  the sum stays within ``threshold``, else starts the next (one larger than ``threshold``
+  stays alone). XLA also needs the collectives to be independent, which this does not check:
+  it is the estimate of a program before XLA has seen it.
+
+  Example:
+    >>> t = lambda op, mib: Transfer(op, mib * 2**20, ((0, 1, 2, 3),))
+    >>> p = Loop("main", 1, (), (t("all-gather", 20), t("all-gather", 8), t("all-gather", 8),
+    ...                          t("reduce-scatter", 1), t("reduce-scatter", 1)), ())
+    >>> [(x.op, x.nbytes / 2**20) for x in combined(p).transfers]
+    [('all-gather', 28.0), ('all-gather', 8.0), ('reduce-scatter', 2.0)]
+  """
+  bins: list = []
+  for t in program.transfers:
+    last = next((i for i in range(len(bins) - 1, -1, -1)
+                 if (bins[i].op, bins[i].groups) == (t.op, t.groups)), None)
+    if last is not None and bins[last].nbytes + t.nbytes <= threshold:
+      bins[last] = bins[last]._replace(nbytes=bins[last].nbytes + t.nbytes)
+    else:
+      bins.append(t)
+  return program._replace(transfers=tuple(bins),
+                          loops=tuple(combined(l, threshold) for l in program.loops))

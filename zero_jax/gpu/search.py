@@ -9,7 +9,11 @@ Two phases, both on one `Search` (the inputs, the compile-only mesh and what was
    loss taking ``policy``, the remat policy is ranked by compiling, since only the compiled
    program shows the memory-bound work a policy saves: the budget goes to the fastest-ranked
    layout with each policy, then the next layout (`zero_jax.gpu.candidates.compile_order`).
-   Where a layout compiled under one policy beat, under the same policy, a layout whose
+   Beyond the budget, every exact candidate estimated within
+   `zero_jax.gpu.candidates.NEAR_TIE` of the fastest exact one is compiled too, under the
+   remat policy of the fastest fitting candidate compiled by then (`_compile_ties`,
+   `zero_jax.gpu.candidates.near_ties`: the estimate has no memory-bound work, so it cannot
+   order those). Where a layout compiled under one policy beat, under the same policy, a layout whose
    every policy was compiled (the estimate ranked them the wrong way round), its other
    policies are compiled too, beyond ``max_compiles`` (`reversed_policies`).
 2. **Fit**, only when none of those fits, whatever ``max_compiles`` was: first those compiled,
@@ -67,6 +71,7 @@ class Search:
     self.state_from = init if source.module is not None else source.params
     self.batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
     self.refused, self.pruned, self.skipped, self.bounds = [], [], [], []
+    self.estimated = []  # (options, estimated seconds) of each lowered candidate ranked
     self.lower_s = self.compile_s = 0.0
     self.stopped = None
 
@@ -161,7 +166,9 @@ def rank(s: Search, space: list, max_compiles: int, workers: int) -> tuple[list,
   """Phase 1: ``(compiled candidates, their options, ranked out)``; ranked out are
   ``(options, estimated seconds)`` lowered but not compiled. With a ``policy`` loss the
   budget is spent as `zero_jax.gpu.candidates.compile_order` says (the fastest-ranked layout
-  with every remat policy first); variants it leaves out are recorded as skipped."""
+  with every remat policy first); variants it leaves out are recorded as skipped. Near ties
+  (`zero_jax.gpu.candidates.near_ties`) are compiled after the budget (`_compile_ties`);
+  ``s.estimated`` gets every estimate."""
   ready = []
   k = cands.layouts_to_compile(max_compiles, space[0]) if space else max_compiles
   log.info("zj.plan: lowering up to %d candidates, then compiling %d of the fastest",
@@ -179,12 +186,43 @@ def rank(s: Search, space: list, max_compiles: int, workers: int) -> tuple[list,
       if opts.get("offload"):
         t += measure.offload_s(got[1], s.target)
       ready.append((t, opts, low, got[1]))
+      s.estimated.append((opts, t))
       ready.sort(key=lambda r: r[0])
       _drop_programs(ready, k)  # host memory: only those to compile keep theirs
   chosen = _with_exact(ready, k)
   pairs = s.compile(_policy_jobs(s, chosen, max_compiles), workers)
-  ranked_out = [(o, t) for t, o, _, _ in ready if all(o is not c[1] for c in chosen)]
-  return [c for _, c in pairs], [o for o, _ in pairs], ranked_out
+  done, made_from = [c for _, c in pairs], [o for o, _ in pairs]
+  ties = [o for o in cands.near_ties([(t, o) for t, o, _, _ in ready])
+          if all(o is not c[1] for c in chosen)]
+  if ties and done:
+    _compile_ties(s, ties, done, made_from, workers)
+  taken = [c[1] for c in chosen] + ties
+  ranked_out = [(o, t) for t, o, _, _ in ready if all(o is not c for c in taken)]
+  return done, made_from, ranked_out
+
+
+def _compile_ties(s: Search, ties: list, done: list, made_from: list, workers: int) -> None:
+  """The near ties (`zero_jax.gpu.candidates.near_ties`: layouts the estimate cannot order)
+  compiled beyond ``max_compiles``, each under the remat policy of the fastest fitting
+  candidate compiled so far (the smallest when none fits): the question is whether it beats
+  that candidate, so it is asked there, one compile per tie; `reversed_policies` then adds
+  its other policies where it does. Appends to ``done`` and ``made_from``."""
+  fit = [(c.step_time_s, o) for c, o in zip(done, made_from) if c.fits]
+  lead = (min(fit, key=lambda x: x[0])[1] if fit else
+          min(zip(done, made_from), key=lambda x: x[0].bytes_per_device)[1])
+  at = {"policy": lead["policy"]} if "policy" in lead else {}
+  todo = [{**o, **at} for o in ties]
+  for o in todo:
+    s.skipped += [(v, f"not compiled: a near tie by the estimate (within "
+                      f"{cands.NEAR_TIE:.0%} of the fastest), compiled under the fastest "
+                      f"candidate's remat policy only (its others follow where it beats that "
+                      f"layout)") for v in cands.policy_variants(o) if v != o]
+  if s.out_of_time(f"{len(todo)} near ties by the estimate"):
+    return
+  log.info("zj.plan: %d more candidates estimated within %.0f%% of the fastest, compiled "
+           "beyond max_compiles", len(todo), 100 * cands.NEAR_TIE)
+  _compile_more(s, todo, done, made_from, workers)
+  s.skipped[:] = [(o, why) for o, why in s.skipped if o not in made_from]
 
 
 def _policy_jobs(s: Search, chosen: list, max_compiles: int) -> list:
