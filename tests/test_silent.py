@@ -342,3 +342,19 @@ def test_a_run_that_exits_after_1_2_or_3_steps_hears_of_the_trouble_at_exit(tmp_
   assert counts == {"nan_params": 3, "bf16_overflow": 2, "norm_overflow": 2,
                     "negative_weight": 1}, out.stderr[-3000:]
   assert out.stderr.count("(Reported at interpreter exit.)") >= 4, out.stderr[-3000:]
+
+
+def test_a_warning_skips_zero_jax_frames_imported_through_a_path_with_dots():
+  """zero_jax imported through ``sys.path`` entry such as ``benchmarks/..`` (as the benchmark
+  scripts add it) names its files ``.../benchmarks/../zero_jax/...``: those frames are still
+  zero_jax's, so the warning points past them at the user's line."""
+  import os  # pylint: disable=import-outside-toplevel
+  from zero_jax.step import monitor  # pylint: disable=import-outside-toplevel
+  package = os.path.dirname(os.path.dirname(os.path.abspath(monitor.__file__)))
+  dotted = os.path.join(os.path.dirname(package), "benchmarks", "..", os.path.basename(package),
+                        "step", "inside.py")
+  scope = {"monitor": monitor}
+  code = compile("def inside():\n  return monitor._user_level()\n", dotted, "exec")
+  exec(code, scope)  # pylint: disable=exec-used
+  # Level 1 is _user_level's caller (zero_jax's, by its dotted name); 2 is this test.
+  assert scope["inside"]() == 2

@@ -266,6 +266,8 @@ def _user_level() -> int:
   """The ``stacklevel`` of the first frame outside zero_jax (the user's call), seen from
   the caller of ``warnings.warn``."""
   frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
-  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+  # abspath: a module imported through a path such as "benchmarks/../zero_jax" keeps the
+  # ".." in its code's file name.
+  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
     frame, level = frame.f_back, level + 1
   return level
