@@ -195,10 +195,8 @@ def test_a_stacked_leaf_kept_whole_gives_the_previous_layouts_bits(mesh, monkeyp
 def test_replica_and_model_axes_give_the_previous_layouts_bits(monkeypatch, kind):
   mesh = jax.make_mesh((2, 4), ("replica", "data"))
   split_layers = {"w_in": P(), "layers": {"w": P("replica"), "b": P("replica")}, "w_out": P()}
-  # fp16 on the model axis: a bf16 stage-3 step with param_specs= aborts XLA:CPU's compile
-  # ("Invalid binary instruction opcode copy") in either layout, as it did before this change.
   kw = {"replica": dict(replica_axis="replica", precision="bf16"),
-        "model_axis": dict(param_specs=split_layers, precision="fp16")}[kind]
+        "model_axis": dict(param_specs=split_layers, precision="bf16")}[kind]
   make = lambda: M.make_step(mesh, stage=3, opt="adam", **kw)
   the_same(make, M.init_params(), batches(), monkeypatch, forward=logits)
 

@@ -8,6 +8,7 @@ off the shards, and the compiled hybrid step's collectives off its HLO.
 """
 
 import contextlib
+import re
 
 import flax.linen as nn
 import jax
@@ -15,12 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import zero_jax as zj
 from _feature_helpers import (assert_tree_close, collective_groups, reference_run,
                               shapes_in, shard_bytes)
 from _small_mlp import init_params, loss_fn
+from zero_jax.comm import collectives
+from zero_jax.comm.collectives import Comm
 from zero_jax.step import batch as batching
 from zero_jax.comm.layout import local_storage_shape
 
@@ -194,6 +197,63 @@ def test_param_specs_are_read_from_params_that_arrive_sharded():
   check_against_reference(step, state, losses, megatron_loss, optax.adam(1e-2),
                           megatron_params(), bs)
   assert state.params["w2"].sharding.spec == P("model", None)
+
+
+# ------------------------------------------------------- bf16 beside model axes
+def bf16_run(mesh, stage, opt, **kw):
+  step = zj.make_sharded_train_step(megatron_loss, OPTS[opt](), mesh=mesh, stage=stage,
+                                    precision="bf16", **kw)
+  state, losses = train(step, megatron_params(), batches(1, fin=6) * 3)  # one batch, 3 steps
+  return step, state, losses
+
+
+def test_bf16_sums_beside_a_model_axis_give_xla_cpus_own_bits():
+  """XLA:CPU aborts compiling a bfloat16 sum inside a ``shard_map`` that leaves axes to the
+  compiler (a step on a mesh with model axes: "Invalid binary instruction opcode copy", and
+  the process dies). The step's sums there (`Comm.bf16_sums_in_f32`) go in float32 and round
+  back, which is what XLA:CPU does with every bfloat16 sum: bit for bit the sums a shard_map
+  over every axis gives, on values spread over 2**-12 to 2**12."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  comm = Comm.over("data", bf16_sums_in_f32=True)
+  r = np.random.default_rng(0)
+  x = (r.normal(size=(4 * 64, 8)) * np.exp2(r.integers(-12, 12, size=(4 * 64, 8))))
+  x = jnp.asarray(x, jnp.bfloat16)
+  ours = lambda v: (collectives.psum_scatter(v, "data", comm, scatter_dimension=0, tiled=True),
+                    collectives.psum(v, "data", comm))
+  xlas = lambda v: (jax.lax.psum_scatter(v, "data", scatter_dimension=0, tiled=True),
+                    jax.lax.psum(v, "data"))
+  run = lambda f, **kw: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+                                              out_specs=(P("data"), P()), **kw))(x)
+  got, want = run(ours, axis_names={"data"}), run(xlas)
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16))
+
+
+def bf16_run(mesh, stage, opt, **kw):
+  step = zj.make_sharded_train_step(megatron_loss, OPTS[opt](), mesh=mesh, stage=stage,
+                                    precision="bf16", **kw)
+  state, losses = train(step, megatron_params(), batches(1, fin=6) * 3)  # one batch, 3 steps
+  return step, state, losses
+
+
+@pytest.mark.parametrize("opt", sorted(OPTS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_on_a_model_split_lowers_every_sum_in_float32_on_cpu(stage, opt):
+  """The Megatron split in bf16 runs (it aborted the process before) and learns, and the
+  program it lowers has no bfloat16 all-reduce or reduce-scatter left: the float32 ones
+  carry the gradients, whose sums the test above pins bit for bit (compile-only GPU
+  programs keep them in bfloat16: tests/gpu/test_targets.py)."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  step, state, losses = bf16_run(mesh, stage, opt, param_specs=MEGATRON_SPECS)
+  assert step.spec.comm.bf16_sums_in_f32
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+  mlir = step.lower(state, batches(1, fin=6)[0]).as_text()
+  sums = re.findall(r'"stablehlo.(all_reduce|reduce_scatter)".*?\}\) : \((tensor<[^)]*>)\)',
+                    mlir, flags=re.S)
+  assert sums and not [t for t in sums if "bf16" in t[1]], sums
+  assert any(op == ("all_reduce" if stage == 1 else "reduce_scatter") and "f32" in t
+             for op, t in sums), sums
 
 
 class BoxedMegatron(nn.Module):

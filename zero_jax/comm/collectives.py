@@ -79,6 +79,11 @@ class Comm:
     forward_only: the loss's gathers are not differentiated (``step.evaluate``,
       ``step.apply``): `gather_in_loss` returns device-invariant values, like a
       replicated input's, which code mixes with replicated values freely (a loop carry).
+    bf16_sums_in_f32: sum bfloat16 in float32 and round back (`psum`, `psum_scatter`).
+      XLA:CPU aborts compiling a bfloat16 sum inside a ``shard_map`` that leaves axes to
+      the compiler (the model axes of ``param_specs=``: "Invalid binary instruction opcode
+      copy"); it sums bfloat16 in float32 anyway, so the result is the same, bit for bit.
+      Set for CPU meshes with model axes only (XLA:GPU sums bfloat16 on the wire).
   """
   gather_axes: tuple[str, ...]
   outer_axes: tuple[str, ...] = ()
@@ -87,6 +92,7 @@ class Comm:
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
   quantize: Quantize | None = None
   forward_only: bool = False
+  bf16_sums_in_f32: bool = False
 
   @classmethod
   def over(cls, data_axes, **kwargs) -> "Comm":
@@ -117,6 +123,23 @@ def _wide(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
 
+def _summed_in_f32(collective, x, comm: Comm, *args, **kwargs):
+  if comm.bf16_sums_in_f32 and x.dtype == jnp.bfloat16:
+    return collective(x.astype(jnp.float32), *args, **kwargs).astype(x.dtype)
+  return collective(x, *args, **kwargs)
+
+
+def psum(x: jax.Array, axes, comm: Comm) -> jax.Array:
+  """``lax.psum(x, axes)``, summed in float32 where ``comm.bf16_sums_in_f32`` says."""
+  return _summed_in_f32(jax.lax.psum, x, comm, _axes(axes))
+
+
+def psum_scatter(x: jax.Array, axes, comm: Comm, **kwargs) -> jax.Array:
+  """``lax.psum_scatter(x, axes, **kwargs)``, in float32 where ``comm.bf16_sums_in_f32``
+  says."""
+  return _summed_in_f32(jax.lax.psum_scatter, x, comm, _axes(axes), **kwargs)
+
+
 # ------------------------------------------------------------ one hop, pieces
 # A bucket's leaves travel as a list of pieces, one array per leaf, each with the rows of
 # the devices (``(n, L_i)``) or one device's row (``(L_i,)``). An exact collective moves
@@ -129,11 +152,11 @@ def _lengths(pieces) -> list:
   return [p.shape[-1] for p in pieces]
 
 
-def scatter_pieces(pieces, axes, wire: Wire | None) -> list:
+def scatter_pieces(pieces, axes, wire: Wire | None, comm: Comm) -> list:
   """``(n, L_i)`` pieces -> this device's ``(L_i,)`` pieces summed over ``axes`` (n = their
   size), in one collective."""
   if wire is None:
-    out = jax.lax.psum_scatter(_joined(pieces), _axes(axes), scatter_dimension=0, tiled=True)
+    out = psum_scatter(_joined(pieces), axes, comm, scatter_dimension=0, tiled=True)
     return _split(out[0], _lengths(pieces))
   out = quantize.scatter_pieces(pieces, (_axes(axes),), block_size=wire.block_size,
                                 bits=wire.bits)
@@ -159,12 +182,12 @@ def reduce_pieces(pieces, comm: Comm, hops=None) -> list:
   for axes, wire in hops:
     n = axes_size(axes)
     if n > 1:
-      out = scatter_pieces([o.reshape(n, -1) for o in out], axes, wire)
+      out = scatter_pieces([o.reshape(n, -1) for o in out], axes, wire, comm)
   wire = comm.wire("grads", True)
   if not comm.replica_axes:
     return out
   if wire is None:
-    return _split(jax.lax.psum(_joined(out), comm.replica_axes), _lengths(out))
+    return _split(psum(_joined(out), comm.replica_axes, comm), _lengths(out))
   summed = quantize.psum_pieces(out, comm.replica_axes, block_size=wire.block_size,
                                 bits=wire.bits)
   return [s.astype(_wide(o.dtype)) for s, o in zip(summed, out)]
@@ -205,13 +228,13 @@ def reduce_scatter(x: jax.Array, layout: Layout, comm: Comm, *, out_dtype=None) 
   out_dtype = out_dtype or _wide(x.dtype)
   wire = x.astype(comm.reduce_dtype or x.dtype)
   if layout.dim is None:
-    return jax.lax.psum(wire, comm.data_axes + comm.replica_axes).astype(out_dtype)
+    return psum(wire, comm.data_axes + comm.replica_axes, comm).astype(out_dtype)
   n = axes_size(comm.data_axes)
   if n > 1 and comm.quantize is None:  # one collective, as XLA likes it
-    out = jax.lax.psum_scatter(pad(wire, layout), comm.data_axes,
-                               scatter_dimension=layout.dim, tiled=True)
+    out = psum_scatter(pad(wire, layout), comm.data_axes, comm,
+                       scatter_dimension=layout.dim, tiled=True)
     if comm.replica_axes:
-      out = jax.lax.psum(out, comm.replica_axes)
+      out = psum(out, comm.replica_axes, comm)
     return out.astype(out_dtype)
   return _block(reduce_pieces([_rows(wire, layout, n)], comm)[0], x, layout, n).astype(out_dtype)
 
@@ -219,7 +242,7 @@ def reduce_scatter(x: jax.Array, layout: Layout, comm: Comm, *, out_dtype=None) 
 def all_reduce(x: jax.Array, axes, comm: Comm, *, out_dtype=None) -> jax.Array:
   """Sum of ``x`` over ``axes`` (stage 1), in ``comm.reduce_dtype`` on the wire."""
   out_dtype = out_dtype or _wide(x.dtype)
-  return jax.lax.psum(x.astype(comm.reduce_dtype or x.dtype), _axes(axes)).astype(out_dtype)
+  return psum(x.astype(comm.reduce_dtype or x.dtype), axes, comm).astype(out_dtype)
 
 
 def reduce_scatter_many(xs, layouts, groups, comm: Comm) -> list:
@@ -247,7 +270,7 @@ def reduce_outer_many(gs, layouts, groups, comm: Comm) -> list:
                         hops, n)
   for i, l in enumerate(subs):
     if l.dim is None:
-      out[i] = jax.lax.psum(gs[i], comm.outer_axes + comm.replica_axes)
+      out[i] = psum(gs[i], comm.outer_axes + comm.replica_axes, comm)
   return out
 
 
@@ -318,8 +341,13 @@ def all_gather_many(blocks, layouts, groups, comm: Comm, *, axes=None, to: str =
   return out
 
 
-def _exact_in_loss(comm: Comm) -> bool:
-  return comm.wire("weights", False) is None and comm.wire("grads", False) is None
+def _transposed_by_jax(comm: Comm, blocks) -> bool:
+  """Whether JAX's transpose of the exact gather (a reduce-scatter in the blocks' dtypes) is
+  the gradient: not when quantized, nor when it would sum bfloat16 where XLA:CPU cannot
+  (`Comm.bf16_sums_in_f32`); then `_gather_own_transpose`'s backward reduces."""
+  exact = comm.wire("weights", False) is None and comm.wire("grads", False) is None
+  return exact and not (comm.bf16_sums_in_f32 and
+                        any(b.dtype == jnp.bfloat16 for b in blocks))
 
 
 def gather_in_loss(blocks, layouts, groups, comm: Comm, *, dtypes=None) -> list:
@@ -330,9 +358,9 @@ def gather_in_loss(blocks, layouts, groups, comm: Comm, *, dtypes=None) -> list:
   blocks = in_gather_dtype(blocks, dtypes)
   if comm.forward_only:
     return all_gather_many(blocks, layouts, groups, comm, to="invarying")
-  if _exact_in_loss(comm):
+  if _transposed_by_jax(comm, blocks):
     return all_gather_many(blocks, layouts, groups, comm, to="varying")
-  return _quantized_gather(tuple(blocks), tuple(layouts), tuple(groups), comm)
+  return _gather_own_transpose(tuple(blocks), tuple(layouts), tuple(groups), comm)
 
 
 def scatter_in_loss(cts, blocks, layouts, groups, comm: Comm, *, dtypes=None) -> list:
@@ -342,22 +370,22 @@ def scatter_in_loss(cts, blocks, layouts, groups, comm: Comm, *, dtypes=None) ->
   blocks were gathered in (``dtypes``, as for `gather_in_loss`): the caller widens them
   where the reduction ends."""
   blocks = in_gather_dtype(blocks, dtypes)
-  if _exact_in_loss(comm):
+  if _transposed_by_jax(comm, blocks):
     gather = lambda bs: all_gather_many(bs, layouts, groups, comm, to="varying")
     return list(jax.linear_transpose(gather, list(blocks))(list(cts))[0])
-  return list(_quantized_gather_bwd(tuple(layouts), tuple(groups), comm, None, tuple(cts))[0])
+  return list(_own_transpose_bwd(tuple(layouts), tuple(groups), comm, None, tuple(cts))[0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _quantized_gather(blocks, layouts, groups, comm):
+def _gather_own_transpose(blocks, layouts, groups, comm):
   return all_gather_many(list(blocks), layouts, groups, comm, to="varying")
 
 
-def _quantized_gather_fwd(blocks, layouts, groups, comm):
-  return _quantized_gather(blocks, layouts, groups, comm), None
+def _own_transpose_fwd(blocks, layouts, groups, comm):
+  return _gather_own_transpose(blocks, layouts, groups, comm), None
 
 
-def _quantized_gather_bwd(layouts, groups, comm, _, cts):
+def _own_transpose_bwd(layouts, groups, comm, _, cts):
   n = axes_size(comm.gather_axes)
   hop = [(comm.gather_axes, comm.wire("grads", False))]
   out = [None] * len(cts)
@@ -368,14 +396,14 @@ def _quantized_gather_bwd(layouts, groups, comm, _, cts):
         out[i] = cts[i]
     if not idx:
       continue
-    mine = reduce_pieces([_rows(cts[i], layouts[i], n) for i in idx], Comm(comm.gather_axes),
-                         hop)
+    mine = reduce_pieces([_rows(cts[i], layouts[i], n) for i in idx],
+                         Comm(comm.gather_axes, bf16_sums_in_f32=comm.bf16_sums_in_f32), hop)
     for i, piece in zip(idx, mine):
       out[i] = _block(piece, cts[i], layouts[i], n).astype(cts[i].dtype)
   return (tuple(out),)
 
 
-_quantized_gather.defvjp(_quantized_gather_fwd, _quantized_gather_bwd)
+_gather_own_transpose.defvjp(_own_transpose_fwd, _own_transpose_bwd)
 
 
 # -------------------------------------------------------------------- buckets

@@ -236,7 +236,7 @@ def planning_spec(*, n_devices=None, mesh=None, axis_name="data", replica_axis=N
   model = tuple(a for a in mesh.axis_names if a not in data + replica)
   inner = data if hpz_axis is None else _hpz_axes(hpz_axis, mesh, 3, data, replica, False)
   comm = Comm(inner, tuple(a for a in data if a not in inner), replica,
-              _comm_dtype(comm_dtype, 2))
+              _comm_dtype(comm_dtype, 2), bf16_sums_in_f32=_cpu_with_model_axes(mesh, model))
   return StepSpec(mesh=mesh, auto_mesh=mesh, data_axes=comm.data_axes, replica_axes=replica,
                   model_axes=model, stage=2, policy=get_policy(precision), has_aux=False,
                   max_grad_norm=None, grad_accum_steps=1, accumulate="local", donate=True,
@@ -301,13 +301,19 @@ def make_spec(*, mesh, axis_name, replica_axis, stage, has_aux, precision, max_g
   quantize = _quantize(quantize, stage, policy, inner != data, replica,
                        [mesh.shape[a] for a in data + replica])
   comm = Comm(inner, tuple(a for a in data if a not in inner), replica,
-              _comm_dtype(comm_dtype, stage), int(bucket_bytes), quantize)
+              _comm_dtype(comm_dtype, stage), int(bucket_bytes), quantize,
+              bf16_sums_in_f32=_cpu_with_model_axes(mesh, model))
   return StepSpec(mesh=mesh, auto_mesh=auto, data_axes=comm.data_axes, replica_axes=replica,
                   model_axes=model, stage=stage, policy=policy, has_aux=bool(has_aux),
                   max_grad_norm=max_grad_norm, grad_accum_steps=k, accumulate=accumulate,
                   donate=bool(donate), offload=offload, comm=comm,
                   gather_once=bool(gather_once),
                   aux_reduce=parse_aux_reduce(aux_reduce, bool(has_aux)))
+
+
+def _cpu_with_model_axes(mesh, model) -> bool:
+  """Whether the step's ``shard_map`` leaves axes to XLA:CPU (`Comm.bf16_sums_in_f32`)."""
+  return bool(model) and isinstance(mesh, Mesh) and mesh.devices.flat[0].platform == "cpu"
 
 
 def _hpz_axes(hpz_axis, mesh: Mesh, stage: int, data, replica, gather_once) -> tuple:
