@@ -35,7 +35,8 @@ from zero_jax.checkpoint.integrity import (  # noqa: F401  (re-exported)
 from zero_jax.checkpoint.writer import DirectoryInUseError  # noqa: F401  (re-exported)
 from zero_jax.processes.distributed import all_processes_agree
 from zero_jax.step.signature import optimizer_signature
-from zero_jax.step.state import check_alive, masked_optimizer
+from zero_jax.step.state import masked_optimizer
+from zero_jax.step.state_checks import check_alive
 from zero_jax.step.train_step import ShardedTrainStep, TrainState
 
 _READ_ERRORS = store_lib.READ_ERRORS

@@ -28,6 +28,7 @@ from zero_jax.layers import stacking as layers
 from zero_jax.numerics import loss_scale as ls_lib
 from zero_jax.layers import nnx as nnx_lib
 from zero_jax.step import state as st
+from zero_jax.step import state_checks
 from zero_jax.step import update as update_lib
 from zero_jax.comm.collectives import DEFAULT_BUCKET_BYTES, Quantize
 from zero_jax.step.monitor import StallWatch
@@ -155,7 +156,7 @@ class ShardedTrainStep:
     return context.on_working_mesh(self.spec, state)
 
   def _check_state(self, state, what: str = "the step") -> None:
-    st.check_state(self.spec, self.optimizer, state, what, self.leaf_options,
+    state_checks.check_state(self.spec, self.optimizer, state, what, self.leaf_options,
                    known=self._metas)
     ls_lib.check_same_policy(self.initial_loss_scale, state.loss_scale)
 
