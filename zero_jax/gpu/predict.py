@@ -295,22 +295,23 @@ def _runs(comps: dict, entry: str, trips: dict) -> dict:
 def _in_flight(ws: list, device: Device, compute_efficiency: float,
                link_efficiency: float) -> WindowTime:
   """One `WindowTime` for windows in flight together: the ring times of those on one link
-  add (they share its bandwidth), the links run side by side; the matmuls in any of the
-  windows count once."""
-  per_link: dict = {}
+  add (they share its bandwidth), and hide behind the matmuls inside those collectives' own
+  windows (each matmul counted once); the links run side by side, and the link that leaves
+  the most exposed is the group's. A collective is never credited with a matmul outside its
+  own link's windows (one on another link that started earlier, say)."""
+  links: dict = {}  # link -> (ring times, {matmul: cost})
   for w in ws:
     t = Transfer(w.op, float(w.nbytes), tuple(w.groups or ()))
-    key = crosses_hosts(t, device)
-    per_link[key] = per_link.get(key, 0.0) + transfer_time(t, device, link_efficiency)
-  dots = {}  # by (instruction, its k-th matmul): a matmul in two windows is one matmul
-  for w in ws:
-    for k, dot in enumerate(w.dots):
+    comm, dots = links.setdefault(crosses_hosts(t, device), [0.0, {}])
+    links[crosses_hosts(t, device)][0] = comm + transfer_time(t, device, link_efficiency)
+    for k, dot in enumerate(w.dots):  # by (instruction, its k-th matmul): counted once
       name = w.dot_names[k] if w.dot_names else (id(w), k)
       dots[(name, w.dot_names[:k].count(name) if w.dot_names else 0)] = dot
-  return WindowTime("+".join(w.op for w in ws), float(sum(w.nbytes for w in ws)),
-                    max(per_link.values(), default=0.0),
-                    compute_time(list(dots.values()), device, compute_efficiency),
-                    device.overlap_slowdown)
+  times = [WindowTime("+".join(w.op for w in ws), float(sum(w.nbytes for w in ws)), comm,
+                      compute_time(list(dots.values()), device, compute_efficiency),
+                      device.overlap_slowdown) for comm, dots in links.values()]
+  return max(times, key=lambda t: (t.exposed, t.comm), default=WindowTime(
+      "+".join(w.op for w in ws), 0.0, 0.0, 0.0, device.overlap_slowdown))
 
 
 def predict_scheduled(hlo_text: str, device: Device, *, compute_efficiency: float = 1.0,
