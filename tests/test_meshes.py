@@ -8,6 +8,7 @@ off the shards, and the compiled hybrid step's collectives off its HLO.
 """
 
 import contextlib
+import functools
 import re
 
 import flax.linen as nn
@@ -25,6 +26,7 @@ from _small_mlp import init_params, loss_fn
 from zero_jax.comm import collectives
 from zero_jax.comm.collectives import Comm
 from zero_jax.step import batch as batching
+from zero_jax.step import spec as spec_lib
 from zero_jax.comm.layout import local_storage_shape
 
 STEPS = 5
@@ -200,6 +202,61 @@ def test_param_specs_are_read_from_params_that_arrive_sharded():
 
 
 # ------------------------------------------------------- bf16 beside model axes
+FLAG_CASES = {  # (stage, mesh shape and axes, options): every path the flag changes
+    "stage1": (1, (8,), ("data",), {}),
+    "stage2_bf16_wire": (2, (8,), ("data",), {"comm_dtype": jnp.bfloat16}),
+    "stage3_scan_prefetch0": (3, (8,), ("data",), {"prefetch": 0}),
+    "stage3_scan_prefetch1": (3, (8,), ("data",), {"prefetch": 1}),
+    "stage3_hybrid": (3, (2, 4), ("replica", "data"), {"replica_axis": "replica"}),
+    "stage3_hpz": (3, (2, 4), ("hosts", "data"), {"axis_name": ("hosts", "data"),
+                                                  "hpz_axis": "data"}),
+    "stage3_gather_in_lax_scan": (3, (8,), ("data",), {"prefetch": None}),
+}
+
+
+def lax_scan_loss(p, b):
+  """`gained_loss` written as the stage 3 guide's pattern: ``lax.scan`` over the layers,
+  each gathered by `zj.gather` under ``jax.checkpoint`` (JAX differentiates the gathers)."""
+  @jax.checkpoint
+  def layer(h, lp):
+    lp = zj.gather(lp)
+    return jnp.tanh(h @ lp["w"] + lp["b"]) * lp["g"], None
+  w_in, w_out = zj.gather(p["w_in"]), zj.gather(p["w_out"])
+  h, _ = jax.lax.scan(layer, b["x"].astype(w_in.dtype) @ w_in, p["layers"])
+  return jnp.mean(jnp.square((h @ w_out).astype(jnp.float32) - b["y"]))
+
+
+@pytest.mark.parametrize("case", sorted(FLAG_CASES))
+def test_bf16_sums_in_float32_change_no_bit_where_xla_cpu_compiles_both(case, monkeypatch):
+  """On a mesh without model axes XLA:CPU compiles bfloat16 sums, so the step can run
+  both ways: its own float32 sums (`Comm.bf16_sums_in_f32` forced on) and JAX's bfloat16
+  ones. Every number is the same, bit for bit: gradients through stage 3's own transpose
+  of the gather, a stacked leaf kept whole (its gradient summed by the step, not by
+  JAX), the hops of hybrid and hpZ, stages 1 and 2."""
+  import _forward_model as fm  # pylint: disable=import-outside-toplevel
+  from test_master_in_params import gained_loss  # pylint: disable=import-outside-toplevel
+  stage, shape, names, kw = FLAG_CASES[case]
+  mesh = jax.make_mesh(shape, names)
+  params = fm.init_params()
+  params["layers"]["g"] = np.linspace(0.8, 1.1, 4).astype(np.float32)  # kept whole at stage 3
+  prefetch = kw.pop("prefetch", 1)
+
+  loss = lax_scan_loss if prefetch is None else functools.partial(gained_loss, prefetch=prefetch)
+
+  def run(flag):
+    monkeypatch.setattr(spec_lib, "_cpu_with_model_axes", lambda mesh, model: flag)
+    step = zj.make_sharded_train_step(
+        loss, optax.adam(1e-2), mesh=mesh,
+        stage=stage, precision="bf16", stacked=fm.STACKED if stage == 3 else None, **kw)
+    assert step.spec.comm.bf16_sums_in_f32 == flag
+    state, losses = train(step, params, [fm.batch(t) for t in range(3)])
+    return losses, fm.host((step.get_params(state), state.opt_state))
+
+  ours, jaxs = run(True), run(False)
+  assert ours[0] == jaxs[0]
+  fm.assert_bitwise_equal(ours[1], jaxs[1])
+
+
 def bf16_run(mesh, stage, opt, **kw):
   step = zj.make_sharded_train_step(megatron_loss, OPTS[opt](), mesh=mesh, stage=stage,
                                     precision="bf16", **kw)

@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zero_jax.comm.axes import make_varying
+from zero_jax.comm.axes import make_varying, varying_axes
 from zero_jax.comm.collectives import (Comm, all_gather_many, axes_size, gather_in_loss,
-                                       in_gather_dtype, plan_buckets, reduce_outer_many,
+                                       in_gather_dtype, plan_buckets, psum, reduce_outer_many,
                                        reduce_scatter_many, scatter_in_loss)
 from zero_jax.layers import nnx as nnx_lib
 from zero_jax.comm.layout import Layout, local_storage_shape, unpad
@@ -246,8 +246,7 @@ def gather_many(xs: list) -> list:
   transpose, for a caller that runs the backward pass itself.
   """
   # replicated (not split): as they are, in the gather's dtype
-  out = [x.full if x.full is not None else in_gather_dtype([x.block], [x.gather_dtype])[0]
-         for x in xs]
+  out = [x.full if x.full is not None else _replicated(x) for x in xs]
   for kind, idx, layouts, groups in _plan(xs):
     first, blocks = xs[idx[0]], [xs[i].block for i in idx]
     dtypes = tuple(xs[i].gather_dtype for i in idx)
@@ -263,6 +262,45 @@ def gather_many(xs: list) -> list:
     for i, g in zip(idx, got):
       out[i] = g
   return out
+
+
+def _own_sum_axes(x: ShardedParam, value) -> tuple:
+  """The batch axes a replicated stage-3 leaf's ``value`` does not vary over, where its
+  gradient's sum over them must be `zero_jax.comm.collectives.psum`'s, not the one JAX writes
+  for an unvarying value used beside varying ones: in bfloat16 beside model axes on CPU
+  (`Comm.bf16_sums_in_f32`: XLA:CPU cannot compile JAX's). Else ()."""
+  c = x.comm
+  if x.full is not None or not c.bf16_sums_in_f32 or value.dtype != jnp.bfloat16:
+    return ()
+  return tuple(a for a in c.data_axes + c.replica_axes if a not in varying_axes(value))
+
+
+def _replicated(x: ShardedParam):
+  """A stage-3 leaf split over no axis, in its gather dtype: as it is, or (`_own_sum_axes`)
+  made varying, its gradient summed by `_summed_on_backward`."""
+  value = in_gather_dtype([x.block], [x.gather_dtype])[0]
+  axes = _own_sum_axes(x, value)
+  return _summed_on_backward(value, axes, x.comm) if axes else value
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _summed_on_backward(value, axes: tuple, comm: Comm):
+  """``value`` made varying over ``axes``; the transpose sums its gradient over them with
+  `zero_jax.comm.collectives.psum` (as JAX's own transpose would, in float32 where ``comm``
+  says). `zero_jax.scan`'s backward runs its layers' pullbacks itself: `scatter_inner` sums
+  there."""
+  return make_varying(value, axes)
+
+
+def _summed_fwd(value, axes, comm):
+  return _summed_on_backward(value, axes, comm), None
+
+
+def _summed_bwd(axes, comm, _, ct):
+  return (psum(ct, axes, comm),)
+
+
+_summed_on_backward.defvjp(_summed_fwd, _summed_bwd)
 
 
 def scatter_many(xs: list, cts: list) -> list:
@@ -286,6 +324,10 @@ def scatter_inner(xs: list, cts: list) -> list:
   """The first hop of `scatter_many`: every gradient reduced over its gather axes (a sink's
   stays split over them only, for `scatter_outer`)."""
   out = list(cts)
+  for i, x in enumerate(xs):  # replicated leaves that `gather_many` made varying
+    axes = _own_sum_axes(x, in_gather_dtype([x.block], [x.gather_dtype])[0])
+    if axes and _sliced_layout(x)[0].dim is None and cts[i] is not None:
+      out[i] = psum(cts[i], axes, x.comm)
   for kind, idx, layouts, groups in _plan(xs):
     first, sub = xs[idx[0]], [cts[i] for i in idx]
     if kind == _STAGE2:
