@@ -302,11 +302,11 @@ def _in_flight(ws: list, device: Device, compute_efficiency: float,
   links: dict = {}  # link -> (ring times, {matmul: cost})
   for w in ws:
     t = Transfer(w.op, float(w.nbytes), tuple(w.groups or ()))
-    comm, dots = links.setdefault(crosses_hosts(t, device), [0.0, {}])
-    links[crosses_hosts(t, device)][0] = comm + transfer_time(t, device, link_efficiency)
+    link = links.setdefault(crosses_hosts(t, device), [0.0, {}])
+    link[0] += transfer_time(t, device, link_efficiency)
     for k, dot in enumerate(w.dots):  # by (instruction, its k-th matmul): counted once
       name = w.dot_names[k] if w.dot_names else (id(w), k)
-      dots[(name, w.dot_names[:k].count(name) if w.dot_names else 0)] = dot
+      link[1][(name, w.dot_names[:k].count(name) if w.dot_names else 0)] = dot
   times = [WindowTime("+".join(w.op for w in ws), float(sum(w.nbytes for w in ws)), comm,
                       compute_time(list(dots.values()), device, compute_efficiency),
                       device.overlap_slowdown) for comm, dots in links.values()]

@@ -264,22 +264,24 @@ def gather_many(xs: list) -> list:
   return out
 
 
-def _own_sum_axes(x: ShardedParam, value) -> tuple:
-  """The batch axes a replicated stage-3 leaf's ``value`` does not vary over, where its
+def _own_sum_axes(x: ShardedParam) -> tuple:
+  """The batch axes a stage-3 leaf split over no axis does not vary over, where its
   gradient's sum over them must be `zero_jax.comm.collectives.psum`'s, not the one JAX writes
   for an unvarying value used beside varying ones: in bfloat16 beside model axes on CPU
   (`Comm.bf16_sums_in_f32`: XLA:CPU cannot compile JAX's). Else ()."""
   c = x.comm
-  if x.full is not None or not c.bf16_sums_in_f32 or value.dtype != jnp.bfloat16:
+  if (x.full is not None or not c.bf16_sums_in_f32
+      or x.wire_dtype != jnp.bfloat16
+      or _sliced_layout(x)[0].dim is not None):
     return ()
-  return tuple(a for a in c.data_axes + c.replica_axes if a not in varying_axes(value))
+  return tuple(a for a in c.data_axes + c.replica_axes if a not in varying_axes(x.block))
 
 
 def _replicated(x: ShardedParam):
   """A stage-3 leaf split over no axis, in its gather dtype: as it is, or (`_own_sum_axes`)
   made varying, its gradient summed by `_summed_on_backward`."""
   value = in_gather_dtype([x.block], [x.gather_dtype])[0]
-  axes = _own_sum_axes(x, value)
+  axes = _own_sum_axes(x)
   return _summed_on_backward(value, axes, x.comm) if axes else value
 
 
@@ -325,8 +327,8 @@ def scatter_inner(xs: list, cts: list) -> list:
   stays split over them only, for `scatter_outer`)."""
   out = list(cts)
   for i, x in enumerate(xs):  # replicated leaves that `gather_many` made varying
-    axes = _own_sum_axes(x, in_gather_dtype([x.block], [x.gather_dtype])[0])
-    if axes and _sliced_layout(x)[0].dim is None and cts[i] is not None:
+    axes = _own_sum_axes(x)
+    if axes and cts[i] is not None:
       out[i] = psum(cts[i], axes, x.comm)
   for kind, idx, layouts, groups in _plan(xs):
     first, sub = xs[idx[0]], [cts[i] for i in idx]
