@@ -4,8 +4,9 @@ Writes the ``regime`` section of BENCHMARKS.md. For GPT-2 small, the 1B model an
 shapes (``_lm``, cuDNN fused attention where it compiles, bf16 compute on fp32 weights, AdamW)
 on 2 to 32 hosts of 8 compile-only H100s, with 1 or 2 sequences per GPU, it compiles:
 
-- **zero_jax** stage 3 with ``zj.scan(prefetch=1)``: hybrid (``replica_axis`` across hosts),
-  hpZ (gathered within the host, state split over every GPU), and hpZ with ZeRO++'s int8
+- **zero_jax** stage 3 with ``zj.scan(prefetch=1)``: flat (state split over every GPU,
+  gathered over every GPU: GSPMD's flat FSDP's counterpart), hybrid (``replica_axis`` across
+  hosts), hpZ (gathered within the host, state split over every GPU), and hpZ with ZeRO++'s int8
   quantization on the hops across hosts (qwZ + qgZ: ``zj.Quantize(across_only=True)``,
   LOSSY), each with the step's own compile options;
 - **GSPMD** (`_gspmd`, as MaxText writes it): FSDP flat over every GPU, and HSDP (split within
@@ -52,6 +53,7 @@ GiB, MiB = 1 << 30, 1 << 20
 _BOTH = ("hosts", "data")
 LOSSY = "hpZ + qwZ + qgZ int8 across hosts (LOSSY)"
 SYSTEMS = {
+    "flat": ("zero_jax", "step's own", {"stage": 3, "axis_name": _BOTH}),
     "hybrid": ("zero_jax", "step's own", {"stage": 3, "replica_axis": "hosts"}),
     "hpZ": ("zero_jax", "step's own", {"stage": 3, "axis_name": _BOTH, "hpz_axis": "data"}),
     LOSSY: ("zero_jax", "step's own", {"stage": 3, "axis_name": _BOTH, "hpz_axis": "data",
@@ -61,7 +63,7 @@ SYSTEMS = {
     "HSDP": ("GSPMD", "XLA default", (("data",), _BOTH)),
     "HSDP (NVIDIA flags)": ("GSPMD", "NVIDIA flags", (("data",), _BOTH)),
 }
-EXACT = ("hybrid", "hpZ")
+EXACT = ("flat", "hybrid", "hpZ")
 GOAL_SHARE, GOAL_EXACT, GOAL_LOSSY, GOAL_ANY = 0.25, 0.9, 0.7, 1.0
 
 
@@ -216,7 +218,8 @@ def render(out: dict) -> str:
       f"\"calibration\") at three networks between hosts, per host each way: "
       f"{', '.join(f'{g:,} Gb/s' for g in NETWORKS_GBPS)} (`zj.gpu.with_network`; 3,200 is "
       f"DGX/HGX H100's 8 x 400 Gb/s NDR). zero_jax: stage 3, `zj.scan(prefetch=1)`, the step's "
-      f"own options; *hybrid* = `replica_axis=\"hosts\"`, *hpZ* = `hpz_axis=\"data\"`, and "
+      f"own options; *flat* = split and gathered over every GPU (`axis_name=(\"hosts\", "
+      f"\"data\")`), *hybrid* = `replica_axis=\"hosts\"`, *hpZ* = `hpz_axis=\"data\"`, and "
       f"{LOSSY} = hpZ with `quantize=zj.Quantize(across_only=True)` (int8 weights and "
       f"gradients on the hops across hosts: not the exact step). GSPMD: `benchmarks/_gspmd.py` "
       f"(MaxText-style), FSDP flat over all GPUs and HSDP (split within a host, replicated "
@@ -232,6 +235,7 @@ def render(out: dict) -> str:
       f"most {GOAL_LOSSY}x; nowhere above {GOAL_ANY}x. Rows that do not fit an 80 GB H100 are "
       f"marked and never compared.",
       "",
+      *PROGRAMS, "",
       "Per program (compiled once): peak memory per GPU, and MiB each GPU sends per step within "
       "its host + across hosts.", "",
       "| model | hosts | seqs/GPU | system | peak GiB | sent MiB (intra+cross) | step ms at "
@@ -281,12 +285,27 @@ def render(out: dict) -> str:
   return "\n".join(lines)
 
 
+# Which commit compiled which programs (the results file keeps no commit): said by hand.
+PROGRAMS = [
+    "*Code: zero_jax's 54 hybrid, hpZ and quantized programs compiled on commit 3eea1ef, its 18 "
+    "flat ones on fff0f9b (this release; two of the others compiled again on it came out "
+    "instruction for instruction the same); GSPMD's 72 kept from the `regime` branch (commit "
+    "2eff297; `benchmarks/_gspmd.py` and `_lm.py` unchanged since). Every program read with "
+    "this release's reader: it follows bitcasts to the slice a fused kernel really reads, and a "
+    "collective hides only behind the matmuls in the windows of its own link's collectives. "
+    "The flat step is new among zero_jax's exact steps in this section: with it, above 1.0x "
+    "15 (17 without it), exact at most 0.9x in 25 (25), quantized at most 0.7x in 35 (35).*"]
+
+
 READING = [
     "**Reading it** (predictions; figures from the rows above). *Bytes across hosts*: "
     "zero_jax's hybrid and hpZ steps send the same bytes across hosts, 2 (h-1)/h of each GPU's "
     "eighth of the bf16 gradient (Llama-3-8B: 1,915 MiB per GPU on 2 hosts, 3,709 on 32; the "
     "GPU tier pins the formula), as GSPMD's HSDP does (1,945 and 3,709 MiB); GSPMD's flat FSDP "
-    "sends 1.4x to 2.8x that, its per-weight rings over every GPU each leaving every host once. "
+    "sends 1.4x to 2.8x that, its per-weight rings over every GPU each leaving every host once, "
+    "and zero_jax's flat step as much or a little less (it gathers the leaves outside the "
+    "layer stack once a step, where GSPMD gathers them again for the backward; the GPU tier "
+    "pins its bytes). "
     "So on thin networks, where both sides are bound by the same bytes, the exact ratio is set "
     "by overlap, not volume: Llama-3-8B on 32 hosts at 100 Gb/s cannot reach 0.9x with any exact "
     "step sending those bytes (the floor line above). *What zero_jax leaves exposed*: hpZ "
@@ -298,14 +317,24 @@ READING = [
     "meets 0.7x on every 1-sequence row at 100 and 400 Gb/s per host, but not at 3.2 Tb/s, where "
     "communication within the "
     "host, the embedding's gathers outside the loops and the memory-bound copies below remain. "
-    "*Where zero_jax is slower at 3.2 Tb/s* (1B on 2 hosts, and on 8 with two sequences a "
-    "GPU; Llama-3-8B on 2 and 8 hosts, and on 32 with two; GSPMD's flat FSDP with NVIDIA's "
-    "flags best, communication 7-27% of its step): the difference is "
-    "memory-bound kernels, +4 to +46 ms a step, the per-layer copies that one collective per "
+    "*At 3.2 Tb/s* the flat step (split and gathered over every GPU, as GSPMD's flat FSDP, "
+    "which is GSPMD's best there) is zero_jax's exact best on every 1B and Llama-3-8B row "
+    "where GSPMD's flat FSDP wins; hybrid and hpZ update an eighth of the model on each GPU "
+    "where it updates 1/(8 h), memory-bound work that costs more than the bytes they save on "
+    "so fast a network (Llama-3-8B on 8 hosts, one sequence: hybrid 232 ms, flat 199, GSPMD "
+    "211). Above 1.0x there (1B on 2 hosts, and on 2 and 8 hosts with two sequences a GPU; "
+    "Llama-3-8B with two sequences a GPU; communication 7-18% of GSPMD's step) the difference is "
+    "memory-bound kernels, +3 to +24 ms a step, the per-layer copies that one collective per "
     "layer costs (the gathered buffer sliced into the weights, the gradients packed before the "
     "reduce-scatter; \"peer (cudnn attention)\" measures them per layer), more than the "
     "exposed communication it saves. Removing them needs collectives per weight with a "
     "double-buffered layer loop: tried, and not kept (\"peer (cudnn attention)\" says why). "
+    "The quantized step is hpZ's, whose update and secondary copy cost the same memory-bound "
+    "work, so it is above 1.0x wherever the flat exact step is best at 3.2 Tb/s. Quantizing "
+    "every hop of the flat step instead (`zj.Quantize()`, compiled for the one-sequence rows "
+    "on 2 and 8 hosts, not in the tables) is slower still: its int8 gradient all-to-all over "
+    "every GPU sends more across hosts than the ring's reduce-scatter (Llama-3-8B on 8 hosts: "
+    "8,115 against 5,189 MiB a GPU; 279 ms against the exact flat step's 199 at 3.2 Tb/s). "
     "*Overlap across two links*: the re-gather and the gradient's reduce-scatter within the "
     "host and hybrid's all-reduce (or hpZ's reduce-scatter) across hosts are in flight "
     "together in the backward loop, and each link's collectives hide only behind the matmuls "

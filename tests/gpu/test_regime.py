@@ -1,11 +1,13 @@
 """What the "regime" rows (benchmarks/bench_regime.py, BENCHMARKS.md "regime") rely on, pinned
 on a tiny GPT-2-like model over 2 hosts of 8 compile-only H100s: zero_jax's hybrid and hpZ
 steps send across hosts exactly ZeRO++'s share per GPU, less than GSPMD's flat FSDP and HSDP,
-and ZeRO++'s int8 hops across hosts about half of it."""
+ZeRO++'s int8 hops across hosts about half of it, and the flat step a ring over every GPU per
+pass, as GSPMD's flat FSDP."""
 
 import os
 import sys
 
+import jax
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -18,13 +20,20 @@ CFG = _lm.GPTConfig("tiny", vocab=512, d_model=64, layers=2, heads=2, seq_len=64
 PARAMS = CFG.n_params()   # 136,960: a multiple of 16, so no leaf's padding changes the count
 
 
+def _stacked_params() -> int:
+  """Parameters in the layer stack (``stacked=_lm.in_blocks``)."""
+  shapes = jax.eval_shape(lambda k: _lm.family(CFG).init(CFG, k), jax.random.key(0))
+  sizes = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  return sum(x.size for path, x in sizes if _lm.in_blocks(path, x))
+
+
 @pytest.fixture(scope="module")
 def across():
   """Bytes each GPU sends across hosts per step, per system (400 Gb/s per host: the bytes do
   not depend on the network)."""
   device = measure.device_for(bench_regime.network(400), 8, "bf16")
   out = {}
-  for system in ("hybrid", "hpZ", bench_regime.LOSSY, "FSDP flat", "HSDP"):
+  for system in ("flat", "hybrid", "hpZ", bench_regime.LOSSY, "FSDP flat", "HSDP"):
     text = bench_regime.lower(CFG, HOSTS, 1, system).compile(
         compiler_options=measure.FAST_COMPILE).as_text()
     out[system] = measure.sent_bytes(predict.analyze(text), device)[1]
@@ -54,3 +63,14 @@ def test_int8_hops_across_hosts_halve_the_bytes(across):
   # padding of the blocks.
   assert across[bench_regime.LOSSY] == pytest.approx(
       across["hpZ"] * (1 + 4 / 256) / 2, rel=0.05), across
+
+
+def test_flat_sends_one_ring_over_every_gpu_per_pass(across):
+  # Each pass is a ring over all 16 GPUs that leaves each host once, so each GPU carries 1/8 of
+  # the (n-1)/n of the bf16 bytes it sends: three passes for the layer stack (forward gather,
+  # backward re-gather, reduce-scatter), two for the other leaves (gathered once a step and
+  # kept for the backward). GSPMD's flat FSDP re-gathers those too: a little more.
+  n, stacked = 8 * HOSTS, _stacked_params()
+  passes = 3 * stacked + 2 * (PARAMS - stacked)
+  assert across["flat"] == pytest.approx(passes * 2 * (n - 1) / n / 8, rel=1e-3), across
+  assert across["hpZ"] < across["flat"] < across["FSDP flat"], across
