@@ -14,9 +14,9 @@ on 2 to 32 hosts of 8 compile-only H100s, with 1 or 2 sequences per GPU, it comp
 
 all at one remat policy, ``dots_saveable`` (the fastest fitting policy of both systems on
 every "peer (cudnn attention)" row). The network between hosts does not change the program:
-each program is compiled once and predicted (`zero_jax.gpu.predict`, as ``bench_peer``) at
-100 Gb/s, 400 Gb/s and 3.2 Tb/s per host (`zero_jax.gpu.with_network`). Step times are
-predictions, not measurements.
+each program is compiled once and predicted (`zero_jax.gpu.predict` and
+`zero_jax.gpu.timeline`, as ``bench_peer``) at 100 Gb/s, 400 Gb/s and 3.2 Tb/s per host
+(`zero_jax.gpu.with_network`). Step times are predictions, not measurements.
 
 Results are kept in a JSON file as they come (``--results``), so an interrupted run resumes;
 ``--reread`` reads the kept programs again after a change to the predictor.
@@ -43,7 +43,7 @@ import _lm  # noqa: E402
 import _peer_common  # noqa: E402
 import bench_peer  # noqa: E402
 import zero_jax as zj  # noqa: E402
-from zero_jax.gpu import measure, predict, targets  # noqa: E402
+from zero_jax.gpu import measure, predict, targets, timeline  # noqa: E402
 
 GPU = "h100"
 NETWORKS_GBPS = (100, 400, 3200)  # per host, each way
@@ -91,8 +91,9 @@ def lower(cfg, hosts: int, seqs: int, system: str):
 
 def read_all(text: str) -> dict:
   """The program's figures at each network, as `bench_peer.read` gives them (bytes sent within
-  and across hosts, compute, memory-bound and exposed time, the step), with its most exposed
-  collectives (``top``: ``(where, op, MiB of one call, ms exposed per step)``); the program is
+  and across hosts, compute, memory-bound and exposed time, the step: the schedule walked by
+  `zero_jax.gpu.timeline`), with its most exposed collectives by `predict_scheduled`'s windows
+  (``top``: ``(where, op, MiB of one call, ms exposed per step)``); the program is
   read once."""
   program = predict.analyze(text)
   out = {}
@@ -105,10 +106,10 @@ def read_all(text: str) -> dict:
       where = "outside loops" if loop.name == "ENTRY" else f"in a loop of {loop.trips}"
       windows += [(where, w.op, w.nbytes / MiB, 1e3 * w.exposed * loop.trips * loop.runs)
                   for w in loop.windows]
-    exposed = sum(w[3] for w in windows) / 1e3
+    step = timeline.simulate(text, device, memory_bound_hides=False).step
     out[str(gbps)] = {"intra": intra, "cross": cross, "memory_s": prediction.elementwise,
-                      "compute_s": prediction.compute, "exposed_s": exposed,
-                      "step_s": prediction.compute + exposed,
+                      "compute_s": prediction.compute, "exposed_s": step - prediction.compute,
+                      "step_s": step,
                       "top": sorted(windows, key=lambda w: -w[3])[:3]}
   return out
 
@@ -214,7 +215,8 @@ def render(out: dict) -> str:
       f"for compile-only H100s (hosts of 8), bf16 compute on fp32 weights, AdamW, remat "
       f"`{POLICY}` on every system, attention on both sides: "
       f"{bench_peer.ATTENTION_WORDS[bench_peer.ATTENTION[0]]}; and predicted by "
-      f"`zero_jax.gpu.predict` (as in \"peer (cudnn attention)\": at least 1.2x optimistic, see "
+      f"`zero_jax.gpu.predict`, the schedule walked by `zero_jax.gpu.timeline` (as in \"peer "
+      f"(cudnn attention)\": at least 1.2x optimistic, see "
       f"\"calibration\") at three networks between hosts, per host each way: "
       f"{', '.join(f'{g:,} Gb/s' for g in NETWORKS_GBPS)} (`zj.gpu.with_network`; 3,200 is "
       f"DGX/HGX H100's 8 x 400 Gb/s NDR). zero_jax: stage 3, `zj.scan(prefetch=1)`, the step's "
@@ -291,10 +293,11 @@ PROGRAMS = [
     "flat ones on fff0f9b (this release; two of the others compiled again on it came out "
     "instruction for instruction the same); GSPMD's 72 kept from the `regime` branch (commit "
     "2eff297; `benchmarks/_gspmd.py` and `_lm.py` unchanged since). Every program read with "
-    "this release's reader: it follows bitcasts to the slice a fused kernel really reads, and a "
-    "collective hides only behind the matmuls in the windows of its own link's collectives. "
-    "The flat step is new among zero_jax's exact steps in this section: with it, above 1.0x "
-    "15 (17 without it), exact at most 0.9x in 25 (25), quantized at most 0.7x in 35 (35).*"]
+    "this release's reader, which walks the schedule (`zero_jax.gpu.timeline`, \"Reading it\" "
+    "below). New in this section: the flat step among zero_jax's exact steps, and the walk. "
+    "With both: exact at most 0.9x in 24 cases, quantized at most 0.7x in 35, above 1.0x 15; "
+    "the walk without the flat step: 24, 35, 18; the windows' model with it: 25, 35, 15, and "
+    "without it (the previous section): 25, 35, 17.*"]
 
 
 READING = [
@@ -321,7 +324,7 @@ READING = [
     "which is GSPMD's best there) is zero_jax's exact best on every 1B and Llama-3-8B row "
     "where GSPMD's flat FSDP wins; hybrid and hpZ update an eighth of the model on each GPU "
     "where it updates 1/(8 h), memory-bound work that costs more than the bytes they save on "
-    "so fast a network (Llama-3-8B on 8 hosts, one sequence: hybrid 232 ms, flat 199, GSPMD "
+    "so fast a network (Llama-3-8B on 8 hosts, one sequence: hybrid 242 ms, flat 201, GSPMD "
     "211). Above 1.0x there (1B on 2 hosts, and on 2 and 8 hosts with two sequences a GPU; "
     "Llama-3-8B with two sequences a GPU; communication 7-18% of GSPMD's step) the difference is "
     "memory-bound kernels, +3 to +24 ms a step, the per-layer copies that one collective per "
@@ -334,13 +337,18 @@ READING = [
     "every hop of the flat step instead (`zj.Quantize()`, compiled for the one-sequence rows "
     "on 2 and 8 hosts, not in the tables) is slower still: its int8 gradient all-to-all over "
     "every GPU sends more across hosts than the ring's reduce-scatter (Llama-3-8B on 8 hosts: "
-    "8,115 against 5,189 MiB a GPU; 279 ms against the exact flat step's 199 at 3.2 Tb/s). "
+    "8,115 against 5,189 MiB a GPU; 282 ms against the exact flat step's 201 at 3.2 Tb/s). "
     "*Overlap across two links*: the re-gather and the gradient's reduce-scatter within the "
     "host and hybrid's all-reduce (or hpZ's reduce-scatter) across hosts are in flight "
-    "together in the backward loop, and each link's collectives hide only behind the matmuls "
-    "in their own windows; before this release the predictor let the hop across hosts hide "
-    "behind the matmuls of the re-gather's window too, which started earlier (up to 76 ms a "
-    "step on Llama-3-8B, 2 x 8, two sequences, 400 Gb/s). *Latency*: GSPMD's per-weight collectives each pay a "
+    "together in the backward loop. The step times here walk XLA:GPU's schedule "
+    "(`zero_jax.gpu.timeline`: every kernel on one stream, the collectives on a link sharing "
+    "it, the stream waiting at each done, matmuls alone hiding communication). The windows' "
+    "model they replace (`predict_scheduled`, still what names the most exposed collectives "
+    "below) kept, of collectives in flight together, the link that leaves the most exposed: "
+    "a lower bound where the waits on two links fall at different points. Walked, every "
+    "GSPMD step is the same to the microsecond and zero_jax's hybrid and hpZ steps are up to "
+    "4.3% longer (Llama-3-8B on 8 hosts, one sequence, hybrid at 3.2 Tb/s: 232 -> 242 ms). "
+    "*Latency*: GSPMD's per-weight collectives each pay a "
     "ring's (or for small all-reduces NCCL's tree's) latency across hosts, 2 us a step within "
     "a host and 6 us across (assumptions of NCCL's order, see `zero_jax.gpu.targets`): much of "
     "GSPMD's exposed time on GPT-2 small is latency, not bytes, so those ratios depend on "

@@ -6,8 +6,9 @@ memory formulas that prune it), `measure` (one candidate compiled for a target a
 `program` (what an HLO program does: loops, matmuls, memory-bound kernels, collectives),
 `links` (how long one collective takes on a target's links, within and across hosts),
 `predict` (how long a program takes on a target, and how much communication it leaves
-exposed: a prediction, not a measurement) and `schedule` (what XLA:GPU scheduled inside each
-async collective's window), `search` (how the planner ranks candidates and settles whether
+exposed: a prediction, not a measurement), `schedule` (what XLA:GPU scheduled inside each
+async collective's window) and `timeline` (the compiled schedule walked kernel by kernel, the
+links shared by the collectives on them), `search` (how the planner ranks candidates and settles whether
 anything fits), `plan` (`zero_jax.plan`: the fastest candidate that fits).
 """
 
