@@ -25,6 +25,7 @@ ENTRY main {{
   x = f32[50000] parameter(2)
   y = f32[25000] parameter(3)
   z = f32[300000] parameter(4)
+  v = f32[12500] parameter(5)
 {body}
 }}
 """
@@ -111,39 +112,56 @@ def test_compute_under_a_collective_is_slowed():
   assert timeline.simulate(short, slow).step == pytest.approx(1.05 * MS, rel=1e-9)
 
 
-LOOP_BODY = """
-body {
-  s = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) parameter(0)
+def loop_body(name: str, x: int) -> str:
+  """A loop body (and its condition, 3 trips) that gathers f32[x] across hosts (devices 3
+  and 4) around one DOT; its carry: (counter, p, q, the f32[x] operand)."""
+  carry = f"(s32[], f32[500,1000], f32[1000,1000], f32[{x}])"
+  return f"""
+{name} {{
+  s = {carry} parameter(0)
   p = f32[500,1000] get-tuple-element(s), index=1
   q = f32[1000,1000] get-tuple-element(s), index=2
-  x = f32[50000] get-tuple-element(s), index=3
-  a = (f32[50000], f32[100000]) all-gather-start(x), replica_groups={{3,4}}, dimensions={0}
-  d1 = f32[500,1000] dot(p, q), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  ad = f32[100000] all-gather-done(a)
+  x = f32[{x}] get-tuple-element(s), index=3
+  a = (f32[{x}], f32[{2 * x}]) all-gather-start(x), replica_groups={{{{3,4}}}}, dimensions={{0}}
+  d1 = {DOT}
+  ad = f32[{2 * x}] all-gather-done(a)
   i = s32[] get-tuple-element(s), index=0
-  ROOT r = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) tuple(i, d1, q, x)
-}
+  ROOT r = {carry} tuple(i, d1, q, x)
+}}
 
-cond {
-  s = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) parameter(0)
+cond {{
+  s = {carry} parameter(0)
   i = s32[] get-tuple-element(s), index=0
   n = s32[] constant(3)
   ROOT lt = pred[] compare(i, n), direction=LT
-}
+}}
 """
 
 
+def run_loop(x: str, size: int, before: str = "", after: str = "", out: str = "") -> str:
+  carry = f"(s32[], f32[500,1000], f32[1000,1000], f32[{size}])"
+  return program("\n".join(filter(None, [
+      before, "  i = s32[] constant(0)", f"  s = {carry} tuple(i, p, q, {x})",
+      f"  w = {carry} while(s), condition=cond, body=body, "
+      "backend_config={\"known_trip_count\":{\"n\":\"3\"}}", after,
+      f"  ROOT t = ({carry}{out}) tuple(w{', ad' if out else ''})"])), loop_body("body", size))
+
+
 def test_a_loop_runs_its_body_once_per_trip():
-  text = program("\n".join([
-      "  i = s32[] constant(0)",
-      "  s = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) tuple(i, p, q, x)",
-      "  ROOT w = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) while(s), condition=cond, "
-      "body=body, backend_config={\"known_trip_count\":{\"n\":\"3\"}}"]), LOOP_BODY)
-  t = timeline.simulate(text, DEV)
+  t = timeline.simulate(run_loop("x", 50000), DEV)
   (loop,) = t.loops
   assert (loop.name, loop.trips, loop.runs) == ("body", 3, 1)
-  assert loop.seconds == pytest.approx(2 * MS, rel=1e-9)  # d1, then the rest of A's 2 ms
+  assert loop.seconds == pytest.approx(2 * MS, rel=1e-9)  # d1, then the rest of its 2 ms
   assert t.step == pytest.approx(6 * MS, rel=1e-9) and t.compute == pytest.approx(3 * MS)
+
+
+def test_a_collective_around_a_loop_gets_only_the_link_time_the_loop_leaves():
+  # A (2 ms across hosts) is in flight over a loop of 3 iterations of 1 ms, each sending 0.5
+  # ms across hosts itself: A gets 3 - 1.5 ms of the link, and is waited for 0.5 ms more.
+  text = run_loop("v", 12500, ag(*A), done("a", 100000), ", f32[100000]")
+  t = timeline.simulate(text, DEV)
+  assert t.loops[0].seconds == pytest.approx(1 * MS, rel=1e-9)
+  assert t.step == pytest.approx(3.5 * MS, rel=1e-9)
 
 
 def test_without_collectives_the_step_is_predicts_compute():

@@ -10,10 +10,11 @@ XLA:GPU scheduled it, on the same figures (`zero_jax.gpu.links`, `compute_time`)
   (`zero_jax.gpu.predict.compute_time`), any other kernel its bytes
   (`zero_jax.gpu.program.kernel_bytes`) over HBM bandwidth (in a fused, compiled program);
   ``overlap_slowdown`` slower while a collective is in flight (`predict.overlapped`);
-- an async collective joins its link's queue when its start is reached (collectives on one
-  link run one after another, at the ring time `transfer_time` gives), and the stream waits at
-  its done until it has finished; a synchronous one waits for its link, then runs;
-- a loop runs its body's time once per trip (a body holds both halves of its collectives);
+- an async collective joins its link when its start is reached (the collectives on one link
+  share its bandwidth equally, each needing the ring time `transfer_time` gives), and the
+  stream waits at its done until it has finished; a synchronous one is waited for at once;
+- a loop runs its body's time once per trip (a body holds both halves of its collectives),
+  while collectives in flight around it progress only as its own leave their link idle;
   a conditional its slowest branch.
 
 Its ``compute`` is the sum of the kernels' times, `predict.predict`'s; the rest of ``step`` is
@@ -91,7 +92,7 @@ def simulate(hlo_text: str, device: Device, *, compute_efficiency: float = 1.0,
   comps = hlo._computations(hlo_text)  # pylint: disable=protected-access
   fused = re.search(r"\sfusion\(", hlo_text) is not None
   walk = _Walk(comps, device, compute_efficiency, link_efficiency, fused, memory_bound_hides)
-  seconds, compute = walk.run(entry.group(1), 1)
+  seconds, compute, _ = walk.run(entry.group(1), 1)
   return Timeline(seconds, compute, tuple(walk.loops))
 
 
@@ -126,10 +127,11 @@ class _Links:
         return wall
     return wall
 
-  def advance(self, seconds: float) -> None:
-    """``seconds`` of wall time pass: each link's collectives progress at their share."""
+  def advance(self, seconds: float, taken: dict | None = None) -> None:
+    """``seconds`` of wall time pass: each link's collectives progress at their share of
+    what ``taken`` (link -> seconds) leaves of it."""
     for link, jobs in self.jobs.items():
-      left = seconds
+      left = seconds - (taken or {}).get(link, 0.0)
       while jobs and left > 0:
         share = min(left, min(jobs.values()) * len(jobs))
         jobs = {n: x - share / len(jobs) for n, x in jobs.items()}
@@ -174,18 +176,34 @@ class _Walk:
       return 0.0, False
     return program.kernel_bytes(self.comps, ins, shapes) / self.device.hbm_bandwidth, False
 
-  def run(self, name: str, runs: int) -> tuple[float, float]:
-    """``(seconds, compute seconds)`` of one run of computation ``name``."""
+  def run(self, name: str, runs: int) -> tuple[float, float, dict]:
+    """``(seconds, compute seconds, {link: seconds of its collectives' ring time})`` of one
+    run of computation ``name``."""
     instrs = [i for i in map(hlo.parse_instruction, self.comps.get(name, [])) if i]
     starts = {w.name: w for w in schedule.windows(self.comps, name)}
     shapes: dict = {}
     now = compute = 0.0
     links = _Links()
+    used: dict = {}  # link -> ring seconds of the collectives of this run, nested ones included
+
+    def start(t: Transfer, collective: str) -> None:
+      link, seconds = self.link(t)
+      links.start(link, seconds, collective)
+      used[link] = used.get(link, 0.0) + seconds
 
     def wait(collective: str) -> float:
       seconds = links.until(collective)
       links.advance(seconds)
       return seconds
+
+    def nested(seconds: float, inner: float, busy: dict, times: int = 1) -> None:
+      """A loop or call ran: collectives in flight around it progress only while its own
+      leave their link idle."""
+      nonlocal now, compute
+      links.advance(times * seconds, {k: times * v for k, v in busy.items()})
+      for k, v in busy.items():
+        used[k] = used.get(k, 0.0) + times * v
+      now, compute = now + times * seconds, compute + times * inner
 
     for ins in instrs:
       schedule._shape_of(ins, shapes)  # pylint: disable=protected-access
@@ -193,27 +211,24 @@ class _Walk:
       branches = hlo._BRANCHES.search(ins.line)  # pylint: disable=protected-access
       if ins.name in starts:
         w = starts[ins.name]
-        links.start(*self.link(Transfer(w.op, float(w.nbytes), tuple(w.groups or ()))),
-                    ins.name)
+        start(Transfer(w.op, float(w.nbytes), tuple(w.groups or ())), ins.name)
       elif ins.op.endswith("-done") and ins.operands and ins.operands[0] in starts:
         now += wait(ins.operands[0])
       elif ins.op in schedule.COLLECTIVES:  # synchronous: shares its link, then the stream goes on
-        links.start(*self.link(Transfer(ins.op, float(_nbytes(ins.shape_text)),
-                                        tuple(replica_groups(ins.line) or ()))), ins.name)
+        start(Transfer(ins.op, float(_nbytes(ins.shape_text)),
+                       tuple(replica_groups(ins.line) or ())), ins.name)
         now += wait(ins.name)
       elif ins.op == "while" and body:
         trips = program._trips(self.comps, ins)  # pylint: disable=protected-access
-        seconds, inner = self.run(body.group(1), runs * trips)
+        seconds, inner, busy = self.run(body.group(1), runs * trips)
         self.loops.append(LoopRun(body.group(1), trips, runs, seconds, inner))
-        links.advance(trips * seconds)
-        now, compute = now + trips * seconds, compute + trips * inner
-      elif branches or ins.op == "call":
-        names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches \
-            else ins.called
-        got = [self.run(c, runs) for c in names] or [(0.0, 0.0)]
-        seconds, inner = max(got) if branches else tuple(map(sum, zip(*got)))
-        links.advance(seconds)
-        now, compute = now + seconds, compute + inner
+        nested(seconds, inner, busy, trips)
+      elif branches:  # the slowest branch
+        names = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+        nested(*max((self.run(c, runs) for c in names), key=lambda r: r[:2]))
+      elif ins.op == "call":
+        for c in ins.called:
+          nested(*self.run(c, runs))
       else:
         cost, matmul = self.kernel(ins, shapes)
         compute += cost
@@ -223,7 +238,7 @@ class _Walk:
           now += seconds
         else:  # the links make no progress meanwhile
           now += cost
-    return now + links.busy(), compute
+    return now + links.busy(), compute, used
 
   def link(self, t: Transfer) -> tuple[bool, float]:
     return crosses_hosts(t, self.device), transfer_time(t, self.device, self.link_efficiency)
