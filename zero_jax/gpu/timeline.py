@@ -1,4 +1,4 @@
-"""A step's time by walking the schedule XLA:GPU compiled: one stream of kernels, a queue a link.
+"""A step's time by walking the schedule XLA:GPU compiled: one stream of kernels, shared links.
 
 `zero_jax.gpu.predict.predict_scheduled` hides each group of collectives in flight together
 behind the matmuls of their own windows, link by link, and keeps the link that leaves the most
@@ -78,8 +78,8 @@ def simulate(hlo_text: str, device: Device, *, compute_efficiency: float = 1.0,
     compute_efficiency: the fraction of the matmuls' roofline your kernels reach.
     link_efficiency: the fraction of the links' bandwidth your collectives reach.
     memory_bound_hides: whether collectives progress during the kernels that are not
-      matmuls (they do, but contend for HBM with NCCL's copies). False: every link's queue
-      waits while one runs, so only matmuls hide communication, as in
+      matmuls (they do, but contend for HBM with NCCL's copies). False: every link pauses
+      while one runs, so only matmuls hide communication, as in
       `zero_jax.gpu.predict.predict_scheduled`.
 
   Returns:
