@@ -114,7 +114,7 @@ def predict_run(run: Published) -> dict:
   text = compiled.as_text()
   device = measure.device_for(target, 8, "bf16")
   r = measure.read(compiled, device, 1)
-  scheduled = timeline.simulate(text, device, memory_bound_hides=False).step
+  scheduled = timeline.simulate(text, device).step
   program = predict.analyze(text)
   attention = "$fmha" in text
   return {"peak": r.memory.peak, "card": target.memory_bytes, "step_s": r.step_s,

@@ -134,7 +134,7 @@ def read(text: str, gpu: str, layers: int) -> dict:
   windows = [w for l in scheduled for w in l.windows]
   prediction = predict.predict(program, device)
   compute = prediction.compute
-  step = timeline.simulate(text, device, memory_bound_hides=False).step
+  step = timeline.simulate(text, device).step
   return {
       "intra": intra, "cross": cross, "memory_s": prediction.elementwise,
       **dict(zip(("loop_memory_bytes", "loop_layers"), layer_loops(program, layers))),

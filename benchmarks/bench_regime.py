@@ -106,7 +106,7 @@ def read_all(text: str) -> dict:
       where = "outside loops" if loop.name == "ENTRY" else f"in a loop of {loop.trips}"
       windows += [(where, w.op, w.nbytes / MiB, 1e3 * w.exposed * loop.trips * loop.runs)
                   for w in loop.windows]
-    step = timeline.simulate(text, device, memory_bound_hides=False).step
+    step = timeline.simulate(text, device).step
     out[str(gbps)] = {"intra": intra, "cross": cross, "memory_s": prediction.elementwise,
                       "compute_s": prediction.compute, "exposed_s": step - prediction.compute,
                       "step_s": step,

@@ -93,10 +93,10 @@ twice {
 
 def test_only_matmuls_hide_communication_unless_told_otherwise():
   e = 2 * 1.2e6 / 1e11  # 0.024 ms
-  hides = timeline.simulate(ELEMENTWISE, DEV)
+  hides = timeline.simulate(ELEMENTWISE, DEV, memory_bound_hides=True)
   assert hides.compute == pytest.approx(e + MS, rel=1e-9)
   assert hides.step == pytest.approx(2 * MS, rel=1e-9)  # a (2 ms) hidden by both kernels
-  stalls = timeline.simulate(ELEMENTWISE, DEV, memory_bound_hides=False)
+  stalls = timeline.simulate(ELEMENTWISE, DEV)  # the default
   assert stalls.step == pytest.approx(e + 2 * MS, rel=1e-9)  # the link waits out e
 
 

@@ -26,7 +26,7 @@ def walked():
         compiler_options=measure.FAST_COMPILE).as_text()
     compute = predict.predict(predict.analyze(text), DEVICE).compute
     bound = compute + sum(l.step_exposed for l in predict.predict_scheduled(text, DEVICE))
-    out[system] = (timeline.simulate(text, DEVICE, memory_bound_hides=False), bound, compute)
+    out[system] = (timeline.simulate(text, DEVICE), bound, compute)
   return out
 
 

@@ -68,7 +68,7 @@ class Timeline(NamedTuple):
 
 
 def simulate(hlo_text: str, device: Device, *, compute_efficiency: float = 1.0,
-             link_efficiency: float = 1.0, memory_bound_hides: bool = True) -> Timeline:
+             link_efficiency: float = 1.0, memory_bound_hides: bool = False) -> Timeline:
   """The step's time on ``device``, walking the compiled program's schedule.
 
   Args:
@@ -78,9 +78,9 @@ def simulate(hlo_text: str, device: Device, *, compute_efficiency: float = 1.0,
     compute_efficiency: the fraction of the matmuls' roofline your kernels reach.
     link_efficiency: the fraction of the links' bandwidth your collectives reach.
     memory_bound_hides: whether collectives progress during the kernels that are not
-      matmuls (they do, but contend for HBM with NCCL's copies). False: every link pauses
-      while one runs, so only matmuls hide communication, as in
-      `zero_jax.gpu.predict.predict_scheduled`.
+      matmuls (they do, but contend for HBM with NCCL's copies). False (the default, and
+      what BENCHMARKS.md reads): every link pauses while one runs, so only matmuls hide
+      communication, as in `zero_jax.gpu.predict.predict_scheduled`.
 
   Returns:
     A `Timeline`.
