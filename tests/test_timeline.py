@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import zero_jax as zj
+
 from zero_jax.gpu import predict, timeline
 
 # No latency, every matmul at peak: times are bytes over bandwidth and flops over peak.
@@ -172,6 +174,8 @@ def test_without_collectives_the_step_is_predicts_compute():
   assert t.step == t.compute == pytest.approx(want, rel=1e-12) and want > 0
 
 
-def test_a_text_without_an_entry_computation_is_refused():
+def test_a_text_without_an_entry_computation_or_a_target_for_a_device_is_refused():
   with pytest.raises(ValueError, match="no ENTRY computation"):
     timeline.simulate("HloModule m\n", DEV)
+  with pytest.raises(TypeError, match="device_from_target"):
+    timeline.simulate(CHAIN, zj.gpu.H100)

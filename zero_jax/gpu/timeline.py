@@ -85,6 +85,10 @@ def simulate(hlo_text: str, device: Device, *, compute_efficiency: float = 1.0,
   Returns:
     A `Timeline`.
   """
+  if not isinstance(device, Device):
+    raise TypeError(f"device must be a zero_jax.gpu.predict.Device, got {type(device).__name__}"
+                    f" {getattr(device, 'name', device)!r}: for a target, pass "
+                    f"zero_jax.gpu.predict.device_from_target(target)")
   entry = _ENTRY.search(hlo_text)
   if entry is None:
     raise ValueError("no ENTRY computation in this text: pass a whole HLO module's text, "
