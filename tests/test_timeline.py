@@ -179,3 +179,41 @@ def test_a_text_without_an_entry_computation_or_a_target_for_a_device_is_refused
     timeline.simulate("HloModule m\n", DEV)
   with pytest.raises(TypeError, match="device_from_target"):
     timeline.simulate(CHAIN, zj.gpu.H100)
+
+
+def test_a_conditional_takes_its_slowest_branch_and_lists_only_its_loops():
+  # "fast": one DOT (1 ms); "slow": the loop, 3 iterations of 2 ms; "none": 1 iteration.
+  text = program("\n".join([
+      "  b = s32[] parameter(6)",
+      "  i = s32[] constant(0)",
+      "  s = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) tuple(i, p, q, x)",
+      "  ROOT c = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) conditional(b, s, s), "
+      "branch_computations={fast, slow}"]), loop_body("body", 50000) + """
+fast {
+  s = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) parameter(0)
+  i = s32[] get-tuple-element(s), index=0
+  p = f32[500,1000] get-tuple-element(s), index=1
+  q = f32[1000,1000] get-tuple-element(s), index=2
+  x = f32[50000] get-tuple-element(s), index=3
+  d = """ + DOT + """
+  ROOT r = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) tuple(i, d, q, x)
+}
+
+slow {
+  s = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) parameter(0)
+  ROOT w = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) while(s), condition=cond, """
+      """body=body, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+none {
+  s = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) parameter(0)
+  ROOT w = (s32[], f32[500,1000], f32[1000,1000], f32[50000]) while(s), condition=cond, """
+      """body=body, backend_config={"known_trip_count":{"n":"1"}}
+}
+""")
+  t = timeline.simulate(text, DEV)
+  assert t.step == pytest.approx(6 * MS, rel=1e-9)
+  assert [(l.name, l.trips) for l in t.loops] == [("body", 3)]
+  # "none" (2 ms) beside "fast" (1 ms): the loop's branch is the slowest again, its one trip
+  t = timeline.simulate(text.replace("{fast, slow}", "{none, fast}"), DEV)
+  assert t.step == pytest.approx(2 * MS, rel=1e-9) and [l.trips for l in t.loops] == [1]

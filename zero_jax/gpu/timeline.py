@@ -227,9 +227,15 @@ class _Walk:
         seconds, inner, busy = self.run(body.group(1), runs * trips)
         self.loops.append(LoopRun(body.group(1), trips, runs, seconds, inner))
         nested(seconds, inner, busy, trips)
-      elif branches:  # the slowest branch
-        names = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
-        nested(*max((self.run(c, runs) for c in names), key=lambda r: r[:2]))
+      elif branches:  # the slowest branch, and only its loops
+        got = []
+        for c in (b.strip().lstrip("%") for b in branches.group(1).split(",")):
+          first = len(self.loops)
+          got.append((self.run(c, runs), self.loops[first:]))
+          del self.loops[first:]
+        slowest, loops = max(got, key=lambda g: g[0][:2])
+        self.loops += loops
+        nested(*slowest)
       elif ins.op == "call":
         for c in ins.called:
           nested(*self.run(c, runs))
