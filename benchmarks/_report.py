@@ -37,14 +37,16 @@ def publish(name: str, markdown: str, *, write: bool) -> None:
     write_section(name, markdown)
 
 
-# How a predicted step time is labelled: the overlap model against published measurements
-# (BENCHMARKS.md "calibration": predicted/measured 1.22 against MaxText's Llama 2 7B on 8
-# H100s, 1.80-2.08 against torchtitan's Llama 3.1 8B).
-PREDICTED = ("PREDICTED by `zero_jax.gpu.predict` from the compiled program (what `zj.plan` "
-             "ranks by: matmuls at the card's measured efficiency, memory-bound kernels at HBM "
-             "bandwidth, compute under a collective slowed for NCCL's SMs, concurrent "
-             "collectives sharing the link), not measured; at least 1.2x optimistic: "
-             "predicted/measured 1.22 to 2.08 in the \"calibration\" section")
+# How a predicted step time is labelled: the compiled schedule walked, against published
+# measurements (BENCHMARKS.md "calibration": predicted/measured 1.23 against MaxText's Llama 2 7B
+# on 8 H100s, 1.81-2.09 against torchtitan's Llama 3.1 8B).
+PREDICTED = ("PREDICTED by walking the compiled program's schedule (`zero_jax.gpu.timeline`, "
+             "what `zj.plan` ranks by: matmuls at the card's measured efficiency, memory-bound "
+             "kernels at HBM bandwidth, one stream of kernels waiting at each collective's "
+             "done, concurrent collectives sharing the link, matmuls alone hiding "
+             "communication, compute under a collective slowed for NCCL's SMs), not measured; "
+             "at least 1.2x optimistic: predicted/measured 1.23 to 2.09 in the \"calibration\" "
+             "section")
 
 
 def attention_words(implementation: str, why: str) -> str:

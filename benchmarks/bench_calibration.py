@@ -5,9 +5,9 @@ policy zero_jax can compile for compile-only H100s (no GPU): the step is built a
 would run it (stage 3, stacked blocks under ``zj.scan(prefetch=1)``, bf16, AdamW, cuDNN
 flash attention through ``jax.nn.dot_product_attention(..., implementation="cudnn")``, the
 selective-checkpointing policy nearest the run's), compiled, and its step time predicted by
-`zero_jax.gpu.predict` on the card's figures (what ``zj.plan`` ranks by): the program model
-(`zero_jax.gpu.measure.read`, prefetch 1) and, beside it, XLA:GPU's own schedule walked
-kernel by kernel (`zero_jax.gpu.timeline`, only matmuls hiding communication). The ratio
+`zero_jax.gpu.predict` on the card's figures: the program model (`Prediction.step`, prefetch
+1) and, beside it, XLA:GPU's own schedule walked kernel by kernel (`zero_jax.gpu.timeline`,
+only matmuls hiding communication: what ``zj.plan`` ranks by, `zero_jax.gpu.measure.read`). The ratio
 predicted/measured says how far to trust the planner's times; a program that does not fit
 the card is marked so and given no ratio.
 
@@ -45,7 +45,7 @@ import optax  # noqa: E402
 import _lm  # noqa: E402
 import _report  # noqa: E402
 import zero_jax as zj  # noqa: E402
-from zero_jax.gpu import measure, predict, timeline  # noqa: E402
+from zero_jax.gpu import measure, predict  # noqa: E402
 
 GiB = 1 << 30
 CP = jax.checkpoint_policies
@@ -113,13 +113,13 @@ def predict_run(run: Published) -> dict:
   seconds = time.perf_counter() - t0
   text = compiled.as_text()
   device = measure.device_for(target, 8, "bf16")
-  r = measure.read(compiled, device, 1)
-  scheduled = timeline.simulate(text, device).step
+  r = measure.read(compiled, device)  # its step_s walks the schedule, as zj.plan ranks
   program = predict.analyze(text)
   attention = "$fmha" in text
-  return {"peak": r.memory.peak, "card": target.memory_bytes, "step_s": r.step_s,
+  return {"peak": r.memory.peak, "card": target.memory_bytes,
+          "step_s": predict.predict(program, device).step(1),
           "compute_s": r.compute_s, "elementwise_s": r.elementwise_s,
-          "scheduled_s": scheduled, "tflops": program.total_flops() / 1e12,
+          "scheduled_s": r.step_s, "tflops": program.total_flops() / 1e12,
           "cudnn_attention": attention, "compile_s": seconds}
 
 
@@ -140,7 +140,7 @@ READING = (
 def render(results: dict) -> str:
   lines = [
       "## calibration: the predictor beside published measured throughputs (8 H100s)", "",
-      "The overlap model (`zero_jax.gpu.predict`, what `zj.plan` ranks by) beside published "
+      "The overlap model (`zero_jax.gpu.predict`) beside published "
       "training throughputs measured on 8 H100s. Each run's step is compiled here as zero_jax "
       "runs it (stage 3, `zj.scan(prefetch=1)`, bf16, AdamW, cuDNN flash attention, the remat "
       "policy nearest the run's) for compile-only H100s with the run's card memory, and "
@@ -148,8 +148,9 @@ def render(results: dict) -> str:
       "measured table), compute 132/116 slower under a collective. **Predicted** tokens/s/GPU "
       "= tokens per GPU per step / predicted step; the ratio is predicted/measured (above 1: "
       "the model flatters). The last two columns walk XLA:GPU's schedule instead "
-      "(`zero_jax.gpu.timeline`, matmuls alone hiding communication), as the \"peer\" and "
-      "\"regime\" sections' step times do. The software differs (PyTorch FSDP2, MaxText with Transformer "
+      "(`zero_jax.gpu.timeline`, matmuls alone hiding communication), as `zj.plan` ranks "
+      "its candidates and the \"peer\", \"regime\", \"plan\" and \"scale\" sections' step "
+      "times do. The software differs (PyTorch FSDP2, MaxText with Transformer "
       "Engine), so the ratio bounds what the model leaves out, not zero_jax's speed. "
       "`benchmarks/bench_calibration.py`.",
       "",

@@ -10,8 +10,8 @@ message: `_lm.fused_attention`) it compiles the training step for compile-only H
 state, master copy) against the arguments less the batch, and the gradients plus the
 prefetch buffers against the temporaries (which also hold the activations, which
 `memory_report` does not count). Beside them, whether the program fits what `zj.plan`
-allows a device and, where it does, the step time `zero_jax.gpu.predict` predicts from it
-(what `zj.plan` ranks by; a prediction, not a measurement). Needs JAX's CUDA plugin.
+allows a device and, where it does, the step time predicted by walking its schedule
+(`zero_jax.gpu.timeline`, what `zj.plan` ranks by; a prediction, not a measurement). Needs JAX's CUDA plugin.
 
 Usage: ``python benchmarks/bench_gpu_compile.py [--quick] [--no-write]``.
 """
@@ -98,7 +98,7 @@ def measure(args, attention: str) -> dict:
           "arg": m.argument_size_in_bytes, "out": m.output_size_in_bytes,
           "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
           "batch": batch_bytes, "row": row, "seconds": seconds,
-          "step": gpu_measure.read(compiled, device, 1).step_s}
+          "step": gpu_measure.read(compiled, device).step_s}
       print(f"{cfg.name:12s} {name:20s} compiled in {seconds:.0f} s", flush=True)
   return out
 

@@ -9,8 +9,9 @@ taking zj.scan's ``prefetch`` and ``policy``, attention by cuDNN's fused kernel 
 compiles here, else written out and said: `_lm.fused_attention`) and reports the best
 candidate's bytes per device (XLA's memory analysis of the GPU-compiled program), the bytes
 each device sends across hosts and within its host per step (read from the program's
-collectives) and its PREDICTED step time (`zero_jax.gpu.predict` on the H100's figures, what
-the plan ranks by; not a measurement: see BENCHMARKS.md "calibration").
+collectives) and its PREDICTED step time (the compiled schedule walked by
+`zero_jax.gpu.timeline` on the H100's figures, what the plan ranks by; not a measurement: see
+BENCHMARKS.md "calibration").
 
 Whether the best is the fastest fitting program, by the plan's own prediction: besides the
 plan's candidates, each layout it compiled is compiled at the best's remat policy where the
@@ -68,7 +69,7 @@ def compile_one(plan, opts: dict, init, batch) -> dict:
   compiled = step.lower(step.abstract_state(init), batch).compile(
       compiler_options=measure.FAST_COMPILE)
   device = measure.device_for(plan.target, PER_HOST, plan.fixed.get("precision", "fp32"))
-  r = measure.read(compiled, device, opts.get("prefetch"))
+  r = measure.read(compiled, device)
   return {"name": "", "bytes": r.memory.peak, "cross": r.cross_bytes, "intra": r.intra_bytes,
           "step": r.step_s, "compute": r.compute_s, "fits": r.memory.peak <= plan.hbm}
 

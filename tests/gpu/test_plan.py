@@ -80,6 +80,43 @@ def test_the_plan_ranks_fitting_candidates_by_predicted_time_and_prints_them(roo
   assert roomy.best.options["mesh"].axis_names == ("hosts", "data")
 
 
+def test_a_candidates_time_is_its_compiled_schedule_walked(roomy):
+  # The plan ranks by `zero_jax.gpu.timeline` on each compiled program (rel 1e-9: the same
+  # program on the same figures, float sums in another order at most).
+  from zero_jax.gpu import timeline
+  device = measure.device_for(roomy.target, 2, "bf16")
+  for c in roomy.candidates:
+    opts = {**{k: v for k, v in c.options.items() if k not in FIXED and k != "mesh"},
+            "prefetch": c.prefetch}
+    step = measure.build_step(loss_fn, optax.adamw(1e-3), opts, c.options["mesh"], FIXED)
+    walked = timeline.simulate(step.lower(step.abstract_state(init), BATCH).compile(
+        compiler_options=measure.FAST_COMPILE).as_text(), device)
+    assert c.step_time_s == pytest.approx(walked.step, rel=1e-9), c.name
+    assert c.compute_s == pytest.approx(walked.compute, rel=1e-9), c.name
+
+
+def test_a_compiled_reading_walks_the_schedule_not_the_per_loop_model():
+  # Hybrid ZeRO-3 with prefetch 1 on 2 x 8 H100s, 4 layers of 256: `predict`'s per-loop model
+  # adds the gather and the cross-host reduce of a layer on one stream, the walk puts them on
+  # their own links; the reading is the walk's.
+  from zero_jax.gpu import predict, timeline
+  d, layers = 256, 4
+  params = {"embed": jax.ShapeDtypeStruct((VOCAB, d), jnp.float32),
+            "blocks": {"w": jax.ShapeDtypeStruct((layers, d, d), jnp.float32),
+                       "b": jax.ShapeDtypeStruct((layers, d), jnp.float32)}}
+  mesh = zj.compile_only_mesh((2, 8), ("hosts", "data"), gpu="h100", hosts=2)
+  opts = {"stage": 3, "axis_name": "data", "replica_axis": "hosts", "prefetch": 1}
+  step = measure.build_step(loss_fn, optax.adamw(1e-3), opts, mesh, FIXED)
+  batch = {"tokens": jax.ShapeDtypeStruct((64, 129), jnp.int32)}
+  compiled = step.lower(step.abstract_state(params), batch).compile(
+      compiler_options=measure.FAST_COMPILE)
+  device = measure.device_for(zj.gpu.H100, 8, "bf16")
+  r, text = measure.read(compiled, device), compiled.as_text()
+  assert r.step_s == pytest.approx(timeline.simulate(text, device).step, rel=1e-9)
+  per_loop = predict.predict(predict.analyze(text), device).step(1)
+  assert abs(r.step_s - per_loop) > 0.02 * per_loop, (r.step_s, per_loop)
+
+
 def test_pruned_candidates_really_exceed_the_budget_and_misfits_do_too(roomy):
   # A budget between the state of stage 2 (pruned) and of stage 3 (kept) on this model.
   mesh = roomy.best.options["mesh"]
@@ -183,7 +220,7 @@ def test_a_policy_losss_best_is_never_slower_than_its_layout_under_a_policy_that
     opts = {"stage": 3, "axis_name": "data", "policy": policy}
     step = measure.build_step(policy_loss, optax.adamw(1e-3), opts, mesh, FIXED)
     lowered = step.lower(step.abstract_state(init), BATCH)
-    r = measure.read(lowered.compile(compiler_options=measure.FAST_COMPILE), device, None)
+    r = measure.read(lowered.compile(compiler_options=measure.FAST_COMPILE), device)
     mine = next(c for c in plan.candidates if c.policy is policy)
     # The same program on the same figures: the plan's numbers are its programs' (rel 1e-9:
     # float sums in another order at most).

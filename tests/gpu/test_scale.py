@@ -40,7 +40,7 @@ def sent_across(hosts: int, **opts) -> float:
                             mesh, FIXED)
   compiled = step.lower(step.abstract_state(init), batch(hosts)).compile(
       compiler_options=measure.FAST_COMPILE)
-  return measure.read(compiled, measure.device_for(zj.gpu.H100, 8, "bf16"), 1).cross_bytes
+  return measure.read(compiled, measure.device_for(zj.gpu.H100, 8, "bf16")).cross_bytes
 
 
 def test_a_plan_for_32_hosts_of_8_gpus_answers_with_a_candidate_that_fits():

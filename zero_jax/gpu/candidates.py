@@ -374,8 +374,8 @@ class Candidate:
       outputs not aliased to them + temporaries (XLA's ``memory_analysis()``).
     host_bytes: bytes kept in pinned host memory (``offload="optimizer"``), by the formulas.
     hbm: the budget ``fits`` compares with.
-    step_time_s: PREDICTED seconds per step (`zero_jax.gpu.predict` on the target's figures),
-      an offloaded state's PCIe copies included.
+    step_time_s: PREDICTED seconds per step: the compiled program's schedule walked on the
+      target's figures (`zero_jax.gpu.timeline`), an offloaded state's PCIe copies included.
     compute_s: PREDICTED compute seconds per step: matmuls, and the bytes the other kernels
       move over HBM bandwidth (``elementwise_s`` of it).
     intra_bytes: bytes each device sends per step within its host (from the program).

@@ -5,9 +5,11 @@ loss's ``prefetch`` and ``policy`` keywords); `estimate` predicts a lowered prog
 (to rank candidates before compiling them: matmuls and communication, plus an offloaded
 state's host copies; the lowered program is not fused, so its elementwise work is left out);
 `read` takes the GPU-compiled program's memory (XLA's ``memory_analysis()``) and, from its
-text, the step time `zero_jax.gpu.predict` predicts (matmuls, memory-bound kernels and
-exposed communication) and the bytes each device sends within and across hosts. Times are
-predictions (the overlap model on the target's published figures), never measurements.
+text, its compute (`zero_jax.gpu.predict`: matmuls and memory-bound kernels), its step time
+walked along the schedule XLA:GPU compiled (`zero_jax.gpu.timeline`: the kernels on one
+stream, the collectives in flight sharing their links, the stream waiting at each done) and
+the bytes each device sends within and across hosts. Times are predictions (on the target's
+published figures), never measurements.
 
 Example (on the 8 CPU devices here; `zero_jax.compile_only_mesh` gives the GPU's program):
   >>> import jax, jax.numpy as jnp, optax
@@ -17,7 +19,7 @@ Example (on the 8 CPU devices here; `zero_jax.compile_only_mesh` gives the GPU's
   ...                           {"stage": 2}, mesh, {})
   >>> params = {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32)}
   >>> lowered = step.lower(step.abstract_state(params), jax.ShapeDtypeStruct((16, 64), jnp.float32))
-  >>> r = measure.read(lowered.compile(), measure.device_for(targets.H100, 8, "fp32"), None)
+  >>> r = measure.read(lowered.compile(), measure.device_for(targets.H100, 8, "fp32"))
   >>> r.memory.argument >= 64 * 32 * 4, r.step_s > r.compute_s > 0
   (True, True)
 """
@@ -31,7 +33,7 @@ from typing import NamedTuple
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from zero_jax.gpu import links, predict
+from zero_jax.gpu import links, predict, timeline
 from zero_jax.gpu.program import combined
 from zero_jax.gpu.targets import Target
 from zero_jax.step.memory import CompiledMemory
@@ -55,7 +57,8 @@ class Reading(NamedTuple):
     memory: XLA's memory analysis of the program, per device.
     compute_s: predicted compute time of one step (the program's matmul flops at the target's
       peak, plus its other kernels' bytes over HBM bandwidth).
-    step_s: predicted step time (compute plus exposed communication).
+    step_s: predicted step time: the schedule walked (`zero_jax.gpu.timeline`), compute plus
+      the waits for collectives and the kernels' slowdown under them.
     intra_bytes: bytes each device sends per step to devices of its own host.
     cross_bytes: bytes each device sends per step across hosts.
     elementwise_s: the part of ``compute_s`` the memory-bound kernels take.
@@ -159,10 +162,12 @@ def memory_of(compiled) -> CompiledMemory:
                         int(s.generated_code_size_in_bytes))
 
 
-def read(compiled, device: predict.Device, prefetch) -> Reading:
-  """A compiled program's memory, its predicted step time and the bytes it sends."""
-  program = predict.analyze(compiled.as_text())
+def read(compiled, device: predict.Device) -> Reading:
+  """A compiled program's memory, its predicted step time (its schedule walked by
+  `zero_jax.gpu.timeline.simulate`, what ``zj.plan`` ranks by) and the bytes it sends."""
+  text = compiled.as_text()
+  program = predict.analyze(text)
   p = predict.predict(program, device)
   intra, cross = sent_bytes(program, device)
-  return Reading(memory_of(compiled), p.compute, p.step(prefetch or 0), intra, cross,
-                 p.elementwise)
+  step = timeline.simulate(text, device).step
+  return Reading(memory_of(compiled), p.compute, step, intra, cross, p.elementwise)

@@ -6,7 +6,7 @@ cluster's shape and the memory formulas (`zero_jax.gpu.candidates`) -> each plau
 candidate lowered and its step time estimated, the most promising compiled for the target in
 parallel threads (with a loss taking ``policy``, the most promising layout with each remat
 policy: only the compiled program shows what a policy saves) (`zero_jax.gpu.search`, `zero_jax.gpu.measure`) -> XLA's memory analysis and
-the overlap model's prediction read from each GPU-compiled program (`zero_jax.gpu.predict`)
+the step time predicted by walking each GPU-compiled program's schedule (`zero_jax.gpu.timeline`)
 -> the fastest candidate that fits. Where none of those fits, they are compiled again with a
 leaner remat policy (when the loss takes ``policy``), then the leanest candidate's fallbacks
 (prefetch 0, leaner remat policies, micro-batches, offload) settle whether anything fits,
@@ -159,7 +159,7 @@ class Plan:
             f"device; {len(self.candidates)} compiled, {len(self.ranked_out)} ranked out by "
             f"predicted time, {len(self.pruned)} pruned by the memory formulas, "
             f"{len(self.skipped)} skipped, {len(self.refused)} refused; "
-            f"{self.seconds['total']:.0f} s. Times are PREDICTIONS (overlap model, {t.key} "
+            f"{self.seconds['total']:.0f} s. Times are PREDICTIONS (schedule walked, {t.key} "
             f"figures), bytes from the GPU-compiled programs."
             + (" LOSSY: quantized communication, not the exact math of a single-device step."
                if any(c.lossy for c in self.candidates) else ""))

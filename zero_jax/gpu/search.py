@@ -118,7 +118,7 @@ class Search:
     t0 = time.perf_counter()
     compiled = lowered.compile(compiler_options=measure.FAST_COMPILE)
     self.compile_s += time.perf_counter() - t0
-    r = measure.read(compiled, self.device, opts.get("prefetch"))
+    r = measure.read(compiled, self.device)
     log.info("zj.plan: compiled %s in %.0f s: %.3g GiB per device, predicted %.3g ms "
              "(%.0f s so far)", cands.describe(opts), time.perf_counter() - t0,
              r.memory.peak / 2**30, r.step_s * 1e3, time.perf_counter() - self.t0)
