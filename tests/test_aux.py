@@ -124,3 +124,15 @@ def test_per_example_aux_on_auto_meshes_and_inside_set_mesh(kind):
     state, m = step(state, b)
   assert_tree_close(m["aux"], loss_aux(init_params(), b)[1], rtol=1e-5, atol=1e-6)
   assert m["aux"]["logits"].sharding.spec[0] == "data"
+
+
+def test_a_loss_without_aux_under_has_aux_is_named_by_what_it_returned(mesh):
+  """has_aux=True with a loss returning one array: the message says what it returned as the
+  user wrote it (shape and dtype), not the tracer JAX wraps it in."""
+  step = zj.make_sharded_train_step(lambda p, b: jnp.mean((b @ p) ** 2), optax.sgd(0.1),
+                                    mesh=mesh, has_aux=True)
+  state = step.init(jnp.ones((3, 2)))
+  with pytest.raises(TypeError, match=r"loss_fn must return \(loss, aux\) \(has_aux=True, "
+                                      r"model state not given to init\); it returned one "
+                                      r"array of shape \(\) float32\."):
+    step(state, np.ones((8, 3), np.float32))

@@ -620,6 +620,31 @@ def test_save_replaces_a_damaged_checkpoint_of_its_step(two_steps, steps, tmp_pa
     np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
+def test_a_save_over_a_step_the_rolled_back_run_wrote_warns_and_force_replaces(
+    two_steps, steps, tmp_path):
+  """Restoring step 1 while step 2 is on disk rolls the run back; its own step 2 then meets
+  the abandoned run's. save keeps that one (returns False), as for any existing step, and
+  warns that it is not this state; force=True replaces it. Resuming from the newest
+  checkpoint and saving its step again is no rollback: no warning."""
+  src, saved = two_steps
+  step = steps["adam4"]
+  with zj.CheckpointManager(_copy(src, tmp_path / "ckpt"), max_to_keep=None) as mngr:
+    state = mngr.restore(step, init_params(), step=1)
+    state, _ = step(state, BATCHES[3])  # another batch than the abandoned run's step 2
+    with pytest.warns(UserWarning, match=r"the checkpoint of step 2 .* is from before this "
+                                         r"run restored step 1.*force=True"):
+      assert not mngr.save(state)
+    mine = logical(step, state)
+    assert mngr.save(state, force=True)
+    got = logical(step, mngr.restore(step, init_params(), step=2))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      assert not mngr.save(mngr.restore(step, init_params()))  # the newest: no rollback
+  assert any(not np.array_equal(v, saved[2][k]) for k, v in mine.items())  # another state
+  for k, v in mine.items():
+    np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
 _SAVE_AND_EXIT = r"""
 import sys, jax, numpy as np, optax
 jax.config.update("jax_num_cpu_devices", 8)

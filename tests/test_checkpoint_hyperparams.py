@@ -26,6 +26,7 @@ with lr_max the larger learning rate (3e-5 for lr_max 1).
 """
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -207,3 +208,64 @@ def test_a_checkpoint_recording_the_older_signature_restores_and_says_how_to_cha
     assert mngr.save(state, force=True)
     mngr.wait_until_finished()
     assert int(mngr.restore(make(optax.adam(0.5)), params()).step) == 1
+
+
+def _continue(step, state, first, n=STEPS_AFTER):
+  for i in range(first, first + n):
+    state, _ = step(state, batch(i))
+  return state
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("choice", [None, "step"])
+def test_a_bf16_step_restores_its_own_hyperparameters_in_float32(tmp_path, stage, choice):
+  """Under ``precision="bf16"`` the optimizer is initialized on the float32 master copy, so
+  ``inject_hyperparams`` keeps its values in float32. Restoring into the same step finds
+  nothing to reconcile: no warning, and ``hyperparams="step"`` keeps 0.999, not its bfloat16
+  rounding 1.0 (which made Adam's second moment never decay). The run then continues as the
+  uninterrupted one, bit for bit: the same compiled step on the same state values."""
+  make = lambda: zj.make_sharded_train_step(
+      loss_fn, optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2), mesh=_mesh(),
+      stage=stage, precision="bf16")
+  step = make()
+  state = _continue(step, step.init(params()), 0, STEPS_BEFORE)
+  with zj.CheckpointManager(tmp_path, async_save=False) as mngr:
+    mngr.save(state)
+    new = make()
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # nothing differs: nothing to warn about
+      restored = mngr.restore(new, params(), **({} if choice is None else
+                                                 {"hyperparams": choice}))
+  saved, got = state.opt_state.hyperparams, restored.opt_state.hyperparams
+  assert {k: (v.dtype, float(v)) for k, v in got.items()} == \
+      {k: (v.dtype, float(v)) for k, v in saved.items()}
+  assert got["b2"].dtype == jnp.float32 and float(got["b2"]) == np.float32(0.999)
+  want = step.get_params(_continue(step, state, STEPS_BEFORE))
+  np.testing.assert_array_equal(np.asarray(new.get_params(_continue(new, restored,
+                                                                    STEPS_BEFORE))["w"]),
+                                np.asarray(want["w"]))
+
+
+@pytest.mark.parametrize("choice", [None, "step"])
+def test_a_scheduled_hyperparameter_is_the_schedules_not_a_difference(tmp_path, choice):
+  """A schedule recomputes its value from its own step count at every update: its value in
+  the saved state differs from the fresh optimizer's (the schedule at step 0) on every
+  resume, which is no difference to warn about, and ``hyperparams="step"`` leaves it as
+  saved (the step's constant hyperparameters are still taken)."""
+  sched = optax.linear_schedule(0.1, 0.01, 10)
+  make = lambda b1: zj.make_sharded_train_step(
+      loss_fn, optax.inject_hyperparams(optax.adam)(learning_rate=sched, b1=b1), mesh=_mesh())
+  step = make(0.9)
+  state = _continue(step, step.init(params()), 0, STEPS_BEFORE)
+  assert float(state.opt_state.hyperparams["learning_rate"]) != np.float32(0.1)
+  with zj.CheckpointManager(tmp_path, async_save=False) as mngr:
+    mngr.save(state)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      same = mngr.restore(make(0.9), params(), **({} if choice is None else
+                                                   {"hyperparams": choice}))
+    other = mngr.restore(make(0.5), params(), hyperparams="step")
+  for restored in (same, other):
+    assert float(restored.opt_state.hyperparams["learning_rate"]) == \
+        float(state.opt_state.hyperparams["learning_rate"])
+  assert float(other.opt_state.hyperparams["b1"]) == np.float32(0.5)

@@ -40,7 +40,8 @@ def _hp_nodes(opt_state) -> list:
 
 def _fresh(optimizer, params) -> list:
   """The step optimizer's initial ``inject_hyperparams`` states, from one-element params
-  (hyperparameters do not depend on the parameters' shapes)."""
+  (hyperparameters do not depend on the parameters' shapes, but take their dtype from the
+  params': give ``params`` in the dtypes the step's optimizer is initialized on)."""
   tiny = jax.tree.map(lambda x: jnp.zeros((1,) * len(np.shape(x)), x.dtype), params)
   try:
     return _hp_nodes(optimizer.init(tiny))
@@ -48,10 +49,18 @@ def _fresh(optimizer, params) -> list:
     return []
 
 
+def _scheduled(node) -> set:
+  """The hyperparameters a schedule recomputes from its own state at every update (their
+  value in ``hyperparams`` is the last one computed, never read)."""
+  return set(getattr(node, "hyperparams_states", None) or ())
+
+
 def _differences(restored: list, fresh: list) -> list[tuple[int, str, float, float]]:
   out = []
   for n, (r, f) in enumerate(zip(restored, fresh)):
     for k, v in f.hyperparams.items():
+      if k in _scheduled(f):
+        continue
       saved = np.asarray(jax.device_get(r.hyperparams.get(k)))
       if saved.shape == np.shape(v) and not np.array_equal(saved, np.asarray(v)):
         out.append((n, k, saved.item() if saved.size == 1 else saved, np.asarray(v).item()))
@@ -64,7 +73,9 @@ def reconcile(opt_state, optimizer, params, choice, where: str):
   Args:
     opt_state: the restored optimizer state.
     optimizer: the step's optax transformation (as masked for frozen leaves).
-    params: the parameters' tree (shapes only are used).
+    params: the parameters' tree as the step's optimizer is initialized on it (shapes and
+      dtypes: float32 for the leaves a bf16 or fp16 policy trains from a float32 master;
+      `zero_jax.step.state.optimizer_view`).
     choice: None (keep the checkpoint's values and warn where they differ from
       the step's), ``"checkpoint"`` (keep them, silently) or ``"step"`` (take
       the step optimizer's initial values).
@@ -85,7 +96,7 @@ def reconcile(opt_state, optimizer, params, choice, where: str):
         f"{where} was saved with other optax.inject_hyperparams values than this step's "
         f"optimizer starts with ({listing}). inject_hyperparams reads a constant "
         f"hyperparameter from the optimizer state, so the checkpoint's values are in force "
-        f"(a schedule recomputes its value from the step count, and then this is expected). "
+        f"(a scheduled one is recomputed from its own step count, and not compared). "
         f"Pass restore(..., hyperparams='step') to use the step's values, or "
         f"hyperparams='checkpoint' to keep the saved ones without this warning.", stacklevel=3)
     return opt_state
@@ -94,7 +105,9 @@ def reconcile(opt_state, optimizer, params, choice, where: str):
   def take_step(node):
     if not _is_hp_state(node) or id(node) not in swap:
       return node
-    hps = {k: jax.device_put(jnp.asarray(swap[id(node)].hyperparams[k], v.dtype), v.sharding)
+    fresh_node = swap[id(node)]
+    hps = {k: v if k in _scheduled(fresh_node) else
+           jax.device_put(jnp.asarray(fresh_node.hyperparams[k], v.dtype), v.sharding)
            for k, v in node.hyperparams.items()}
     return node._replace(hyperparams=hps)
   return jax.tree.map(take_step, opt_state, is_leaf=_is_hp_state)

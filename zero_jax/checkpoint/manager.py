@@ -35,8 +35,8 @@ from zero_jax.checkpoint.integrity import (  # noqa: F401  (re-exported)
 from zero_jax.checkpoint.writer import DirectoryInUseError  # noqa: F401  (re-exported)
 from zero_jax.processes.distributed import all_processes_agree
 from zero_jax.step.signature import optimizer_signature
-from zero_jax.step.state import masked_optimizer
-from zero_jax.step.state_checks import check_alive
+from zero_jax.step.state import masked_optimizer, optimizer_view
+from zero_jax.step.state_checks import check_alive, check_concrete
 from zero_jax.step.train_step import ShardedTrainStep, TrainState
 
 _READ_ERRORS = store_lib.READ_ERRORS
@@ -108,6 +108,7 @@ class CheckpointManager:
     self._claimed = self._closed = False
     self._pending: int | None = None  # the step of a save that may still be writing
     self._unreadable: dict[int, str] = {}  # steps whose arrays failed to read, and how
+    self._rolled_back: int | None = None  # a step restored while later ones were on disk
     local = writer.is_local(self.directory)
     store = store or store_lib.OrbaxStore
     if local:
@@ -210,6 +211,7 @@ class CheckpointManager:
       raise TypeError(f"save needs the TrainState returned by step.init or step(...), got "
                       f"{type(state).__name__}.")
     check_alive(state, "CheckpointManager.save")
+    check_concrete(state, "CheckpointManager.save")
     self._check_open("save")
     monitor.deliver()  # what the steps before this save went through, before it is kept
     step = int(state.step)
@@ -220,6 +222,7 @@ class CheckpointManager:
     if (self.directory / str(step)).exists():
       problem = self._problem(step)
       if problem is None and not force:
+        self._warn_if_rolled_back(step)
         return False
       if problem is not None:
         warnings.warn(f"replacing the damaged checkpoint of step {step} in {self.directory} "
@@ -237,6 +240,16 @@ class CheckpointManager:
       self._lost(e)
     self._pending = step if started else None
     return started
+
+  def _warn_if_rolled_back(self, step: int) -> None:
+    """A save skipped over a checkpoint that the run this manager restored from had written
+    after the restored step: it is the abandoned run's, not this state's."""
+    if self._rolled_back is not None and step > self._rolled_back:
+      warnings.warn(
+          f"the checkpoint of step {step} in {self.directory} is from before this run "
+          f"restored step {self._rolled_back}, so this save kept it and wrote nothing (save "
+          f"returned False): the step-{step} checkpoint is the abandoned run's. Pass "
+          f"save(state, force=True) to replace it.", stacklevel=3)
 
   def _check_open(self, what: str) -> None:
     if self._closed:
@@ -342,13 +355,15 @@ class CheckpointManager:
       if problem is None:
         opt = masked_optimizer(_step_optimizer(train_step), jax.tree.structure(target.params),
                                state.meta.trainable)
+        seen = optimizer_view(train_step.spec, target.meta, target.params)  # the init's dtypes
         state = whole_leaf.into_step(state.replace(  # the plain form read, moved home
-            opt_state=hyperparams_lib.reconcile(state.opt_state, opt, target.params,
-                                                hyperparams, f"the checkpoint of step {s} in "
+            opt_state=hyperparams_lib.reconcile(state.opt_state, opt, seen, hyperparams,
+                                                f"the checkpoint of step {s} in "
                                                 f"{self.directory}"),
             loss_scale=hyperparams_lib.static_scale(state.loss_scale,
                                                     train_step.initial_loss_scale)), target)
         state = master_form.into_step(state, target)
+        self._rolled_back = s if any(t > s for t in self._step_dirs()) else None
         for d, why in damaged:
           warnings.warn(f"the checkpoint of step {d} in {self.directory} is damaged ({why}); "
                         f"restored step {s}, the newest intact one.", DamagedCheckpointWarning,

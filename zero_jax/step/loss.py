@@ -82,11 +82,20 @@ def split_output(out, has_aux: bool, has_ms: bool):
   if not (isinstance(out, (tuple, list)) and len(out) == n_out):
     raise TypeError(f"loss_fn must return {_expected(has_aux, has_ms)} (has_aux={has_aux}, "
                     f"model state {'given' if has_ms else 'not given'} to init); it "
-                    f"returned {type(out).__name__}"
-                    f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}.")
+                    f"returned {_described(out)}.")
   rest = list(out[1:])
   aux = rest.pop(0) if has_aux else None
   return out[0], aux, (rest.pop(0) if has_ms else None)
+
+
+def _described(out) -> str:
+  """What a loss returned, as the user wrote it: an array by shape and dtype (not the
+  tracer type JAX wraps it in), a tuple or list by length."""
+  if isinstance(out, (tuple, list)):
+    return f"a {type(out).__name__} of length {len(out)}"
+  if hasattr(out, "shape") and hasattr(out, "dtype"):
+    return f"one array of shape {tuple(out.shape)} {out.dtype}"
+  return f"a {type(out).__name__}"
 
 
 def _scalar(x, what: str):

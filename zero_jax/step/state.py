@@ -385,6 +385,16 @@ def init_state(spec: StepSpec, optimizer, meta: StateMeta, treedef, leaves, mode
                     loss_scale=loss_scale, model_state=model_state, rng=rng, meta=meta)
 
 
+def optimizer_view(spec: StepSpec, meta: StateMeta, params):
+  """``params`` (a state's, stored dtypes) as ``jax.ShapeDtypeStruct``s in the dtypes the
+  step's optimizer is initialized on (`init_state`): a trainable floating leaf under a bf16
+  or fp16 policy in float32 (`zero_jax.numerics.precision.optimizer_dtype`)."""
+  leaves, treedef = jax.tree.flatten(params)
+  return jax.tree.unflatten(treedef, [
+      jax.ShapeDtypeStruct(np.shape(x), prec.optimizer_dtype(spec.policy, x.dtype) if t
+                           else x.dtype) for x, t in zip(leaves, meta.trainable)])
+
+
 def _init_opt(optimizer, meta: StateMeta, treedef, src):
   """The optimizer state at ``init`` (logical views), as `opt_structure` describes it."""
   tree = jax.tree.unflatten(treedef, src)

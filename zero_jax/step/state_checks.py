@@ -15,6 +15,17 @@ from zero_jax.step.spec import StepSpec
 from zero_jax.step.state import StateMeta, TrainState, build_meta, logical_params
 
 
+def check_concrete(state, what: str) -> None:
+  """Raises if ``state`` is abstract (`ShardedTrainStep.abstract_state`: shapes only), where
+  ``what`` needs values."""
+  if isinstance(getattr(state, "step", None), jax.ShapeDtypeStruct):
+    raise TypeError(
+        f"{what} got an abstract TrainState (step.abstract_state: shapes and shardings, no "
+        f"values), which is for step.lower(state, batch) and for CheckpointManager.restore "
+        f"to read into. Make one with values: step.init(params), or mngr.restore(step, "
+        f"params_like).")
+
+
 def check_alive(state, what: str) -> None:
   """Raises if ``state`` was donated to a step already (its buffers are gone)."""
   step = getattr(state, "step", None)
@@ -35,7 +46,10 @@ def _differences(mine: StateMeta, theirs: StateMeta, paths) -> list[str]:
            "model axes (name, size)", "optimizer", "offload"]
   for name, a, b in zip(names, mine.signature, theirs.signature):
     if a != b:
-      out.append(f"{name}: the state's {b!r}, this step's {a!r}")
+      out.append(f"{name}: the state's {b!r}, this step's {a!r}" + (
+          " (the update rules differ where the states' types agree, as adam's, nadam's, "
+          "radam's and yogi's do: make the step with the state's optimizer)"
+          if name == "optimizer" else ""))
   for what, a, b in (("trainable", mine.trainable, theirs.trainable),
                      ("stacked", mine.stacked, theirs.stacked),
                      ("lookup", mine.lookup or (False,) * len(paths),
@@ -77,7 +91,7 @@ def check_meta(expected: StateMeta, state_meta: StateMeta, paths) -> None:
 
 
 def check_state(spec: StepSpec, optimizer, state, what: str, options: LeafOptions, *,
-                known: dict) -> None:
+                known: dict, abstract: bool = False) -> None:
   """Raises unless ``state`` is a live `TrainState` that a step with these options makes.
 
   Args:
@@ -86,11 +100,14 @@ def check_state(spec: StepSpec, optimizer, state, what: str, options: LeafOption
     what: the caller, for messages ("the step", "get_params", ...).
     known: ``{id(meta): meta}`` of metas already checked (updated): the
       comparison runs once per meta, not on every call.
+    abstract: whether an abstract state (shapes only) will do (``lower``).
   """
   if not isinstance(state, TrainState):
     raise TypeError(f"state must be the TrainState returned by step.init(params), got "
                     f"{type(state).__name__}.")
   check_alive(state, what)
+  if not abstract:
+    check_concrete(state, what)
   meta = state.meta
   if known.get(id(meta)) is meta:
     return

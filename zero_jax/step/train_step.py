@@ -150,14 +150,14 @@ class ShardedTrainStep:
                                    self.initial_loss_scale)
 
   # ---------------------------------------------------------------- the step
-  def _prepare(self, state, what: str = "the step") -> TrainState:
+  def _prepare(self, state, what: str = "the step", *, abstract: bool = False) -> TrainState:
     """The state, checked, on the mesh this call works on (moved without a copy if not)."""
-    self._check_state(state, what)
+    self._check_state(state, what, abstract=abstract)
     return context.on_working_mesh(self.spec, state)
 
-  def _check_state(self, state, what: str = "the step") -> None:
+  def _check_state(self, state, what: str = "the step", *, abstract: bool = False) -> None:
     state_checks.check_state(self.spec, self.optimizer, state, what, self.leaf_options,
-                   known=self._metas)
+                             known=self._metas, abstract=abstract)
     ls_lib.check_same_policy(self.initial_loss_scale, state.loss_scale)
 
   def _loss_fn(self, meta: StateMeta, evaluate: bool = False):
@@ -350,7 +350,7 @@ class ShardedTrainStep:
 
     ``lowering_platforms``, e.g. ``("cuda",)``, lowers for another backend than the mesh's
     (to read, not to compile, e.g. the host transfers of ``offload``)."""
-    state = self._prepare(state, "lower")
+    state = self._prepare(state, "lower", abstract=True)
     fn = self._compiled(state)
     return self._run(lambda s, b: fn.trace(s, b).lower(lowering_platforms=lowering_platforms),
                      state, batch)
