@@ -425,3 +425,15 @@ def test_a_batch_leaf_given_as_a_list_of_rows_is_named(mesh):
                                        r"has 16\).*batch\['x'\] is a Python list of 16 arrays "
                                        r"of shape \(9,\).*np.stack\(batch\['x'\]\)"):
     make(mesh)(make(mesh).init(init_params()), b)
+
+
+def test_a_shape_error_in_the_loss_says_its_shapes_are_per_device(mesh):
+  """A broadcasting bug in the user's loss shows JAX's per-device shapes ((2, 5) for a
+  global batch of 16 rows on 8 devices): the error carries a note saying so."""
+  step = zj.make_sharded_train_step(lambda p, b: jnp.mean(b["x"] @ p["w1"] @ p["w2"] +
+                                                          b["y"][:, :2]), optax.sgd(0.1),
+                                    mesh=mesh)
+  with pytest.raises(TypeError, match=r"(?i)incompatible shapes") as info:
+    step(step.init(init_params()), batch())
+  assert any(re.search(r"per device \(here batch\['x'\] is \(2, 9\)\)", n)
+             for n in getattr(info.value, "__notes__", [])), info.value

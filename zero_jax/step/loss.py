@@ -8,6 +8,7 @@ axes the step does not map."""
 from __future__ import annotations
 
 import inspect
+import os
 import traceback
 from typing import Any, Callable, NamedTuple
 
@@ -122,6 +123,26 @@ def _check_not_averaged(value, batch_axes) -> None:
         f"intermediate values (cross-device BatchNorm) are fine.")
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _note_per_device_shapes(e: Exception, batch) -> None:
+  """A shape error of the user's loss (raised outside zero_jax) shows the shapes of this
+  device's part of the batch, not the global ones the user passed: say so on the error."""
+  frames = traceback.extract_tb(e.__traceback__)
+  inner = os.path.abspath(frames[-1].filename) if frames else ""
+  ours = inner.startswith(_PACKAGE) and inner != os.path.abspath(__file__)
+  if "shape" not in str(e) or ours:  # zero_jax's own errors say what they mean
+    return
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not leaves:
+    return
+  path, x = leaves[0]
+  e.add_note(f"zero_jax: loss_fn runs on each device's rows of the global batch, so the "
+             f"shapes in this error are per device (here batch{jax.tree_util.keystr(path)} is "
+             f"{tuple(np.shape(x))}): the fix is in the loss, for the global shapes too.")
+
+
 def _axis_error(e: AssertionError, batch_axes, mesh_axes):
   frames = traceback.extract_tb(e.__traceback__)
   if str(e) or not frames or "jax/_src" not in frames[-1].filename.replace("\\", "/"):
@@ -174,6 +195,9 @@ def call_loss(loss_fn, params, batch, *, model_state, rng, has_aux: bool, batch_
     if err is None:
       raise
     raise err from e
+  except (TypeError, ValueError) as e:
+    _note_per_device_shapes(e, batch)
+    raise
   loss, aux, new_ms = split_output(out, has_aux, model_state is not None)
   if isinstance(loss, WeightedLoss):
     _scalar(loss.total, "WeightedLoss.total")
