@@ -7,9 +7,9 @@ flash attention through ``jax.nn.dot_product_attention(..., implementation="cudn
 selective-checkpointing policy nearest the run's), compiled, and its step time predicted by
 `zero_jax.gpu.predict` on the card's figures: the program model (`Prediction.step`, prefetch
 1) and, beside it, XLA:GPU's own schedule walked kernel by kernel (`zero_jax.gpu.timeline`,
-only matmuls hiding communication: what ``zj.plan`` ranks by, `zero_jax.gpu.measure.read`). The ratio
-predicted/measured says how far to trust the planner's times; a program that does not fit
-the card is marked so and given no ratio.
+only matmuls hiding communication: what ``zj.plan`` ranks by, `zero_jax.gpu.measure.read`).
+The ratio predicted/measured says how far to trust the planner's times; a program that does
+not fit the card is marked so and given no ratio.
 
 The published figures (measured by others, on their software):
 

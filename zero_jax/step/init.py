@@ -153,8 +153,9 @@ def resolve(params, model_state, wrt) -> Source:
     raise TypeError(
         "a TrainState was given where the parameters go (step.init, step.abstract_state and "
         "CheckpointManager.restore take the parameters, an nnx.Module or an init function): "
-        "it is a state already (parameters, optimizer state, step count). Train on with it as it is (state, metrics = "
-        "step(state, batch)); to start again from its parameters pass step.get_params(state); "
+        "it is a state already (parameters, optimizer state, step count). Train on with it "
+        "as it is (state, metrics = step(state, batch)); to start again from its parameters "
+        "pass step.get_params(state); "
         "to restore or load into a step, pass the parameters' shapes, e.g. "
         "mngr.restore(step, step.get_params(state)).")
   if not is_init_fn(params):

@@ -49,7 +49,7 @@ def _differences(mine: StateMeta, theirs: StateMeta, paths) -> list[str]:
       out.append(f"{name}: the state's {b!r}, this step's {a!r}" + (
           " (the update rules differ where the states' types agree, as adam's, nadam's, "
           "radam's and yogi's do: make the step with the state's optimizer)"
-          if name == "optimizer" else ""))
+          if name == "optimizer" and mine.opt_layouts == theirs.opt_layouts else ""))
   for what, a, b in (("trainable", mine.trainable, theirs.trainable),
                      ("stacked", mine.stacked, theirs.stacked),
                      ("lookup", mine.lookup or (False,) * len(paths),
