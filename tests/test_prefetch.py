@@ -302,37 +302,74 @@ def test_compiled_loops_carry_the_next_layer_and_reduce_the_previous_gradient(de
   text = deep_compiled[1].as_text()
   layer_loops = [l for l in hlo_lib.loops(text) if any(c.op == "all-gather" for c in l.collectives)]
   fwd, bwd = sorted(layer_loops, key=lambda l: any(c.op == "reduce-scatter" for c in l.collectives))
-  assert (fwd.trip_count, bwd.trip_count) == (DEEP - 1, DEEP - 2)  # the ends run outside
+  # two layers an iteration (`zero_jax.layers.loops.UNROLL`); the ends, and the backward
+  # loop's odd layer, run outside
+  assert (fwd.trip_count, bwd.trip_count) == ((DEEP - 1) // 2, (DEEP - 2) // 2)
   for loop in (fwd, bwd):  # the loop carries a whole gathered layer, gathered for the next
     assert (WIDE, WIDE) in loop.carried and (WIDE,) in loop.carried
+    # w and b (each split along its first dimension) in collectives of their own, with no
+    # joined buffer: XLA:CPU has no combiner; on GPUs XLA joins them (tests/gpu/test_schedule)
+    # (the backward pass needs w only: b's gradient does not read b). Per leaf, the first
+    # layer's gather feeds the second layer; the second's is carried to the next iteration.
     gathers = [c for c in loop.collectives if c.op == "all-gather"]
-    assert len(gathers) == 1 and not gathers[0].used_by_compute and gathers[0].carried_to
+    leaves = [[(WIDE,)], [(WIDE, WIDE)]] if loop is fwd else [[(WIDE, WIDE)]]
+    assert sorted(c.shapes for c in gathers) == sorted(leaves * 2), gathers
+    carried = [c for c in gathers if not c.used_by_compute and c.carried_to]
+    assert sorted(c.shapes for c in carried) == leaves, gathers
   scatters = [c for c in bwd.collectives if c.op == "reduce-scatter"]
-  assert len(scatters) == 1 and not scatters[0].operand_from_compute  # one iteration late
+  # w's and b's gradients, each layer's reduced in the next layer's pullback: the first
+  # layer's reads w's gradient the last iteration carried in, the second's the one the first
+  # layer's matmul computed
+  assert sorted(c.shapes for c in scatters) == sorted([[(WIDE // 8,)], [(WIDE // 8, WIDE)]] * 2)
+  assert sorted(c.operand_from_compute for c in scatters if c.shapes == [(WIDE // 8, WIDE)]) == [
+      False, True], scatters
   assert not any(c.op == "reduce-scatter" for c in fwd.collectives)
-  # One gather per layer in each direction, one reduce-scatter per layer.
-  gather, scatter = fwd.collectives[0].shapes[0], scatters[0].shapes[0]
-  assert executed(text, "all-gather", gather) == 2 * DEEP
-  assert executed(text, "reduce-scatter", scatter) == DEEP
+  # Each leaf gathered once per layer in each direction, reduce-scattered once per layer.
+  # (but layer 0's backward re-gather: its pullback needs no input gradient, so nothing reads
+  # w there, and with an odd count of middle layers that layer runs outside the loop, where
+  # XLA drops the unread gather)
+  assert executed(text, "all-gather", (WIDE, WIDE)) == 2 * DEEP - (DEEP - 2) % 2
+  assert executed(text, "all-gather", (WIDE,)) == DEEP
+  for c in scatters:
+    assert executed(text, "reduce-scatter", c.shapes[0]) == DEEP, c
   # Without prefetch each loop uses the layer it gathers in the same iteration.
   old = [c for l in hlo_lib.loops(deep_compiled[0].as_text()) for c in l.collectives
          if c.op == "all-gather"]
-  assert len(old) == 2 and all(c.used_by_compute and not c.carried_to for c in old)
+  assert sorted(c.shapes for c in old) == [[(WIDE,)], [(WIDE, WIDE)], [(WIDE, WIDE)]], old
+  assert all(not c.carried_to for c in old)
+  assert all(c.used_by_compute for c in old if c.shapes == [(WIDE, WIDE)])  # w: by the matmul
 
 
-def test_a_layer_moves_in_one_collective_each_way_whatever_the_bucket_size(mesh):
-  """``bucket_bytes=0`` gives every leaf its own collective elsewhere; zj.scan still moves a
-  layer's leaves (w and b) in one all-gather each way and one reduce-scatter (more than XLA:GPU
-  keeps in flight would leave some waiting with no compute in their window)."""
+def test_a_layer_moves_the_same_way_whatever_the_bucket_size(mesh):
+  """``bucket_bytes=0`` gives every leaf its own collective elsewhere; zj.scan moves a layer
+  as it chooses whatever the bucket size: its leaves split along their first dimension (w
+  and b here) in collectives of their own, which XLA:GPU joins into one each way (more
+  than XLA:GPU keeps in flight would leave some waiting with no compute in their window:
+  tests/gpu/test_schedule.py), the others in one joined buffer."""
   params = {"layers": {"w": jax.ShapeDtypeStruct((DEEP, WIDE, WIDE), jnp.float32),
-                       "b": jax.ShapeDtypeStruct((DEEP, WIDE), jnp.float32)}}
+                       "b": jax.ShapeDtypeStruct((DEEP, WIDE), jnp.float32),
+                       "v": jax.ShapeDtypeStruct((DEEP, 3, WIDE), jnp.float32)}}
   batch = {k: jax.ShapeDtypeStruct((16, WIDE), jnp.float32) for k in ("x", "y")}
-  step = zj.make_sharded_train_step(deep_loss(1), optax.sgd(0.1), mesh=mesh, stage=3,
-                                    stacked=True, bucket_bytes=0)
-  text = step.lower(step.abstract_state(params), batch).compile().as_text()
-  for loop in [l for l in hlo_lib.loops(text) if l.collectives]:
-    assert sorted(c.op for c in loop.collectives) in (
-        ["all-gather"], ["all-gather", "reduce-scatter"]), loop.collectives
+
+  def loss(p, b):
+    def layer(h, w):
+      return jnp.tanh(h @ w["w"] + w["b"] + w["v"].sum(0)), None
+    h, _ = zj.scan(layer, b["x"], p["layers"], prefetch=1)
+    return jnp.mean((h - b["y"]) ** 2)
+
+  loops = {}
+  for bucket_bytes in (0, 2**20):
+    step = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh, stage=3,
+                                      stacked=True, bucket_bytes=bucket_bytes)
+    text = step.lower(step.abstract_state(params), batch).compile().as_text()
+    loops[bucket_bytes] = sorted(sorted((c.op, c.shapes) for c in l.collectives)
+                                 for l in hlo_lib.loops(text) if l.collectives)
+  assert loops[0] == loops[2**20]
+  # v (3, 128) is split along its second dimension: it travels as rows in a joined buffer
+  # (of one leaf here, which XLA:CPU gathers along that dimension), w and b alone
+  # (two layers an iteration: each twice)
+  assert loops[0][0] == sorted([("all-gather", [(3, WIDE)]), ("all-gather", [(WIDE,)]),
+                                ("all-gather", [(WIDE, WIDE)])] * 2), loops[0]
 
 
 def test_prefetch_memory_is_one_layer_more_per_direction_and_memory_report_counts_it(
@@ -389,21 +426,30 @@ def test_cross_host_and_replica_hops_run_in_the_backward_loop_layers_late(hosts_
   backward pass."""
   text = hosts_compiled[1]
   bwd = [l for l in hlo_lib.loops(text) if any(c.op == "reduce-scatter" for c in l.collectives)]
-  # the first and the last three layers' backward run outside the loop (no layer i+3 yet)
+  # the first and the last three layers' backward run outside the loop (no layer i+3 yet);
+  # one layer an iteration: the blocks (hpZ's within the host, the same on every replica)
+  # vary over fewer axes than the activations (`zero_jax.layers.loops.Stack.unroll`)
   assert len(bwd) == 1 and bwd[0].trip_count == DEEP - 4
   inner = [c for c in bwd[0].collectives if c.op == "reduce-scatter" and len(c.groups[0]) == 2
            and c.groups != ACROSS_HOSTS]
   assert inner and not any(c.operand_from_compute or c.used_by_compute for c in inner), inner
-  hops = {(c.op, tuple(c.groups)): c for c in bwd[0].collectives}
+  hops = {}
+  for c in bwd[0].collectives:
+    hops.setdefault((c.op, tuple(c.groups)), []).append(c)
   outer = hops[("reduce-scatter", tuple(ACROSS_HOSTS))]
   replica = hops[("all-reduce", tuple(ACROSS_REPLICAS))]
-  for c in (outer, replica):
+  for c in outer + replica:
     assert not c.operand_from_compute and not c.used_by_compute, c
-  # one layer's w and b together: (128, 128) + (128,) over 2 x 2 devices
-  assert outer.shapes == [(1, (WIDE * WIDE + WIDE) // 4)], outer.shapes
-  assert executed(text, "reduce-scatter", outer.shapes[0], ACROSS_HOSTS) == DEEP  # per layer
-  assert executed(text, "all-reduce", replica.shapes[0], ACROSS_REPLICAS) == DEEP
-  assert not any(c.op == "reduce-scatter" and c.groups == ACROSS_HOSTS and c.shapes != outer.shapes
+  # one layer's w (128, 128) and b (128,), each split along its first dimension, in
+  # collectives of their own (XLA:CPU does not join them), their rows over 2 x 2 devices
+  blocks = [[(WIDE // 4,)], [(WIDE // 4, WIDE)]]
+  assert sorted(c.shapes for c in outer) == blocks, outer
+  assert sorted(x for c in replica for x in c.shapes) == sorted(  # (XLA:CPU may join these)
+      [(WIDE // 4,), (WIDE // 4, WIDE)]), replica
+  for shape in blocks:
+    assert executed(text, "reduce-scatter", shape[0], ACROSS_HOSTS) == DEEP  # per layer
+    assert executed(text, "all-reduce", shape[0], ACROSS_REPLICAS) == DEEP
+  assert not any(c.op == "reduce-scatter" and c.groups == ACROSS_HOSTS and c.shapes not in blocks
                  for c in hlo_lib.collectives(text)), "a whole stack reduced after the loop"
   # prefetch=0 (zj.gather in a checkpointed lax.scan): the same hops, in its backward loop
   old = [c for l in hlo_lib.loops(hosts_compiled[0]) for c in l.collectives]

@@ -84,6 +84,15 @@ class Comm:
       the compiler (the model axes of ``param_specs=``: "Invalid binary instruction opcode
       copy"); it sums bfloat16 in float32 anyway, so the result is the same, bit for bit.
       Set for CPU meshes with model axes only (XLA:GPU sums bfloat16 on the wire).
+    pack: how an exact group of several leaves travels: joined into one buffer, one
+      collective (True: small leaves' buckets, one collective on any backend), or with
+      its leaves split along their first dimension (already the contiguous rows NCCL
+      moves) in collectives of their own and the others joined, which XLA's combiners join
+      into one variadic collective where the compile options let them (False:
+      `zero_jax.scan`'s layers, whose joined buffer cost a copy of every weight into and
+      out of it). The other leaves stay joined: gathered alone, XLA:GPU lays their whole
+      stacked leaf out transposed to suit NCCL (measured: more memory and bytes). Quantized
+      wires are always packed (their int8 bytes are one buffer).
   """
   gather_axes: tuple[str, ...]
   outer_axes: tuple[str, ...] = ()
@@ -93,6 +102,7 @@ class Comm:
   quantize: Quantize | None = None
   forward_only: bool = False
   bf16_sums_in_f32: bool = False
+  pack: bool = True
 
   @classmethod
   def over(cls, data_axes, **kwargs) -> "Comm":
@@ -117,6 +127,12 @@ class Comm:
     if self.outer_axes:
       hops.append((self.outer_axes, self.wire("grads", True)))
     return hops
+
+  def per_leaf(self, hops) -> bool:
+    """Whether a group's reduction over ``hops`` (and the replica axes) may move leaves in
+    collectives of their own: unpacked (``pack=False``) and exact at every hop."""
+    return (not self.pack and all(w is None for _, w in hops)
+            and (not self.replica_axes or self.wire("grads", True) is None))
 
 
 def _wide(dtype):
@@ -206,10 +222,36 @@ def _block(row: jax.Array, like: jax.Array, layout: Layout, n: int) -> jax.Array
   return jnp.moveaxis(row.reshape(moved), 0, layout.dim)
 
 
+def _alone(g, layouts, per_leaf: bool) -> tuple[list, list]:
+  """A group's leaves that travel alone (with ``per_leaf``: those split along their first
+  dimension, already contiguous rows) and those joined into one buffer (the rest)."""
+  alone = [i for i in g if per_leaf and layouts[i].dim == 0]
+  return alone, [i for i in g if i not in alone]
+
+
+def _reduce_alone(x: jax.Array, layout: Layout, comm: Comm, hops) -> jax.Array:
+  """`reduce_pieces` of one leaf split along its first dimension, in its own collectives:
+  per hop a ``psum_scatter`` of the padded leaf's contiguous rows (the same blocks and sums
+  as the joined form), then the all-reduce over the replica axes."""
+  out = pad(x, layout)
+  for axes, _ in hops:
+    if axes_size(axes) > 1:
+      out = jax.lax.psum_scatter(out, _axes(axes), scatter_dimension=0, tiled=True)
+  return jax.lax.psum(out, comm.replica_axes) if comm.replica_axes else out
+
+
 def _reduce_buckets(xs, layouts, groups, comm: Comm, hops, n: int) -> list:
-  """Each group of ``xs`` through `reduce_pieces` (one collective per hop), back to blocks."""
+  """Each group of ``xs`` through `reduce_pieces` (one collective per hop), back to blocks;
+  where ``comm`` says (`Comm.per_leaf`), its leaves split along their first dimension each
+  in collectives of their own."""
+  hops = comm.reduce_hops() if hops is None else hops
   out = [None] * len(xs)
   for g in groups:
+    alone, g = _alone(g, layouts, comm.per_leaf(hops))
+    for i in alone:
+      out[i] = _reduce_alone(xs[i], layouts[i], comm, hops)
+    if not g:
+      continue
     mine = reduce_pieces([_rows(xs[i], layouts[i], n) for i in g], comm, hops)
     for i, piece in zip(g, mine):
       out[i] = _block(piece, xs[i], layouts[i], n)
@@ -322,7 +364,9 @@ def all_gather_many(blocks, layouts, groups, comm: Comm, *, axes=None, to: str =
   With quantized weights (`Comm.wire`) the blocks travel as int8
   (`zero_jax.comm.quantize`), every device's own block included, so that all
   devices see the same values. ``dtypes``: per block, the dtype to gather it in
-  (`in_gather_dtype`), or None.
+  (`in_gather_dtype`), or None. In exact groups of an unpacked ``comm``
+  (`Comm.pack`) the leaves split along their first dimension travel alone, one
+  ``all_gather`` each.
   """
   blocks = in_gather_dtype(blocks, dtypes)
   axes = comm.gather_axes if axes is None else _axes(axes)
@@ -331,6 +375,11 @@ def all_gather_many(blocks, layouts, groups, comm: Comm, *, axes=None, to: str =
   n = axes_size(axes)
   for g in groups:
     w = wire if jnp.issubdtype(blocks[g[0]].dtype, jnp.floating) else None  # ints: exact
+    alone, g = _alone(g, layouts, w is None and not comm.pack)
+    for i in alone:
+      out[i] = _gather_one(blocks[i], layouts[i], axes, to=to, whole=whole)
+    if not g:
+      continue
     if w is None and (len(g) == 1 or n == 1) or layouts[g[0]].dim is None:
       for i in g:
         out[i] = _gather_one(blocks[i], layouts[i], axes, to=to, whole=whole)

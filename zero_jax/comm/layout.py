@@ -92,14 +92,18 @@ def leaf_layout(shape, n: int, *, stacked: bool = False, model=None,
   largest dimension, then the first. A ``stacked`` leaf (a stack of per-layer
   weights along its first dimension, see `zero_jax.gather`) is never split
   along that first dimension, so each layer's slice is itself split over all
-  ``n`` devices; a stacked leaf with one dimension is replicated. A dimension
-  split over model axes is a candidate only when it divides evenly by its
-  model size times ``n``.
+  ``n`` devices; among equals it prefers its layer's first dimension (each
+  device's block of a layer is then contiguous rows, which `zero_jax.scan`
+  moves in a collective of its own with no copy); a stacked leaf with one
+  dimension is replicated. A dimension split over model axes is a candidate
+  only when it divides evenly by its model size times ``n``.
 
   >>> leaf_layout((9, 7), 8)
   Layout(shape=(9, 7), dim=1, padded=8, model=(), model_size=())
   >>> leaf_layout((16, 9, 7), 8, stacked=True).dim
   2
+  >>> leaf_layout((12, 768, 2304), 8, stacked=True).dim   # a layer's rows
+  1
   >>> leaf_layout((6, 8), 4, model=((), ("model",)), model_size=(1, 2)).spec("data")
   P(None, ('model', 'data'))
 
@@ -129,7 +133,7 @@ def leaf_layout(shape, n: int, *, stacked: bool = False, model=None,
     if m > 1 and size % (m * n):
       continue  # padding would sit inside model blocks
     padded = -(-size // n) * n
-    key = (total // max(size, 1) * padded, -size, d)
+    key = (total // max(size, 1) * padded, not (stacked and d == first), -size, d)
     if best is None or key < best[0]:
       best = (key, d, padded)
   if best is None:

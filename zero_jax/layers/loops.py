@@ -33,6 +33,18 @@ from zero_jax.layers.residuals import Linear, is_float, match_vma, split, zeros
 from zero_jax.layers.stacked import gather_many, hops, scatter_many
 
 
+# Layers an iteration of a prefetching loop runs (`forward`, `_Backward.delayed`): two, so
+# that what a layer hands to the next travels in the other layer's buffers. Each loop carries
+# what one layer gathers (forward: the next layer's weights; backward: the layer before's, and
+# this layer's gradient to the reduce-scatter): in a loop of one layer an iteration, that
+# value is made while the carried one is still read and XLA copies it into the carry (a copy
+# of every weight and gradient a layer). Unrolled by two, the first layer's collectives land
+# in buffers of their own and the second's start after the first layer has read the carried
+# ones (they wait for its outputs: `_after`), so XLA writes them in place. An odd count runs
+# its last layer outside the loop. Where the layer's blocks cannot wait (`unroll`), one.
+UNROLL = 2
+
+
 def at(x, i):
   """Layer ``i`` (an int or a traced index) of a stacked array."""
   return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
@@ -52,6 +64,15 @@ def barrier(tree):
   for i, x in zip(idx, jax.lax.optimization_barrier([leaves[i] for i in idx])):
     leaves[i] = x
   return jax.tree.unflatten(treedef, leaves)
+
+
+def token(x):
+  """One element of ``x``'s first non-empty float leaf (None if it has none): what a loop
+  hands to its next layer's collectives to wait for (`_after`). A value of their own, read
+  by nothing else: waiting on ``x`` itself, XLA fused the wait into a later consumer of ``x``
+  (a layer's residual add) and started the gather after that layer's last matmul."""
+  xs = [v for v in jax.tree.leaves(x) if is_float(v) and v.size]
+  return xs[0].reshape(-1)[0] if xs else None
 
 
 def _after(sps: list, x) -> list:
@@ -80,9 +101,12 @@ class Stack:
 
   With ``ahead`` (stage 3, ``prefetch=1``) a layer's values are gathered one iteration
   ahead and carried; otherwise they are gathered (at stage 2: taken) where they are used. A
-  layer's leaves move in one collective per dtype each way, whatever ``bucket_bytes`` (leaves
-  above it got collectives of their own, more than XLA:GPU keeps in flight: with a layer of
-  1B's shapes, four all-gathers a layer and two of them exposed).
+  layer moves the same way whatever ``bucket_bytes``: its leaves split along their first
+  dimension (already contiguous rows) in collectives of their own, which XLA:GPU joins into
+  one each way (`zero_jax.step.compile_options`), the others joined into one buffer per
+  dtype (`zero_jax.comm.collectives.Comm.pack`). Buckets gave a 1B layer four all-gathers,
+  more than XLA:GPU keeps in flight (two of them exposed); the joined buffer cost a copy of
+  every weight out of it and of every gradient into it.
   """
 
   def __init__(self, sps: list, prefetch: int):
@@ -93,6 +117,17 @@ class Stack:
     # the flat index of each one's differentiated child (`ShardedParam.differentiated`)
     starts = np.cumsum([0] + [len(jax.tree.leaves(x)) for x in sps])[:-1]
     self.diff_pos = [int(s) + x.differentiated for s, x in zip(starts, sps)]
+
+  def unroll(self, leaves, tok) -> int:
+    """Layers a prefetching loop runs an iteration: `UNROLL` where every gathered block can
+    wait for ``tok`` (`_after`), else 1. A block that varies over fewer axes than the
+    activations (hpZ's copy within the host, or the blocks of a replica axis) cannot: the wait
+    would make it vary over them, and XLA would join two layers' gathers into one, copied."""
+    sps = jax.tree.unflatten(self.treedef, leaves)
+    waits = tok is not None and all(
+        varying_axes(tok) <= varying_axes(p.block) for p in sps
+        if p.layout.dim is not None and is_float(p.block))
+    return UNROLL if waits else 1
 
   def at(self, leaves, i) -> list:
     """Layer ``i``'s `ShardedParam`s."""
@@ -152,14 +187,16 @@ def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
     return (*store(i, out, res, bufs, last), res if lin is not None else None)
 
   def step(i, st):
-    c, w, bufs = st
-    w_next = stack.fetch(sp, i + 1)  # issued before layer i's compute
+    c, w, tok, bufs = st
+    # issued before layer i's compute, once the layer before has computed: in the second
+    # layer of an iteration (`UNROLL`), after the first has read the weights this one replaces
+    w_next = stack.fetch(sp, i + 1, after=tok)
     out, res = layer(i, c, w)
     # everything the layer computed meets the gathered weights at the barrier: only the
     # stores follow it, so the gather's done comes after the layer's last matmul
-    w_next, out, res = barrier((w_next, list(out), res))
+    w_next, out, res, tok = barrier((w_next, list(out), res, token(out)))
     c, bufs = store(i, out, res, bufs)
-    return c, w_next, bufs
+    return c, w_next, tok, bufs
 
   if not stack.ahead:  # each layer gathered in its own iteration
     c, bufs = jax.lax.fori_loop(0, length, lambda i, st: compute(i, st[0], None, st[1])[:2],
@@ -167,7 +204,9 @@ def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
     return (c, *bufs[:2]), (bufs[2], None)
   w = stack.fetch(sp, 0)
   if length > 1:
-    c, w, bufs = jax.lax.fori_loop(0, length - 1, step, (c, w, bufs))
+    tok = token(c)
+    c, w, _, bufs = jax.lax.fori_loop(0, length - 1, step, (c, w, tok, bufs),
+                                      unroll=stack.unroll(sp, tok))
   c, (ys, news, saved), last = compute(length - 1, c, w, bufs, last=True)
   return (c, ys, news), (saved, last)
 
@@ -295,23 +334,23 @@ class _Backward(NamedTuple):
 
     def step(j, st):  # pending[s]: layer i+1+s's gradient, through hops[:s]
       i = top - 1 - j
-      dc, w, pending, dk, dxb, dbl = st
-      w_prev = stack.fetch(sp, i - 1, after=dc)  # layer i-1, before layer i's pullback
+      dc, w, tok, pending, dk, dxb, dbl = st
+      w_prev = stack.fetch(sp, i - 1, after=tok)  # layer i-1, before layer i's pullback
       outs = [None if p is None else hop(i + 1 + s, p, s) for s, p in enumerate(pending)]
       dc, g, dx, dk_i = self.back(i, dc, w)
       g = _split_first(layer, g)  # carried to the next iteration's reduce-scatter
       # as in `forward`: the collectives' results and all the pullback computed, together
-      w_prev, outs, dc, g, dx, dk_i = barrier((w_prev, outs, dc, g, dx, dk_i))
+      w_prev, outs, dc, g, dx, dk_i, tok = barrier((w_prev, outs, dc, g, dx, dk_i, token(dc)))
       dbl = dbl if outs[-1] is None else _put_all(dbl, outs[-1], i + k)
-      return dc, w_prev, [g] + outs[:-1], _add(dk, dk_i), _put_all(dxb, dx, i), dbl
+      return dc, w_prev, tok, [g] + outs[:-1], _add(dk, dk_i), _put_all(dxb, dx, i), dbl
 
-    st = (dc, w_prev, [g] + [None] * (k - 1), dk, dxb, dbl)
+    st = (dc, w_prev, token(dc), [g] + [None] * (k - 1), dk, dxb, dbl)
     first = min(k - 1, self.length - 2)  # iterations with a hop not yet begun
     for j in range(first):
       st = step(j, st)
     if self.length - 2 > first:
-      st = jax.lax.fori_loop(first, self.length - 2, step, st)
-    dc, w, pending, dk, dxb, dbl = st
+      st = jax.lax.fori_loop(first, self.length - 2, step, st, unroll=stack.unroll(sp, st[2]))
+    dc, w, _, pending, dk, dxb, dbl = st
     for s, p in enumerate(pending):  # layers 1.. k: their remaining hops
       if p is not None:
         for t in range(s, k):

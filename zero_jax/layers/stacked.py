@@ -92,9 +92,11 @@ class ShardedParam:
     return self._replace(block=block)
 
   def in_one_bucket(self) -> "ShardedParam":
-    """The same leaf, moved in one collective with every other such leaf of its dtype and
-    kind (no bucket size): `zero_jax.scan` moves a layer so, one collective per direction."""
-    return self._replace(comm=dataclasses.replace(self.comm, bucket_bytes=ONE))
+    """The same leaf, moved with every other such leaf of its dtype and kind (no bucket
+    size), exactly as one collective per leaf in its own layout (`Comm.pack`), which XLA:GPU's
+    combiners join (`zero_jax.step.compile_options`): `zero_jax.scan` moves a layer so, one
+    collective per direction, with no copy into or out of a joined buffer."""
+    return self._replace(comm=dataclasses.replace(self.comm, bucket_bytes=ONE, pack=False))
 
   @property
   def wire_dtype(self):

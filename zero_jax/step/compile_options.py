@@ -6,9 +6,11 @@ replica axis, across the replicas with both), and each must span a layer's matmu
 keeps one async collective in flight by default (`for_step` raises the limit to what the step
 has), and on Ampere (A100) its latency-hiding scheduler is off by default, so every in-loop
 reduce-scatter waited with no compute in its window (``GPU_OPTIONS`` turns it on; Hopper has
-it on already). Each collective more in flight holds its buffers longer: the docs' speed
-guide gives the temporary memory this costs. The options go to the step's own
-``jax.jit``. JAX takes compiler options only from the outermost jit: a step called inside a
+it on already). A layer's leaves travel in collectives of their own, which the combine
+thresholds (``GPU_OPTIONS``) let XLA join into one per direction, each started as early as
+it can be. Each collective more in flight holds its buffers longer: the docs' speed guide
+gives the temporary memory this costs. The options go to the step's own ``jax.jit``. JAX
+takes compiler options only from the outermost jit: a step called inside a
 user's ``jax.jit`` or ``lax.scan`` compiles with that jit's options, so `jit` makes a user's
 jit with the step's options, and the step warns once when it is traced inside any other jit
 on GPUs.
@@ -25,8 +27,24 @@ import jax
 LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 # Every compile (XLA:CPU accepts and ignores them); the limit is the step's own (`for_step`).
 COMPILER_OPTIONS: dict = {}
-# GPU meshes only.
-GPU_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+# `zero_jax.scan` moves a layer's leaves split along their first dimension as collectives of
+# their own (no joined buffer to copy them into and out of:
+# `zero_jax.comm.collectives.Comm.pack`). XLA:GPU's combiners join a layer's into one variadic
+# collective per direction when the layer fits their thresholds (all-gathers count what they
+# return, reduce-scatters what they keep). XLA's default, 30 MiB, splits a Llama-3-8B layer
+# (416 MiB gathered in bf16) into six all-gathers, more than the step keeps in flight; 512 MiB
+# holds one such layer and no two. A larger layer is moved in several collectives.
+COMBINE_BYTES = 512 << 20
+# GPU meshes only. Each collective starts as soon as its operands exist: XLA's default cost
+# model judged one matmul enough to hide a layer's gather and started it before the layer's
+# last matmul, which left most of it exposed in the second layer of each iteration of the
+# loops `zero_jax.layers.loops` unrolls by two (GPT-2 small, 1B: one matmul in those windows,
+# every one of the layer's with this option). Measured on compile-only H100s: BENCHMARKS.md,
+# "peer (cudnn attention)".
+GPU_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
+               "xla_gpu_experimental_collective_start_as_early_as_possible": True,
+               **{f"xla_gpu_{op}_combine_threshold_bytes": COMBINE_BYTES
+                  for op in ("all_gather", "reduce_scatter", "all_reduce")}}
 
 _outer = threading.local()  # set while `jit` traces a user's function
 
