@@ -2,8 +2,9 @@
 
 The step passes ``value=``, its loss over the global batch, as single-device code does:
 ``optax.contrib.reduce_on_plateau`` in a chain and ``optax.polyak_sgd`` give the parameters
-and optimizer state of single-device optax; an extra argument the step cannot give (a line
-search's ``value_fn=``) is refused naming it.
+and optimizer state of single-device optax; ``optax.contrib.sam``, whose update takes no
+``value=``, is called without it, as on one device; an extra argument the step cannot give
+(a line search's ``value_fn=``, sam's ``grad_fn=`` in opaque mode) is refused naming it.
 """
 
 import jax
@@ -36,12 +37,13 @@ OPTS = {"sgd+plateau": lambda: plateau(optax.sgd(0.1)),
         "polyak_sgd": lambda: optax.polyak_sgd(max_learning_rate=10.0, scaling=0.5)}
 
 
-def reference(opt, params, bs):
-  """Single device: plain jax.jit + optax, value= the loss."""
+def reference(opt, params, bs, value=True):
+  """Single device: plain jax.jit + optax, value= the loss (unless ``value`` is False)."""
   @jax.jit
   def step(params, opt_state, b):
     loss, grads = jax.value_and_grad(loss_fn)(params, b)
-    updates, opt_state = opt.update(grads, opt_state, params, value=loss)
+    extra = {"value": loss} if value else {}
+    updates, opt_state = opt.update(grads, opt_state, params, **extra)
     return optax.apply_updates(params, updates), opt_state
   params = jax.tree.map(jnp.asarray, params)
   opt_state = opt.init(params)
@@ -72,4 +74,31 @@ def test_an_extra_argument_the_step_cannot_give_is_refused_naming_it(mesh):
   state = step.init(init_params())
   with pytest.raises(TypeError, match=r"needs grad=, value_fn=, which the step cannot give: "
                                       r"it passes only value=.*global batch.*polyak_sgd"):
+    step(state, batches()[0])
+
+
+def sam(opaque_mode=False):
+  return optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=2,
+                           opaque_mode=opaque_mode)
+
+
+@pytest.mark.parametrize("name,kw", [("sam", {}), ("sam-in-chain", {"stage": 3})])
+def test_optimizer_that_takes_no_value_trains_like_one_device_without_it(name, kw, mesh):
+  """optax.contrib.sam (transparent mode) takes only grad_fn=, optional there: the step
+  calls it without value=, as single-device code does."""
+  opt = lambda: sam() if name == "sam" else optax.chain(optax.clip(1.0), sam())
+  bs = batches()
+  ref_params, ref_state = reference(opt(), init_params(), bs, value=False)
+  step = zj.make_sharded_train_step(loss_fn, opt(), mesh=mesh, **kw)
+  state = step.init(init_params())
+  for b in bs:
+    state, _ = step(state, b)
+  assert_tree_close(step.get_params(state), ref_params)
+
+
+def test_sam_in_opaque_mode_is_refused_naming_grad_fn(mesh):
+  step = zj.make_sharded_train_step(loss_fn, sam(opaque_mode=True), mesh=mesh)
+  state = step.init(init_params())
+  with pytest.raises(TypeError, match=r"needs grad_fn=, which the step cannot give.*"
+                                      r"sam with its default opaque_mode=False"):
     step(state, batches()[0])

@@ -336,6 +336,26 @@ def test_a_train_state_where_the_parameters_go_is_refused_with_the_fix(mesh, tmp
   step.init(step.get_params(state))
 
 
+def test_lookahead_params_are_refused_naming_them_and_the_fast_params_train(mesh):
+  # optax.lookahead's update takes the fast parameters' gradient alone: the step's gradient of
+  # every leaf of the LookaheadParams failed inside optax with a bare pytree-structure error.
+  params = optax.LookaheadParams.init_synced(init_params())
+  step = make(mesh, optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5))
+  with pytest.raises(TypeError, match=r"params is an optax.LookaheadParams.*inner optimizer "
+                                      r"\(step.init\(params.fast\)"):
+    step.init(params)
+  nested = make(mesh, optax.adam(1e-2))
+  with pytest.raises(TypeError, match=r"params\['model'\] is an optax.LookaheadParams"):
+    nested.init({"model": params})
+  bs = [batch(seed=s) for s in range(3)]  # what the message points to trains as on one device
+  step = make(mesh)
+  state = step.init(params.fast)
+  for b in bs:
+    state, _ = step(state, b)
+  assert_tree_close(step.get_params(state),
+                    reference_run(loss_fn, optax.adam(1e-2), init_params(), bs)[0][-1])
+
+
 def test_an_abstract_state_is_refused_where_values_are_needed_and_lowers(mesh, tmp_path):
   step = make(mesh, stage=3)
   abstract = step.abstract_state(init_params())

@@ -24,7 +24,7 @@ import optax
 import pytest
 
 import zero_jax as zj
-from _feature_helpers import N, assert_stage3_equals_stage2_equals_reference
+from _feature_helpers import N, assert_stage3_equals_stage2_equals_reference, assert_tree_close
 
 STEPS = 3
 BATCH = 16
@@ -126,6 +126,56 @@ def test_stage3_gathers_each_param_again_for_the_backward_pass(mesh, k):
   # Small leaves bucketed: one gather (and re-gather) for the three of them.
   gathers, _ = lowered_gathers(mesh, k, params, bucket_bytes=2**20)
   assert gathers == 2 * 1 * min(k, 2), gathers
+
+
+# ---------------------------------------------------------------- complex values
+def fft_loss(p, b):
+  h = jnp.fft.rfft(b["x"] @ p["w"], axis=-1) * p["f"]  # complex activations of real params
+  return jnp.mean((jnp.fft.irfft(h, n=8, axis=-1)[:, :3] - b["y"]) ** 2)
+
+
+def complex_param_loss(p, b):
+  pred = (b["x"].astype(jnp.complex64) @ p["c"]).real + p["b"]
+  return jnp.mean((pred[:, :3] - b["y"]) ** 2)
+
+
+COMPLEX_CASES = {
+    "fft-activations": (fft_loss, lambda r: {"w": r.normal(size=(5, 8)) * 0.4,
+                                             "f": r.normal(size=(5,))}),
+    "complex-params": (complex_param_loss,
+                       lambda r: {"c": r.normal(size=(5, 9)) * 0.4 + 1j * r.normal(size=(5, 9)),
+                                  "b": r.normal(size=(9,))}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPLEX_CASES))
+def test_stage3_with_complex_values_equals_stage2_equals_single_device(mesh, case):
+  """The re-gather policy saves no complex value (JAX's remat cannot round one): it is
+  recomputed in the backward pass, and training is stage 2's and plain optax's."""
+  loss, make = COMPLEX_CASES[case]
+  r = np.random.default_rng(0)
+  params = {k: v.astype(np.complex64 if np.iscomplexobj(v) else np.float32)
+            for k, v in make(r).items()}
+  bs = [{"x": r.normal(size=(16, 5)).astype(np.float32),
+         "y": r.normal(size=(16, 3)).astype(np.float32)} for _ in range(STEPS)]
+
+  @jax.jit
+  def one(p, s, b):  # plain optax on one device, every leaf trained (complex included)
+    u, s = optax.adam(1e-2).update(jax.grad(loss)(p, b), s, p)
+    return optax.apply_updates(p, u), s
+  ref = jax.tree.map(jnp.asarray, params)
+  opt_state = optax.adam(1e-2).init(ref)
+  for b in bs:
+    ref, opt_state = one(ref, opt_state, b)
+  got = {}
+  for stage in (2, 3):
+    step = zj.make_sharded_train_step(loss, optax.adam(1e-2), mesh=mesh, stage=stage)
+    state = step.init(params)
+    for b in bs:
+      state, _ = step(state, b)
+    got[stage] = step.get_params(state)
+  assert_tree_close(got[3], got[2], rtol=1e-6, what="stage 3 vs 2")
+  assert_tree_close(got[3], ref, what="stage 3 vs reference")
 
 
 # ----------------------------------------------------------------- gather_once

@@ -30,7 +30,8 @@ def reference(opt, params, batches, loss=loss_fn, frozen=()):
   def one(params, state, b):
     g = jax.grad(loss)(params, b)
     u, state = opt.update(g, state, params)
-    u = {k: jnp.zeros_like(v) if k in frozen else v for k, v in u.items()}
+    if frozen:
+      u = {k: jnp.zeros_like(v) if k in frozen else v for k, v in u.items()}
     return optax.apply_updates(params, u), state
 
   params = jax.device_put(jax.tree.map(jnp.asarray, params), jax.devices()[0])
@@ -105,6 +106,48 @@ def test_stacked_leaves_orthogonalise_each_layer_at_its_home(mesh):
                              stacked={"layers": True, "head": False}, whole_leaf_update=True)
     assert len(state.meta.whole.units) == 6  # five layers and the head
     assert_rel_close(got, reference(opt(), params, batches, loss=loss))
+
+
+def nested_params():
+  """``['l1']['w']`` and ``['blk']['l1']['w']``: one leaf's path ends with the other's."""
+  r = np.random.default_rng(3)
+  f = lambda: (r.normal(size=(12, 12)) * 0.3).astype(np.float32)
+  return {"blk": {"l1": {"w": f()}}, "l1": {"w": f()}}
+
+
+def nested_loss(p, b):
+  h = jnp.tanh(b["x"] @ p["l1"]["w"])
+  return jnp.mean((jnp.tanh(h @ p["blk"]["l1"]["w"])[:, :3] - b["y"]) ** 2)
+
+
+def only_top_l1(path, x):
+  del x
+  return jax.tree_util.keystr(path) == "['l1']['w']"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_leaf_whose_path_ends_with_the_moved_leafs_path_keeps_its_own_state(mesh, stage):
+  """Only ``['l1']['w']`` moves; ``['blk']['l1']['w']``'s state (same shape, a path ending
+  with the moved one's) stays its own: schedule-free's ``z`` starts from each leaf's own
+  parameter, so taking the other leaf's state would change the numbers."""
+  opt = lambda: optax.contrib.schedule_free_adamw(1e-2, warmup_steps=2)
+  batches = make_batches()
+  _, state, got = train(opt(), mesh, batches, params=nested_params(), loss=nested_loss,
+                        stage=stage, whole_leaf_update=only_top_l1)
+  assert state.meta.whole.moved == (False, True)
+  want = reference(opt(), nested_params(), batches, loss=nested_loss)
+  for k in ("blk", "l1"):
+    assert_rel_close(got[k] if k == "l1" else got[k]["l1"],
+                     want[k] if k == "l1" else want[k]["l1"], what=k)
+
+
+def test_single_array_params_update_whole_like_the_array_in_a_dict(mesh):
+  w = make_params()["w1"]
+  batches = make_batches()
+  loss = lambda w, b: loss_fn({**make_params(), "w1": w}, b)
+  _, state, got = train(muon(), mesh, batches, params=w, loss=loss, whole_leaf_update=True)
+  assert state.meta.whole.moved == (True,)
+  assert_rel_close({"w1": got}, {"w1": reference(muon(), w, batches, loss=loss)})
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -200,3 +200,37 @@ def test_home_form_checkpoint_elsewhere_is_refused_naming_whole_leaf_update(home
     with pytest.raises(ValueError, match=r"whole_leaf_update=.*home device among 8.*"
                                          r"same whole_leaf_update= on 8 devices"):
       mngr.restore(step, make_params())
+
+
+def test_leaf_whose_path_ends_with_the_moved_leafs_path_restores_without_the_option(
+    mesh, tmp_path):
+  """Only ``['l1']['w']`` moves, ``['blk']['l1']['w']`` (same shape, a path ending with the
+  moved one's) keeps its state split: the checkpoint is the plain step's and continues there
+  like the run that did not stop."""
+  r = np.random.default_rng(3)
+  params = {"blk": {"l1": {"w": (r.normal(size=(12, 12)) * 0.3).astype(np.float32)}},
+            "l1": {"w": (r.normal(size=(12, 12)) * 0.3).astype(np.float32)}}
+
+  def loss(p, b):
+    h = jnp.tanh(b["x"] @ p["l1"]["w"])
+    return jnp.mean((jnp.tanh(h @ p["blk"]["l1"]["w"])[:, :3] - b["y"]) ** 2)
+  only_top = lambda path, x: jax.tree_util.keystr(path) == "['l1']['w']"
+  make = lambda wl: zj.make_sharded_train_step(loss, muon(), mesh=mesh, whole_leaf_update=wl)
+  batches = make_batches(4)
+  step = make(only_top)
+  state = step.init(params)
+  for b in batches[:2]:
+    state, _ = step(state, b)
+  with zj.CheckpointManager(tmp_path) as mngr:
+    mngr.save(state)
+    mngr.wait_until_finished()
+  for b in batches[2:]:
+    state, _ = step(state, b)
+  plain = make(None)
+  with zj.CheckpointManager(tmp_path) as mngr:
+    restored = mngr.restore(plain, params)
+  for b in batches[2:]:
+    restored, _ = plain(restored, b)
+  got, want = plain.get_params(restored), step.get_params(state)
+  assert_rel_close(got["l1"], want["l1"], what="l1")
+  assert_rel_close(got["blk"]["l1"], want["blk"]["l1"], what="blk")

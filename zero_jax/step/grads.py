@@ -70,12 +70,27 @@ def regather_policy(layouts, extra_shapes=frozenset()):
       shapes |= {l.shape, l.storage_shape, l.shape[::-1]}
 
   def policy(prim, *avals, **params):
-    del params
-    if prim.name in ("all_gather", "all_gather_invariant"):
+    if prim.name in ("all_gather", "all_gather_invariant") or _complex(prim, avals, params):
       return False
     arrays = [tuple(a.shape) for a in avals if getattr(a, "ndim", 0)]
     return not (len(arrays) == 1 and arrays[0] in shapes)
   return policy
+
+
+def _complex(prim, avals, params) -> bool:
+  """Whether an operation reads or makes a complex value: `regather_policy` never saves one,
+  as JAX's remat rounds every saved value with ``reduce_precision``, which refuses complex
+  dtypes; such a value is recomputed in the backward pass instead (the same operations)."""
+  is_complex = lambda a: jnp.issubdtype(getattr(a, "dtype", jnp.float32), jnp.complexfloating)
+  if any(map(is_complex, avals)):
+    return True
+  try:
+    out = prim.abstract_eval(*avals, **params)
+  except Exception:  # pylint: disable=broad-except
+    return False  # a primitive JAX cannot evaluate abstractly here: judged by its shapes alone
+  if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (set, frozenset)):
+    out = out[0]  # (avals, effects)
+  return any(map(is_complex, out if isinstance(out, (list, tuple)) else [out]))
 
 
 def _is_key(x) -> bool:

@@ -30,6 +30,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 
 from zero_jax.step import context
@@ -132,6 +133,7 @@ def _traced(fn, wrt, found: dict) -> Callable:
   def make():
     out = fn()
     if not nnx_lib.is_module(out):
+      _refuse_lookahead(out)
       _check_leaves(out, "params")
     module, params, model_state = nnx_lib.as_params(out, None, wrt)
     if module is not None:
@@ -159,6 +161,7 @@ def resolve(params, model_state, wrt) -> Source:
         "to restore or load into a step, pass the parameters' shapes, e.g. "
         "mngr.restore(step, step.get_params(state)).")
   if not is_init_fn(params):
+    _refuse_lookahead(params)
     return Source(*nnx_lib.as_params(params, model_state, wrt))
   _check_signature(params)
   found: dict = {}
@@ -169,6 +172,21 @@ def resolve(params, model_state, wrt) -> Source:
     raise TypeError("step.init(fn) with fn returning an nnx.Module takes no model_state=: "
                     "the module's variables that wrt= does not select are its model state.")
   return Source(module, shapes, made_state if module is not None else model_state, closed)
+
+
+def _refuse_lookahead(params) -> None:
+  """Raises TypeError naming an ``optax.LookaheadParams`` in ``params``."""
+  is_lookahead = lambda x: isinstance(x, optax.LookaheadParams)
+  for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_lookahead)[0]:
+    if is_lookahead(x):
+      name = f"params{jax.tree_util.keystr(path)}"
+      raise TypeError(
+          f"{name} is an optax.LookaheadParams (optax.lookahead's fast and slow parameters), "
+          f"which the step does not support: it differentiates the loss by every leaf of "
+          f"params and passes those gradients and params to opt.update as they are, where "
+          f"optax.lookahead's update takes the gradient of the fast parameters alone. Train "
+          f"the fast parameters with lookahead's inner optimizer (step.init({name}.fast), a "
+          f"loss of those parameters), without optax.lookahead.")
 
 
 def check_values(source: Source, rng=None) -> None:

@@ -171,17 +171,17 @@ def assign_homes(costs, groups, n: int) -> list[int]:
 # ------------------------------------------------------------------- state leaves
 def owners(state, paths, shapes) -> list:
   """Per leaf of an optimizer state: ``(leaf, kind)`` when it is the state of parameter
-  ``leaf`` (its path ends with the leaf's path and it has the leaf's shape; ``kind``
-  counts that leaf's state leaves in order), else None (state shared by the leaves).
-  ``shapes`` holds None for parameters not to look for."""
+  ``leaf``, else None (state shared by the leaves). A state leaf belongs to the parameter
+  whose path is the longest that its path ends with (``['blk']['l1']['w']``'s state is never
+  ``['l1']['w']``'s; a single array's empty path ends every path), and only when it has
+  that parameter's shape; ``kind`` counts that parameter's state leaves in order.
+  ``shapes`` holds None for parameters not to look for (their state is None here too)."""
   out, count = [], {}
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-    key, best = jax.tree_util.keystr(path), None
-    for i, (p, shape) in enumerate(zip(paths, shapes)):
-      if shape is not None and p and key.endswith(p) and tuple(np.shape(x)) == tuple(shape) \
-          and (best is None or len(p) > len(paths[best])):
-        best = i
-    if best is None:
+    key = jax.tree_util.keystr(path)
+    ends = [i for i, p in enumerate(paths) if key.endswith(p)]
+    best = max(ends, key=lambda i: len(paths[i]), default=None)
+    if best is None or shapes[best] is None or tuple(np.shape(x)) != tuple(shapes[best]):
       out.append(None)
       continue
     r = count.get(best, 0)
