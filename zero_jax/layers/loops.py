@@ -195,7 +195,9 @@ def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
     # everything the layer computed meets the gathered weights at the barrier: only the
     # stores follow it, so the gather's done comes after the layer's last matmul
     w_next, out, res, tok = barrier((w_next, list(out), res, token(out)))
-    c, bufs = store(i, out, res, bufs)
+    # and the stores are done before the next layer computes: in the first layer of an
+    # iteration XLA stored its residuals at the end of the second, one layer's more in memory
+    c, bufs = barrier(store(i, out, res, bufs))
     return c, w_next, tok, bufs
 
   if not stack.ahead:  # each layer gathered in its own iteration
