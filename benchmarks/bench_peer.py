@@ -292,56 +292,34 @@ READING_FUSED = [
     "section's programs carry) is left to tell them apart, and the verdict table's last column "
     "says where the predicted difference comes from: matmuls, memory-bound kernels, or "
     "communication left outside compute windows. On these rows communication is a few percent "
-    "of the step and zero_jax's lead is gone: what remains is zero_jax's extra memory-bound "
-    "work per layer (the goal line above). Since this release the reader sees through bitcasts "
-    "(`zero_jax.gpu.program`): it had counted GSPMD's slice of a layer out of a stacked weight, "
-    "and its in-place stores into stacked gradients, as reading the whole stack (Llama-3-8B, "
-    "`dots`: GSPMD 4,188 -> 3,154 MiB a layer, zero_jax 4,828 -> 4,751), so Llama-3-8B's "
-    "ratio reads 1.03x where the same programs read 1.01x before.",
+    "of the step, so what decides is memory-bound work.",
     "",
-    "*Where zero_jax's extra bytes are* (`dots`, MiB read and written per iteration of the "
-    "layer loops, each kernel that GSPMD's loops have no counterpart of; GPT-2 small / "
-    "Llama-3-8B):",
+    "*What changed in this release.* `zj.scan`'s loops run two layers an iteration, so what a "
+    "layer hands to the next (the prefetched weights, the gradient to reduce one layer late) is "
+    "written in place instead of copied into the loop's carry; a layer's leaves split along "
+    "their first dimension move in collectives of their own (XLA joins them into one a layer), "
+    "not through one joined buffer sliced into the weights and packed from the gradients; a "
+    "stacked leaf is split along its layer's first dimension where that pads no more; and the "
+    "step starts each collective as soon as its operands exist. Memory-bound bytes per "
+    "iteration of the layer loops at `dots` (MiB a layer; GSPMD with XLA's defaults / NVIDIA's "
+    "flags): GPT-2 small 698 against 705 / 699 (743 before), 1B 1,757 against 1,770 / 1,778 "
+    "(2,115 before), Llama-3-8B 3,237 against 3,154 / 3,266 (4,582 before). Best steps: GPT-2 "
+    "small 19.7 -> 19.3 ms on H100 (0.97x GSPMD's best), 1B 115.3 -> 110.8 ms (1.03x -> "
+    "0.99x), Llama-3-8B 632.1 -> 611.4 ms (1.04x -> 1.003x). Peak memory is below GSPMD's on "
+    "every row (a loop of two layers an iteration first kept the first layer's residuals "
+    "until the second's end, +0.5 GiB on GPT-2 small `none`; its stores now come before the "
+    "next layer computes). With hpZ or a replica axis the loops keep one layer an iteration "
+    "(their blocks vary over fewer axes than the activations, so they cannot wait for them), "
+    "and so the weights' copy into the carry.",
     "",
-    "| loop | kernel | GPT-2 small | Llama-3-8B | why it is there |",
-    "| --- | --- | ---: | ---: | --- |",
-    "| forward | the gathered layer buffer sliced into the layer's weights | 27 | 832 | one "
-    "all-gather a layer returns every device's block of every weight side by side; each weight "
-    "must be contiguous for its matmul. Removable only with double-buffered loops: gathered "
-    "per weight instead (tried: the `perleaf` branch), the prefetched weights are copied into "
-    "the single-buffered loop carry instead, as the gather writes them while this layer reads "
-    "the last ones |",
-    "| forward | the device's blocks packed into the gather's send buffer (and, for weights split "
-    "along their last dimension, transposed) | 5 | 160 | the same, on the send side |",
-    "| forward | the layer's input copied out of the carry | 24 | 128 | the loop's ordering "
-    "barrier (every computed value meets the next layer's weights there, so the gather waits "
-    "after the last matmul): the input, kept as a residual, is stored after the new carry is "
-    "written. Tried: the stores before the barrier remove it (and on `none` the residuals "
-    "written out then copied into their stacks: 1,822 -> 1,475 MiB a forward layer on GPT-2 "
-    "small), but XLA then schedules the A100 MLP's gather beside the stores, with no matmul in "
-    "its window (tests/gpu/test_overlap_shapes.py fails) |",
-    "| backward | the gathered layer buffer sliced into the weights | 27 | 832 | as forward |",
-    "| backward | the gradients packed into the reduce-scatter's buffer | 27 | 832 | as the "
-    "slices: one reduce-scatter a layer; per weight, the delayed gradients would be copied into "
-    "the carry instead |",
-    "| backward | the device's blocks packed for the re-gather, the reduced row split back | 8 | "
-    "264 | as forward |",
-    "| backward | *removed this release:* the gradients of weights split along their last "
-    "dimension transposed before packing, and (GPT-2 small) the cotangent carry's copy | "
-    "16 + 24 | 448 | the loop now carries each gradient with its split dimension first, so the "
-    "matmul writes it so |",
-    "",
-    "GSPMD's loops have their own that zero_jax's lack: the layer's block sliced out of the "
-    "stacked weights, forward and backward (GPT-2 small 6 MiB, Llama-3-8B 208 MiB a "
-    "layer), and (GPT-2 small) the cotangent carry's copy (24 MiB). "
-    "In all, per layer: GPT-2 small 741 MiB against 705 (1.05x, 1.08x before this release), "
-    "Llama-3-8B 4,530 against 3,154 (1.44x, 1.51x). The remaining gap is the price of "
-    "prefetching through a single-buffered loop: each weight copied once a pass and each "
-    "gradient once. Double-buffered loops (two layers an iteration, the gathers written where "
-    "the layer after next reads them) would remove it; XLA's own double buffering did (the "
-    "`perleaf` attempt: within 2% of GSPMD's bytes) but left one of GPT-2 small's backward "
-    "windows without a matmul. Step times are predictions from the compiled program, not "
-    "measurements."]
+    "*What is left on Llama-3-8B* (+3.0 ms of memory-bound work, outside the layer loops, "
+    "whose bytes are now GSPMD's): XLA transposes two stacked bf16 residuals of width 4096 "
+    "(31 layers x 4 x 2048 x 4096) outside the loops, out and back, 15.5 GiB a step (about "
+    "4.6 ms at HBM bandwidth), which the programs before this release did not have. It came "
+    "with the gate and up projections (4096 x 14336) now split along their input dimension "
+    "(why XLA moves those stacks is not traced here); the old split costs more (the same step "
+    "with it: 626.9 ms, 3,993 MiB a layer). Step times are "
+    "predictions from the compiled program, not measurements."]
 
 
 PAIRS = {"ZeRO-3": "GSPMD FSDP", "ZeRO-3 flat": "GSPMD FSDP flat", "ZeRO-3 hybrid": "GSPMD HSDP",
