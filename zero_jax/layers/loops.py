@@ -71,8 +71,8 @@ def token(x):
   hands to its next layer's collectives to wait for (`_after`). A value of their own, read
   by nothing else: waiting on ``x`` itself, XLA fused the wait into a later consumer of ``x``
   (a layer's residual add) and started the gather after that layer's last matmul."""
-  xs = [v for v in jax.tree.leaves(x) if is_float(v) and v.size]
-  return xs[0].reshape(-1)[0] if xs else None
+  xs = [v for v in jax.tree.leaves(x) if hasattr(v, "dtype") and is_float(v) and np.size(v)]
+  return jnp.asarray(xs[0]).reshape(-1)[0] if xs else None
 
 
 def _after(sps: list, x) -> list:
@@ -84,7 +84,7 @@ def _after(sps: list, x) -> list:
   and keep them through the forward pass. A sign bit is never above 1, but XLA cannot
   tell (the select fuses into the gather's packing).
   """
-  xs = [v for v in jax.tree.leaves(x) if is_float(v) and v.size]
+  xs = [v for v in jax.tree.leaves(x) if is_float(v) and np.size(v)]
   if not xs:
     return sps
   bits = jax.lax.bitcast_convert_type(xs[0].reshape(-1)[0].astype(jnp.float32), jnp.uint32)
