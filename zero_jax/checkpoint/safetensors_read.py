@@ -187,7 +187,7 @@ def load_safetensors(path, like, *, step: ShardedTrainStep, rename: Callable | N
     >>> params = zj.load_safetensors(layers, {"w": jax.ShapeDtypeStruct((2, 8, 16), jnp.float32)},
     ...                              step=step, rename=lambda name: ("h.{i}.weight", True))
     >>> params["w"].sharding.spec, float(params["w"][1, 0, 0])   # layers whole, rows split
-    (P(None, None, 'data'), 1.0)
+    (P(None, 'data', None), 1.0)
 
   Args:
     path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a

@@ -336,11 +336,13 @@ def loops(hlo: str) -> list[Loop]:
   """Every ``while`` loop of compiled HLO text, with its collectives' dataflow.
 
   This is how a schedule is checked where it cannot be timed (XLA:CPU runs
-  collectives synchronously): a prefetching layer loop (`zero_jax.scan`)
-  carries an all-gather's result to the next iteration without using it
-  (``used_by_compute`` False, ``carried_to`` not empty), and a delayed
-  reduce-scatter reads a gradient the previous iteration carried in
-  (``operand_from_compute`` False).
+  collectives synchronously): a prefetching layer loop (`zero_jax.scan`, two
+  layers an iteration) carries its second layer's all-gather result to the
+  next iteration without using it (``used_by_compute`` False, ``carried_to``
+  not empty; it waits for the first layer's results: ``operand_from_compute``)
+  and hands the first layer's to the second, and a delayed reduce-scatter reads
+  a gradient the previous iteration carried in (``operand_from_compute``
+  False).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
@@ -350,12 +352,13 @@ def loops(hlo: str) -> list[Loop]:
     ...   return jnp.mean(h ** 2)
     >>> step = zj.make_sharded_train_step(loss_fn, optax.sgd(0.1), stage=3, stacked=True,
     ...                                   mesh=jax.make_mesh((8,), ("data",)))
-    >>> state = step.init({"w": jnp.ones((4, 16, 16)) / 16})
+    >>> state = step.init({"w": jnp.ones((6, 16, 16)) / 16})
     >>> text = step.lower(state, {"x": jnp.ones((8, 16))}).compile().as_text()
     >>> [(l.trip_count, [(c.op, c.used_by_compute, c.operand_from_compute)
     ...                  for c in l.collectives]) for l in loops(text)]  # doctest: +NORMALIZE_WHITESPACE
-    [(3, [('all-gather', False, False)]),
-     (2, [('reduce-scatter', False, False), ('all-gather', False, False)])]
+    [(2, [('all-gather', True, False), ('all-gather', False, True)]),
+     (2, [('reduce-scatter', False, False), ('reduce-scatter', False, False),
+          ('all-gather', True, False), ('all-gather', False, True)])]
   """
   comps = _computations(hlo)
   return [_loop(comps, i) for lines in comps.values() for i in map(parse_instruction, lines)
