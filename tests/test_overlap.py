@@ -57,6 +57,17 @@ def test_loop_time_serial_and_one_layer_ahead(c, g, r, serial, overlapped):
   assert loop.total(1) == pytest.approx(overlapped)
 
 
+def test_a_loop_of_two_layers_an_iteration_is_timed_layer_by_layer():
+  # 3 iterations of 2 layers: the fill is one layer's gather and the drain one layer's
+  # reduce, as in a loop of 6 iterations of one layer (not two layers' of each).
+  two = overlap.LoopTime("body", 3, 1, 2.0, 1.0, 0.5, 0.0, slowdown=1.5, layers=2)
+  one = overlap.LoopTime("body", 6, 1, 1.0, 0.5, 0.25, 0.0, slowdown=1.5)
+  for prefetch in (0, 1):
+    assert two.total(prefetch) == pytest.approx(one.total(prefetch), rel=1e-12)
+  assert two.total(1) == pytest.approx(0.5 + sum(
+      1.0 + c / 3 for c in (0.5, 0.75, 0.75, 0.75, 0.75, 0.25)) + 0.25, rel=1e-12)
+
+
 def test_predict_adds_loops_by_their_runs_and_the_rest_serially():
   t = overlap.Transfer("all-gather", 1e6, ((0, 1, 2, 3),))  # 0.75 ms: compute-bound layers
   inner = overlap.Loop("layers", 4, ((2e9, 0.0),), (t,), ())
@@ -231,6 +242,39 @@ def test_the_prefetching_program_moves_the_same_bytes_but_an_unread_gather(mesh,
   # reads (b's gradient does not need b) is dropped, now that b has a collective of its own
   # rather than a place in the layer's joined buffer.
   assert moved(ahead, "all-gather") == moved(today, "all-gather") - 16 * 4
+
+
+def unrolled_loss_fn(p, b, unroll=1, twice=False):
+  def layer(h, lp):
+    f = jax.jit(lambda h, w: jnp.tanh(h @ w))
+    h = f(f(h, lp["w"]), lp["w"]) if twice else f(h, lp["w"])
+    return (h @ lp["w"] if twice else h), None
+  h, _ = jax.lax.scan(layer, b["x"], p["layers"], unroll=unroll)
+  return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+
+@pytest.mark.parametrize("unroll, twice, layers", [(1, False, 1), (3, False, 3), (1, True, 1), (2, True, 2)])
+def test_a_lowered_scan_unrolled_k_times_runs_k_layers_an_iteration(unroll, twice, layers):
+  # jax.lax.scan(unroll=k) lowers its body as k calls of one computation; a layer that calls
+  # one function twice and does a matmul of its own is one layer an iteration
+  sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  ps = {"layers": {"w": sds(6, D_IN, D_IN)}, "head": sds(D_IN, D_OUT)}
+  f = jax.jit(jax.grad(lambda p, b: unrolled_loss_fn(p, b, unroll, twice)))
+  program = overlap.analyze(f.lower(ps, BATCH).as_text(dialect="hlo"))
+  assert [(l.trips, l.layers) for l in program.loops] == [(6 // layers, layers)] * 2
+
+
+def test_zj_scans_prefetching_loops_run_two_layers_an_iteration(mesh):
+  sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  ps = {"layers": {"w": sds(6, D_IN, D_IN), "b": sds(6, D_IN)}, "head": sds(D_IN, D_OUT)}
+  step = zj.make_sharded_train_step(scan_loss_fn, optax.sgd(0.1), mesh=mesh, stage=3,
+                                    stacked=lambda path, _: "layers" in jax.tree_util.keystr(path))
+  program = overlap.analyze(step.lower(step.abstract_state(ps), BATCH).as_text(dialect="hlo"))
+  # 5 layers in the forward loop (the last runs after it), 4 in the backward one (the first
+  # and last run outside): two an iteration, an odd one peeled
+  assert [(l.trips, l.layers) for l in program.loops] == [(2, 2), (2, 2)]
+  fwd = program.loops[0]
+  assert [t.op for t in fwd.transfers] == ["all-gather"] * 4  # w and b, for each layer
 
 
 # ------------------------------------------------------- memory-bound kernels

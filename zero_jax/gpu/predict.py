@@ -11,7 +11,10 @@ schedules:
   gradient's reduce-scatter (and cross-host hop): ``n * (C + G + R)`` per loop.
 - **prefetch 1** (overlapped, ``zj.scan``): layer i+1's gather and layer i-1's reduce-scatter
   run on the communication stream while layer i computes: ``G + sum_i max(C, comm_i) + R``,
-  where the first gather (fill) and the last reduce-scatter (drain) stay exposed.
+  where the first gather (fill) and the last reduce-scatter (drain) stay exposed. A loop that
+  runs ``k`` layers an iteration (a scan unrolled ``k`` times, as ``zj.scan``'s prefetching
+  loops run two: `zero_jax.gpu.program.Loop.layers`) is timed layer by layer, each layer a
+  ``1/k`` share of the iteration: its fill and drain are one layer's, not ``k``'s.
 
 A collective costs what a ring costs (`zero_jax.gpu.links`, re-exported here: `Device`, `Link`,
 `transfer_time`, `wire_bytes`, `cross_host_bytes`, `crosses_hosts`): ``(n-1)/n`` of its whole
@@ -138,7 +141,8 @@ class LoopTime(NamedTuple):
   memory-bound kernels: ``elementwise`` of it), ``gather`` (all-gathers: what prefetching
   issues one layer early), ``reduce`` (the other collectives: issued one layer late),
   ``cross_host`` (the part of ``gather + reduce`` on the cross-host link); ``runs``: times
-  the loop runs per step."""
+  the loop runs per step; ``layers``: the layers an iteration runs (`zero_jax.gpu.program.Loop`),
+  each a ``1/layers`` share of the iteration's times."""
   name: str
   trips: int
   runs: int
@@ -148,12 +152,16 @@ class LoopTime(NamedTuple):
   cross_host: float
   elementwise: float = 0.0
   slowdown: float = 1.0
+  layers: int = 1
 
   def total(self, prefetch: int) -> float:
     """Seconds for one run: serial (0), or overlapped one layer ahead (1). Overlapped, the
     gather and the reduce in flight during a layer share one stream (their times add) and
-    hide only behind that layer's compute, slowed by ``slowdown`` meanwhile (`overlapped`)."""
-    n, c, g, r = self.trips, self.compute, self.gather, self.reduce
+    hide only behind that layer's compute, slowed by ``slowdown`` meanwhile (`overlapped`);
+    the first layer's gather and the last one's reduce stay exposed (one layer's, however
+    many layers an iteration runs)."""
+    k = max(self.layers, 1)
+    n, c, g, r = self.trips * k, self.compute / k, self.gather / k, self.reduce / k
     if not prefetch or n == 1:
       return n * (c + g + r)
     middle = sum(overlapped(c, (g if i < n - 1 else 0.0) + (r if i > 0 else 0.0),
@@ -223,7 +231,8 @@ def predict(program: Loop, device: Device, *, compute_efficiency: float = 1.0,
     gather = sum(s for t, s in zip(loop.transfers, times) if t.op == "all-gather")
     cross = sum((s for t, s in zip(loop.transfers, times) if crosses_hosts(t, device)), 0.0)
     loops.append(LoopTime(loop.name, loop.trips, runs, own_compute, gather,
-                          sum(times) - gather, cross, memory, device.overlap_slowdown))
+                          sum(times) - gather, cross, memory, device.overlap_slowdown,
+                          loop.layers))
 
   visit(program, 1)
   return Prediction(device, tuple(loops), serial[0], serial[1], serial[2])

@@ -69,6 +69,9 @@ class Loop(NamedTuple):
     loops: the loops nested in it.
     elementwise_bytes: bytes the other kernels of one iteration read and write (fusions
       without a matmul, copies, reductions, slices; not nested loops): see `kernel_bytes`.
+    layers: the layers an iteration runs: ``k`` where the body is ``k`` calls of one
+      computation that hold all its matmuls and collectives (a scan unrolled ``k`` times, as
+      `zero_jax.scan`'s prefetching loops run two layers an iteration), else 1.
   """
   name: str
   trips: int
@@ -76,6 +79,7 @@ class Loop(NamedTuple):
   transfers: tuple
   loops: tuple
   elementwise_bytes: float = 0.0
+  layers: int = 1
 
   @property
   def flops(self) -> float:
@@ -213,7 +217,8 @@ def _walk(comps: dict, name: str, acc: _Acc, n_devices: int | None, kernels: boo
       inner = _Acc([], [], [], [0.0])
       _walk(comps, body.group(1), inner, n_devices, kernels)
       acc.loops.append(Loop(body.group(1), _trips(comps, ins), tuple(inner.dots),
-                            tuple(inner.transfers), tuple(inner.loops), inner.memory[0]))
+                            tuple(inner.transfers), tuple(inner.loops), inner.memory[0],
+                            _layers(comps, body.group(1), inner, n_devices)))
     elif branches:
       _most_expensive_branch(comps, branches.group(1), acc, n_devices, kernels)
     elif ins.op == "fusion":
@@ -228,6 +233,25 @@ def _walk(comps: dict, name: str, acc: _Acc, n_devices: int | None, kernels: boo
       if ins.op not in _REDUCERS:
         for called in ins.called:
           _walk(comps, called, acc, n_devices, kernels)
+
+
+def _layers(comps: dict, body: str, whole: _Acc, n_devices) -> int:
+  """Layers an iteration of loop ``body`` runs (`Loop.layers`): ``k`` when the body calls one
+  computation ``k >= 2`` times and those calls hold all of its matmuls and collectives (JAX
+  lowers a scan unrolled ``k`` times so, until XLA inlines the calls), else 1."""
+  calls: dict = {}
+  for ins in map(hlo.parse_instruction, comps.get(body, [])):
+    if ins and ins.op == "call" and ins.called:
+      calls[ins.called[0]] = calls.get(ins.called[0], 0) + 1
+  for target, k in sorted(calls.items(), key=lambda kv: -kv[1]):
+    if k < 2:
+      break
+    one = _Acc([], [], [], [0.0])
+    _walk(comps, target, one, n_devices, False)
+    if (one.dots or one.transfers) and (k * len(one.dots), k * len(one.transfers)) == (
+        len(whole.dots), len(whole.transfers)):
+      return k
+  return 1
 
 
 def _most_expensive_branch(comps: dict, names: str, acc: _Acc, n_devices, kernels) -> None:
