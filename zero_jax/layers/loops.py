@@ -40,8 +40,8 @@ from zero_jax.layers.stacked import gather_many, hops, scatter_many
 # value is made while the carried one is still read and XLA copies it into the carry (a copy
 # of every weight and gradient a layer). Unrolled by two, the first layer's collectives land
 # in buffers of their own and the second's start after the first layer has read the carried
-# ones (they wait for its outputs: `_after`), so XLA writes them in place. An odd count runs
-# its last layer outside the loop. Where the layer's blocks cannot wait (`unroll`), one.
+# ones (they wait for its outputs: `_after`), so XLA writes them in place. The loops run a
+# multiple of two layers (`span`). Where the layer's blocks cannot wait (`unroll`), one.
 UNROLL = 2
 
 
@@ -158,15 +158,32 @@ class Loop(NamedTuple):
   out_s: Any
 
 
+def span(length: int, unroll: int) -> tuple[int, int]:
+  """``(lo, hi)``: the layers a prefetching forward loop runs, ``lo <= i < hi``, whose
+  residuals the stacked buffers hold; the others run outside the loops and keep theirs apart.
+
+  The last layer always runs after the loop. Two layers an iteration (`UNROLL`), the first
+  runs before it too, and the loop runs a multiple of two, so that no iteration is peeled
+  (JAX runs a remainder after the loop). Code outside the loops that reads or writes a
+  stacked buffer lets XLA:GPU give the whole buffer the layout that code's matmul prefers,
+  and transpose it out of and back into the loops' (Llama-3-8B: four transposes of 3.9 GiB).
+  The backward loop runs the same layers (`_Backward.delayed`).
+  """
+  lo = 1 if unroll > 1 and length > 2 else 0
+  n = max(length - 1 - lo, 0)
+  return lo, lo + n - n % unroll
+
+
 def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
   """Layer i+1 gathered while layer i computes; with ``lin``, each layer's residuals kept
   for the backward pass. Returns ``((carry, ys, new states), saved)``: ``saved`` is
-  ``(stacks, last)``, the stacked residuals, and with ``prefetch=1`` the last layer's apart
-  (it runs after the loop; stored into the stacks too, XLA would keep both copies)."""
+  ``(stacks, apart)``, the stacked residuals of the layers the loop runs, and with
+  ``prefetch=1`` ``{layer: residuals}`` of those run outside it (`span`)."""
   conv, stack, length, (c_s, y_s, new_s) = loop
-  kept = length - 1 if stack.ahead else length
-  bufs = ([zeros(s, (length,)) for s in y_s], [zeros(s, (length,)) for s in new_s],
-          residuals.buffers(lin, kept) if lin is not None else [])
+  unroll = stack.unroll(sp, token(c)) if stack.ahead else 1
+  lo, hi = span(length, unroll) if stack.ahead else (0, length)
+  stacks = lambda: residuals.buffers(lin, hi - lo) if lin is not None else []
+  bufs = ([zeros(s, (length,)) for s in y_s], [zeros(s, (length,)) for s in new_s], [])
 
   def layer(i, c, w):  # layer i: (carry, ys, new states), and its residuals with ``lin``
     args = [list(c), stack.use(sp, i, w), [at(x, i) for x in xs], list(ks)]
@@ -175,18 +192,14 @@ def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
     outs, res = lin.forward(args)
     return split(outs, [len(c_s), len(y_s), len(new_s)]), res
 
-  def store(i, out, res, bufs, last=False):
+  def store(i, out, res, bufs, keep=True):  # ``keep``: the residuals into the stacks
     (c, y, new), (ys, news, saved) = out, bufs
-    if lin is not None and not last:
-      saved = [put(b, r, i) for b, r in zip(saved, res)]
+    if lin is not None and keep:
+      saved = [put(b, r, i - lo) for b, r in zip(saved, res)]
     return c, ([put(b, v, i) for b, v in zip(ys, y)],
                [put(b, v, i) for b, v in zip(news, new)], saved)
 
-  def compute(i, c, w, bufs, last=False):
-    out, res = layer(i, c, w)
-    return (*store(i, out, res, bufs, last), res if lin is not None else None)
-
-  def step(i, st):
+  def step(i, st, keep=True):
     c, w, tok, bufs = st
     # issued before layer i's compute, once the layer before has computed: in the second
     # layer of an iteration (`UNROLL`), after the first has read the weights this one replaces
@@ -197,28 +210,43 @@ def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
     w_next, out, res, tok = barrier((w_next, list(out), res, token(out)))
     # and the stores are done before the next layer computes: in the first layer of an
     # iteration XLA stored its residuals at the end of the second, one layer's more in memory
-    c, bufs = barrier(store(i, out, res, bufs))
-    return c, w_next, tok, bufs
+    c, bufs = barrier(store(i, out, res, bufs, keep))
+    return (c, w_next, tok, bufs), res
 
   if not stack.ahead:  # each layer gathered in its own iteration
-    c, bufs = jax.lax.fori_loop(0, length, lambda i, st: compute(i, st[0], None, st[1])[:2],
-                                (c, bufs))
-    return (c, *bufs[:2]), (bufs[2], None)
-  w = stack.fetch(sp, 0)
-  if length > 1:
-    tok = token(c)
-    c, w, _, bufs = jax.lax.fori_loop(0, length - 1, step, (c, w, tok, bufs),
-                                      unroll=stack.unroll(sp, tok))
-  c, (ys, news, saved), last = compute(length - 1, c, w, bufs, last=True)
-  return (c, ys, news), (saved, last)
+    def each(i, st):
+      (c, y, new), res = layer(i, st[0], None)
+      return store(i, (c, y, new), res, st[1])
+    c, bufs = jax.lax.fori_loop(0, length, each, (c, (*bufs[:2], stacks())))
+    return (c, *bufs[:2]), (bufs[2], {})
+  st, apart = (c, stack.fetch(sp, 0), token(c), bufs), {}
+  for i in range(lo):
+    st, apart[i] = step(i, st, keep=False)
+  # made here, not passed through the layers' barriers above: zeros of one shape are one
+  # value to XLA, and past a barrier it copies each into a buffer of its own
+  st = (*st[:3], (*st[3][:2], stacks()))
+  if hi > lo:
+    st = jax.lax.fori_loop(lo, hi, lambda i, st: step(i, st)[0], st, unroll=unroll)
+  for i in range(hi, length - 1):
+    st, apart[i] = step(i, st, keep=False)
+  c, w, _, bufs = st
+  (c, y, new), apart[length - 1] = layer(length - 1, c, w)
+  c, (ys, news, saved) = store(length - 1, (c, y, new), [], bufs, keep=False)
+  return (c, ys, news), (saved, apart)
 
 
-def _residuals_at(saved, i, top: int) -> list:
-  """Layer ``i``'s saved residuals (``saved`` as `forward` returns it; ``top``: the last)."""
-  stacks, last = saved
-  if last is not None and isinstance(i, (int, np.integer)) and i == top:
-    return list(last)
-  return [at(b, i) for b in stacks]
+def stored(apart: dict, length: int) -> tuple[int, int]:
+  """``(lo, hi)`` of `span`, from the layers ``apart`` (`forward`'s) of ``length``."""
+  lo = next(j for j in range(length + 1) if j not in apart)
+  return lo, next((j for j in range(lo, length) if j in apart), length)
+
+
+def _residuals_at(saved, i) -> list:
+  """Layer ``i``'s saved residuals (``saved`` as `forward` returns it)."""
+  stacks, apart = saved
+  if isinstance(i, (int, np.integer)) and i in apart:
+    return list(apart[i])
+  return [at(b, i - stored(apart, len(apart) + 1)[0]) for b in stacks]
 
 
 def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
@@ -234,14 +262,14 @@ def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
   def back(i, dc, w):  # layer i's pullback from its residuals
     args = [no_carry, stack.use(sp, i, w), [at(x, i) for x in xs], list(ks)]
     ct = lambda bufs: [None if b is None else at(b, i) for b in bufs]
-    return lin.backward(args, _residuals_at(saved, i, loop.length - 1),
+    return lin.backward(args, _residuals_at(saved, i),
                         list(dc) + ct(cts[1]) + ct(cts[2]))
 
   def reduce(i, g, hop=scatter_many, later=False):  # gather's transpose for layer i's gradient
     layer = stack.at(sp, i)  # (a later hop's ``g``: the one before's, the reduced leaves only)
     return hop([layer[j] for j in red], g if later else [g[j] for j in red])
 
-  loops = _Backward(back, reduce, stack, sp, loop.length, xs)
+  loops = _Backward(back, reduce, stack, sp, loop.length, xs, stored(saved[1], loop.length))
   if stack.prefetch:
     dc, dk, dxb, dbl = loops.delayed(list(cts[0]), cts[:2], hops([layer_sps[j] for j in red]))
   else:
@@ -289,6 +317,7 @@ class _Backward(NamedTuple):
   sp: list
   length: int
   xs: list
+  stored: tuple  # (lo, hi): the layers whose residuals the stacks hold (`span`)
 
   def _first(self, top, dc, w):
     """Layer ``top``'s pullback, and the buffers the loop fills."""
@@ -347,7 +376,10 @@ class _Backward(NamedTuple):
       return dc, w_prev, tok, [g] + outs[:-1], _add(dk, dk_i), _put_all(dxb, dx, i), dbl
 
     st = (dc, w_prev, token(dc), [g] + [None] * (k - 1), dk, dxb, dbl)
-    first = min(k - 1, self.length - 2)  # iterations with a hop not yet begun
+    # before the loop: the iterations with a hop not yet begun, and the layers whose
+    # residuals the forward pass kept apart (`span`), so that the loop runs those it stored
+    lo, hi = self.stored
+    first = min(max(k - 1, top - hi if hi > lo else top), self.length - 2)
     for j in range(first):
       st = step(j, st)
     if self.length - 2 > first:
