@@ -219,7 +219,9 @@ def forward(loop: Loop, c, sp, xs, ks, lin: Linear | None = None):
       return store(i, (c, y, new), res, st[1])
     c, bufs = jax.lax.fori_loop(0, length, each, (c, (*bufs[:2], stacks())))
     return (c, *bufs[:2]), (bufs[2], {})
-  st, apart = (c, stack.fetch(sp, 0), token(c), bufs), {}
+  w = stack.fetch(sp, 0)
+  # layer 1's gather waits for layer 0's (else XLA joins the two, none overlapping layer 0)
+  st, apart = (c, w, token(w) if lo else token(c), bufs), {}
   for i in range(lo):
     st, apart[i] = step(i, st, keep=False)
   # made here, not passed through the layers' barriers above: zeros of one shape are one
