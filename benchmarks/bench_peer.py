@@ -304,21 +304,23 @@ READING_FUSED = [
     "iteration of the layer loops at `dots` (MiB a layer; GSPMD with XLA's defaults / NVIDIA's "
     "flags): GPT-2 small 698 against 705 / 699 (743 before), 1B 1,757 against 1,770 / 1,778 "
     "(2,115 before), Llama-3-8B 3,237 against 3,154 / 3,266 (4,582 before). Best steps: GPT-2 "
-    "small 19.7 -> 19.3 ms on H100 (0.97x GSPMD's best), 1B 115.3 -> 110.8 ms (1.03x -> "
-    "0.99x), Llama-3-8B 632.1 -> 611.4 ms (1.04x -> 1.003x). Peak memory is below GSPMD's on "
+    "small 19.7 -> 19.2 ms on H100 (0.97x GSPMD's best), 1B 115.3 -> 110.7 ms (1.03x -> "
+    "0.99x), Llama-3-8B 632.1 -> 606.1 ms (1.04x -> 0.99x). Peak memory is below GSPMD's on "
     "every row (a loop of two layers an iteration first kept the first layer's residuals "
     "until the second's end, +0.5 GiB on GPT-2 small `none`; its stores now come before the "
     "next layer computes). With hpZ or a replica axis the loops keep one layer an iteration "
     "(their blocks vary over fewer axes than the activations, so they cannot wait for them), "
     "and so the weights' copy into the carry.",
     "",
-    "*What is left on Llama-3-8B* (+3.0 ms of memory-bound work, outside the layer loops, "
-    "whose bytes are now GSPMD's): XLA transposes two stacked bf16 residuals of width 4096 "
-    "(31 layers x 4 x 2048 x 4096) outside the loops, out and back, 15.5 GiB a step (about "
-    "4.6 ms at HBM bandwidth), which the programs before this release did not have. It came "
-    "with the gate and up projections (4096 x 14336) now split along their input dimension "
-    "(why XLA moves those stacks is not traced here); the old split costs more (the same step "
-    "with it: 626.9 ms, 3,993 MiB a layer). Step times are "
+    "*Llama-3-8B's last 5 ms* (611.4 -> 606.1 ms, peak 40.7 -> 39.5 GiB): XLA transposed two "
+    "stacked bf16 residuals of width 4096 (31 layers x 4 x 2048 x 4096) out of the loops' "
+    "layout and back, four transposes of 3.9 GiB. JAX ran the odd iteration of the two-layer "
+    "forward loop after it, storing into the stacks there, and the backward pass read layer "
+    "0's residuals from them outside its loop; for that code's matmul XLA gave the whole "
+    "stack another layout. Both loops now run the same layers, a multiple of two, and the "
+    "layers outside them (the first, the last, and with an odd count the one before it) keep "
+    "their residuals apart (`zero_jax.layers.loops.span`). Memory-bound work outside the "
+    "loops: 104.6 -> 87.2 GiB a step (GSPMD: 82.6). Step times are "
     "predictions from the compiled program, not measurements."]
 
 
