@@ -494,6 +494,32 @@ def test_cudnn_fused_attention_counts_its_matmuls_not_one(bwd, mask, matmuls):
   assert nbytes == out + q[1] + 2 * kv[1]
 
 
+def test_the_plans_estimate_combines_a_layers_collectives_as_the_steps_gpu_options_do(mesh):
+  # Three 16 MiB leaves a layer: XLA's default threshold (30 MiB) keeps each apart, the step's
+  # own (`COMBINE_BYTES`, what its GPU programs are compiled with) joins them, so the plan's
+  # estimate pays one ring's latency where the compiled program does.
+  from zero_jax.gpu import measure
+  from zero_jax.gpu.program import combined
+  from zero_jax.step.compile_options import COMBINE_BYTES
+  sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  ps = {"layers": {k: sds(6, 2048, 2048) for k in ("a", "b", "c")}}
+
+  def loss(p, b):
+    layer = lambda h, w: (jnp.tanh(h @ w["a"] @ w["b"] @ w["c"]), None)
+    return jnp.mean(zj.scan(layer, b["x"], p["layers"], prefetch=1)[0] ** 2)
+
+  step = zj.make_sharded_train_step(loss, optax.sgd(0.1), mesh=mesh, stage=3, stacked=True)
+  lowered = step.lower(step.abstract_state(ps), {"x": sds(16, 2048)})
+  program = overlap.analyze(lowered.as_text(dialect="hlo"), elementwise=False)
+  gathers = lambda p: [t.nbytes / 2**20 for t in p.loops[0].transfers if t.op == "all-gather"]
+  assert gathers(combined(program)) == [16.0] * 6                     # two layers an iteration
+  assert gathers(combined(program, COMBINE_BYTES)) == [96.0]
+  slow = DEV._replace(intra=overlap.Link(1e12, 1e-3))                 # latency-bound rings
+  ours = overlap.predict(combined(program, COMBINE_BYTES), slow).step(1)
+  assert measure.estimate(lowered, slow, 1) == pytest.approx(ours, rel=1e-12)
+  assert ours < overlap.predict(combined(program), slow).step(1)
+
+
 def test_the_estimate_combines_collectives_of_one_kind_as_xla_does():
   from zero_jax.gpu.program import COMBINE_THRESHOLD, Loop, Transfer, combined
   host0, hosts = ((0, 1, 2, 3),), ((0, 4), (1, 5), (2, 6), (3, 7))

@@ -36,6 +36,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from zero_jax.gpu import links, predict, timeline
 from zero_jax.gpu.program import combined
 from zero_jax.gpu.targets import Target
+from zero_jax.step.compile_options import COMBINE_BYTES
 from zero_jax.step.memory import CompiledMemory
 from zero_jax.step.train_step import make_sharded_train_step
 
@@ -104,11 +105,12 @@ def offload_s(host_bytes: float, target: Target) -> float:
 
 def estimate(lowered, device: predict.Device, prefetch) -> float:
   """Predicted step time of a lowered (not compiled) program: to rank candidates. Its
-  collectives are combined as XLA's combiners will combine them
-  (`zero_jax.gpu.program.combined`: one per leaf in the lowered program, a few in the compiled
-  one); its elementwise work is left out (the program is not fused yet)."""
+  collectives are combined as XLA's combiners will combine them under the step's GPU options
+  (`zero_jax.gpu.program.combined` up to `zero_jax.step.compile_options.COMBINE_BYTES`: one
+  per leaf in the lowered program, one a layer each way in the compiled one); its elementwise
+  work is left out (the program is not fused yet)."""
   text = lowered.as_text(dialect="hlo")
-  p = predict.predict(combined(predict.analyze(text, elementwise=False)), device)
+  p = predict.predict(combined(predict.analyze(text, elementwise=False), COMBINE_BYTES), device)
   return p.step(prefetch or 0)
 
 
