@@ -327,8 +327,9 @@ def plan(loss_fn, optimizer, init, batch, *, gpu: str | Target = "h100", hosts: 
   every exact candidate estimated within 5% of the fastest
   (`zero_jax.gpu.candidates.near_ties`: the estimate leaves out the memory-bound work, so it
   cannot order those) is compiled under the remat policy of the fastest fitting candidate
-  compiled by then. The best is never slower, by the plan's prediction, than a fitting
-  candidate it compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
+  compiled by then. Every layout compiled is then compiled under the remat policy of the
+  fastest fitting candidate too (`zero_jax.gpu.candidates.at_policy`). The best is never
+  slower, by the plan's prediction, than a fitting candidate it compiled. If none of them fits, the leanest candidate's fallbacks (prefetch 0, a
   leaner remat policy, micro-batches, offload, and their combinations) are compiled in that
   order until one fits, its leanest variant first: whether anything fits does not depend on
   ``max_compiles``. Times are predictions; bytes are the compiled programs'. The host memory

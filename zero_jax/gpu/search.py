@@ -262,13 +262,18 @@ def _compile_more(s: Search, options: list, done: list, made_from: list, workers
 def reversed_policies(s: Search, done: list, made_from: list, workers: int) -> None:
   """After phase 1: where a compiled layout beat, under the same remat policy, one whose every
   policy was compiled (the lowered estimate ranked them the wrong way round), its other
-  policies are compiled too (`zero_jax.gpu.candidates.reversed_layouts`), until no such
-  layout is left: beyond ``max_compiles``, so that the best is never slower, by the plan's own
-  prediction, than that layout under the policy that made the best fast. Appends to ``done``
-  and ``made_from``."""
+  policies are compiled too (`zero_jax.gpu.candidates.reversed_layouts`), and every compiled
+  layout under the remat policy of the fastest fitting candidate so far
+  (`zero_jax.gpu.candidates.at_policy`), until no such variant is left: beyond
+  ``max_compiles``, so that the best is never slower, by the plan's own prediction, than a
+  layout it compiled under the policy that made the best fast. Appends to ``done`` and
+  ``made_from``."""
   while not s.out_of_time("remat policies of layouts the estimate ranked too slow"):
-    todo = [o for o in cands.reversed_layouts(
-        [(o, c.step_time_s) for c, o in zip(done, made_from)]) if o not in made_from]
+    todo = cands.reversed_layouts([(o, c.step_time_s) for c, o in zip(done, made_from)])
+    fit = [(c.step_time_s, o) for c, o in zip(done, made_from) if getattr(c, "fits", True)]
+    if fit and "policy" in min(fit, key=lambda x: x[0])[1]:
+      todo += cands.at_policy(made_from, min(fit, key=lambda x: x[0])[1]["policy"])
+    todo = [o for i, o in enumerate(todo) if o not in made_from and o not in todo[:i]]
     if not todo:
       return
     log.info("zj.plan: %d remat policies of layouts that compiled faster than ranked", len(todo))
