@@ -289,7 +289,13 @@ def render(out: dict) -> str:
 
 # Which commit compiled which programs (the results file keeps no commit): said by hand.
 PROGRAMS = [
-    "*Code: zero_jax's 72 programs compiled on commit 4cf0c6c (this release: the flat step's "
+    "*Code: zero_jax's 18 flat programs recompiled on commit e2f2775 (both two-layer loops "
+    "run the same layers and no code outside them touches the stacked residuals, "
+    "`zero_jax.layers.loops.span`: Llama-3-8B's flat steps lose four whole-stack transposes, "
+    "up to 17 ms at 2 seq/GPU and 0.5 GiB of peak; GPT-2 small's and 1B's steps within 0.5 ms, "
+    "GPT-2 small's peak +60 MiB); its 54 hybrid and hpZ programs, which that change leaves as "
+    "they were (one recompiled, GPT-2 small 2x8 1 seq hybrid, reads the same to the byte and "
+    "the nanosecond), kept from commit 4cf0c6c (that release: the flat step's "
     "layer loops run two layers an iteration, with no copy of what a layer hands to the next; "
     "every step moves a layer's leaves split along their first dimension in collectives of their "
     "own, splits stacked leaves along their layer's first dimension where that pads no more, and "
