@@ -90,6 +90,11 @@ HOSTS = {"mesh_shape": (2, 4), "axes": ("replica", "data"), "axis_name": ("repli
 FROZEN_B = {"emb": True, "layers": {"w": True, "b": False, "gain": True}, "head": True}
 CASES = {
     "s3_sgd_7layers": (7, SGD, {"stage": 3}, True, 0),
+    # the spans of `zero_jax.layers.loops.span`: layers 1-4 in the loops (an even count: the
+    # first and last outside, residuals apart), 1-2 (one iteration), none (all three outside)
+    "s3_sgd_6layers": (6, SGD, {"stage": 3}, True, 0),
+    "s3_adam_4layers": (4, ADAM, {"stage": 3}, True, 0),
+    "s3_sgd_3layers": (3, SGD, {"stage": 3}, True, 0),
     "s3_adam_1layer_offload": (1, ADAM, {"stage": 3, "offload": "optimizer"}, True, 0),
     "s2_sgd_2layers_weighted": (2, SGD, {"stage": 2, "kind": "weighted"}, True, 0),
     "s2_adam_hybrid_accum": (3, ADAM, {"stage": 2, "mesh_shape": (2, 4),
