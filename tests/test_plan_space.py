@@ -165,7 +165,7 @@ class FakeCompiles(FakeSearch):
 
   def compile(self, jobs, workers):
     import types
-    out = [(o, types.SimpleNamespace(step_time_s=self.times[cands.describe(o)]))
+    out = [(o, types.SimpleNamespace(step_time_s=self.times[cands.describe(o)], fits=True))
            for o, _, _ in jobs]
     self.compiled += [cands.describe(o) for o, _ in out]
     return out
@@ -228,7 +228,7 @@ def test_each_compiled_layout_is_compiled_at_the_best_policy_too():
 
 def types_ns(step_time_s):
   import types
-  return types.SimpleNamespace(step_time_s=step_time_s)
+  return types.SimpleNamespace(step_time_s=step_time_s, fits=True)
 
 
 def test_near_ties_are_the_exact_candidates_the_estimate_cannot_order():

@@ -201,14 +201,19 @@ def rank(s: Search, space: list, max_compiles: int, workers: int) -> tuple[list,
   return done, made_from, ranked_out
 
 
+def _fastest_fitting(done: list, made_from: list) -> dict | None:
+  """The options of the fastest fitting compiled candidate, or None when none fits."""
+  fit = [(c.step_time_s, o) for c, o in zip(done, made_from) if c.fits]
+  return min(fit, key=lambda x: x[0])[1] if fit else None
+
+
 def _compile_ties(s: Search, ties: list, done: list, made_from: list, workers: int) -> None:
   """The near ties (`zero_jax.gpu.candidates.near_ties`: layouts the estimate cannot order)
   compiled beyond ``max_compiles``, each under the remat policy of the fastest fitting
   candidate compiled so far (the smallest when none fits): the question is whether it beats
   that candidate, so it is asked there, one compile per tie; `reversed_policies` then adds
   its other policies where it does. Appends to ``done`` and ``made_from``."""
-  fit = [(c.step_time_s, o) for c, o in zip(done, made_from) if c.fits]
-  lead = (min(fit, key=lambda x: x[0])[1] if fit else
+  lead = (_fastest_fitting(done, made_from) or
           min(zip(done, made_from), key=lambda x: x[0].bytes_per_device)[1])
   at = {"policy": lead["policy"]} if "policy" in lead else {}
   todo = [{**o, **at} for o in ties]
@@ -270,9 +275,9 @@ def reversed_policies(s: Search, done: list, made_from: list, workers: int) -> N
   ``made_from``."""
   while not s.out_of_time("remat policies of layouts the estimate ranked too slow"):
     todo = cands.reversed_layouts([(o, c.step_time_s) for c, o in zip(done, made_from)])
-    fit = [(c.step_time_s, o) for c, o in zip(done, made_from) if getattr(c, "fits", True)]
-    if fit and "policy" in min(fit, key=lambda x: x[0])[1]:
-      todo += cands.at_policy(made_from, min(fit, key=lambda x: x[0])[1]["policy"])
+    lead = _fastest_fitting(done, made_from)
+    if lead is not None and "policy" in lead:
+      todo += cands.at_policy(made_from, lead["policy"])
     todo = [o for i, o in enumerate(todo) if o not in made_from and o not in todo[:i]]
     if not todo:
       return
