@@ -243,12 +243,13 @@ def stored(apart: dict, length: int) -> tuple[int, int]:
   return lo, next((j for j in range(lo, length) if j in apart), length)
 
 
-def _residuals_at(saved, i) -> list:
-  """Layer ``i``'s saved residuals (``saved`` as `forward` returns it)."""
+def _residuals_at(saved, i, lo: int) -> list:
+  """Layer ``i``'s saved residuals (``saved`` as `forward` returns it; ``lo``: the stacks'
+  first layer, `stored`)."""
   stacks, apart = saved
   if isinstance(i, (int, np.integer)) and i in apart:
     return list(apart[i])
-  return [at(b, i - stored(apart, len(apart) + 1)[0]) for b in stacks]
+  return [at(b, i - lo) for b in stacks]
 
 
 def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
@@ -256,6 +257,7 @@ def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
   closed-over values) given its outputs' ``cts``; None where nothing flows."""
   stack = loop.stack
   layer_sps, pos = stack.at(sp, 0), stack.diff_pos
+  kept = stored(saved[1], loop.length)  # the layers whose residuals the stacks hold
   diff = split(list(lin.diff), list(lin.sizes))
   red = [j for j, m in enumerate(diff[1]) if m]
   c_s = loop.out_s[0]
@@ -264,14 +266,14 @@ def backward(loop: Loop, lin: Linear, saved, sp, xs, ks, cts) -> list:
   def back(i, dc, w):  # layer i's pullback from its residuals
     args = [no_carry, stack.use(sp, i, w), [at(x, i) for x in xs], list(ks)]
     ct = lambda bufs: [None if b is None else at(b, i) for b in bufs]
-    return lin.backward(args, _residuals_at(saved, i),
+    return lin.backward(args, _residuals_at(saved, i, kept[0]),
                         list(dc) + ct(cts[1]) + ct(cts[2]))
 
   def reduce(i, g, hop=scatter_many, later=False):  # gather's transpose for layer i's gradient
     layer = stack.at(sp, i)  # (a later hop's ``g``: the one before's, the reduced leaves only)
     return hop([layer[j] for j in red], g if later else [g[j] for j in red])
 
-  loops = _Backward(back, reduce, stack, sp, loop.length, xs, stored(saved[1], loop.length))
+  loops = _Backward(back, reduce, stack, sp, loop.length, xs, kept)
   if stack.prefetch:
     dc, dk, dxb, dbl = loops.delayed(list(cts[0]), cts[:2], hops([layer_sps[j] for j in red]))
   else:
